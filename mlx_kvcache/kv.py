@@ -1,0 +1,230 @@
+"""`KVCache`: a full-attention KV cache with snapshot / restore / merge / split."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.models.cache import create_attention_mask
+
+from ._checks import check_kv, check_offset, check_snapshot
+from .snapshot import CacheError, Snapshot, compact
+
+
+class KVSnapshot(Snapshot):
+    """Keys/values of the tokens ``[from_offset, to_offset)``, in their own compact buffers.
+
+    A delta: restoring it needs the cache to already hold everything below ``from_offset``.
+    """
+
+    kind = "kv"
+    needs_base = True
+
+    @property
+    def keys(self) -> mx.array:
+        return self._get("keys")
+
+    @property
+    def values(self) -> mx.array:
+        return self._get("values")
+
+    @classmethod
+    def _from_arrays(cls, arrays, meta):
+        try:
+            k, v = arrays["keys"], arrays["values"]
+            a, b = int(meta["from_offset"]), int(meta["to_offset"])
+        except KeyError as e:
+            raise CacheError(f"kv snapshot is missing {e}") from None
+        if k.ndim != 4 or v.ndim != 4 or k.shape[2] != b - a or v.shape[2] != b - a:
+            raise CacheError(
+                f"kv snapshot arrays {tuple(k.shape)} / {tuple(v.shape)} do not cover [{a}, {b})"
+            )
+        return cls(a, b, {"keys": k, "values": v})
+
+
+class KVCache:
+    """Growable KV cache for one attention layer, drop-in for mlx-lm's ``KVCache``.
+
+    Keys and values live in buffers grown in steps of 256 positions (as mlx-lm does,
+    so decoding writes in place); ``offset`` is the number of tokens held, which is
+    also the absolute position of the next token.
+    """
+
+    step = 256
+
+    def __init__(self) -> None:
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self.offset = 0
+
+    # -- writing ----------------------------------------------------------------------
+    def _write(self, keys: mx.array, values: mx.array) -> None:
+        prev = self.offset
+        n = keys.shape[2]
+        if self.keys is None or prev + n > self.keys.shape[2]:
+            B, H, _, dk = keys.shape
+            grow = ((n + self.step - 1) // self.step) * self.step
+            new_k = mx.zeros((B, H, grow, dk), keys.dtype)
+            new_v = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                if prev % self.step != 0:
+                    # Drop stale rows past the offset (left by a rewind or a compact restore).
+                    self.keys = self.keys[..., :prev, :]
+                    self.values = self.values[..., :prev, :]
+                self.keys = mx.concatenate([self.keys, new_k], axis=2)
+                self.values = mx.concatenate([self.values, new_v], axis=2)
+        self.offset = prev + n
+        self.keys[..., prev : self.offset, :] = keys
+        self.values[..., prev : self.offset, :] = values
+
+    def update(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        """Append ``[B, H, L, D]`` keys/values; return all keys/values to attend to."""
+        check_kv(keys, values, self.keys, self.values)
+        self._write(keys, values)
+        return self.keys_and_values()
+
+    update_and_fetch = update
+
+    def keys_and_values(self) -> Tuple[mx.array, mx.array]:
+        """Views of the ``offset`` valid positions."""
+        if self.offset < self.keys.shape[2]:
+            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.keys, self.values
+
+    def free(self) -> None:
+        """Drop all state; ``offset`` becomes 0."""
+        self.keys = self.values = None
+        self.offset = 0
+
+    # -- snapshot face ----------------------------------------------------------------
+    def snapshot(self, from_offset: int = 0) -> Optional[KVSnapshot]:
+        """Compact copy of ``[from_offset, offset)``; None when that range is empty."""
+        from_offset = check_offset("from_offset", from_offset, self.offset)
+        if self.keys is None or from_offset == self.offset:
+            return None
+        k = compact(self.keys[..., from_offset : self.offset, :])
+        v = compact(self.values[..., from_offset : self.offset, :])
+        mx.eval(k, v)
+        return KVSnapshot(from_offset, self.offset, {"keys": k, "values": v})
+
+    def restore(self, snapshot: Optional[KVSnapshot], target: int) -> bool:
+        """Bring the cache to ``target`` tokens.
+
+        With ``snapshot=None`` this rewinds the live state (any ``target <= offset``).
+        With a snapshot, the cache must already hold its base (``offset >=
+        snapshot.from_offset``) and ``target <= snapshot.to_offset``. Returns False,
+        changing nothing, when the target is unreachable.
+        """
+        target = check_offset("target", target)
+        if snapshot is None:
+            if target > self.offset:
+                return False
+            self.offset = target
+            return True
+        check_snapshot(snapshot, KVSnapshot, "KVCache.restore")
+        k, v = snapshot.keys, snapshot.values
+        if self.keys is not None:
+            check_kv(k, v, self.keys, self.values)
+        if target > snapshot.to_offset or self.offset < snapshot.from_offset:
+            return False
+        self.offset = snapshot.from_offset
+        self._write(k, v)
+        self.offset = min(target, snapshot.to_offset)
+        return True
+
+    def merge(self, parent: KVSnapshot, child: KVSnapshot) -> KVSnapshot:
+        """Concatenate adjacent ``[a, b)`` and ``[b, c)`` into ``[a, c)``; closes both."""
+        check_snapshot(parent, KVSnapshot, "KVCache.merge")
+        check_snapshot(child, KVSnapshot, "KVCache.merge")
+        if parent.to_offset != child.from_offset:
+            raise CacheError(
+                f"cannot merge non-adjacent snapshots [{parent.from_offset}, {parent.to_offset}) "
+                f"and [{child.from_offset}, {child.to_offset})"
+            )
+        check_kv(child.keys, child.values, parent.keys, parent.values)
+        k = mx.concatenate([parent.keys, child.keys], axis=2)
+        v = mx.concatenate([parent.values, child.values], axis=2)
+        mx.eval(k, v)
+        out = KVSnapshot(parent.from_offset, child.to_offset, {"keys": k, "values": v})
+        parent.close()
+        child.close()
+        return out
+
+    def split(
+        self, snapshot: KVSnapshot, at: int
+    ) -> Tuple[Optional[KVSnapshot], Optional[KVSnapshot]]:
+        """Cut ``[a, c)`` into ``[a, at)`` and ``[at, c)``; takes ownership of the input.
+
+        ``at <= a`` gives ``(None, snapshot)``, ``at >= c`` gives ``(snapshot, None)``.
+        """
+        check_snapshot(snapshot, KVSnapshot, "KVCache.split")
+        at = check_offset("at", at)
+        a, c = snapshot.from_offset, snapshot.to_offset
+        if at <= a:
+            return None, snapshot
+        if at >= c:
+            return snapshot, None
+        r = at - a
+        k, v = snapshot.keys, snapshot.values
+        hk, hv = compact(k[..., :r, :]), compact(v[..., :r, :])
+        tk, tv = compact(k[..., r:, :]), compact(v[..., r:, :])
+        mx.eval(hk, hv, tk, tv)
+        snapshot.close()
+        return (
+            KVSnapshot(a, at, {"keys": hk, "values": hv}),
+            KVSnapshot(at, c, {"keys": tk, "values": tv}),
+        )
+
+    # -- mlx-lm face ------------------------------------------------------------------
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
+
+    @property
+    def state(self) -> Tuple[Any, ...]:
+        """``(keys, values, offset)`` with only the valid positions, as mlx-lm saves it."""
+        if self.keys is None:
+            return None, None, 0
+        k, v = self.keys_and_values()
+        return k, v, self.offset
+
+    @state.setter
+    def state(self, v) -> None:
+        keys, values, offset = v
+        self.keys, self.values, self.offset = keys, values, int(offset)
+
+    @property
+    def meta_state(self) -> str:
+        # mlx-lm < 0.32 kept scalars here; 0.32 folds them into `state`.
+        return ""
+
+    @classmethod
+    def from_state(cls, state, meta_state=None) -> "KVCache":
+        obj = cls()
+        obj.state = state
+        return obj
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, int(n))
+        self.offset -= n
+        return n
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the live buffers (including the growth padding they really hold)."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    def __repr__(self) -> str:
+        return f"KVCache(offset={self.offset})"

@@ -1,0 +1,240 @@
+"""`RecurrentCache`: state of a recurrent layer (Mamba, gated delta net, RG-LRU, conv).
+
+A recurrent state has no positions: it summarises every token seen so far. The only
+way back to an earlier prefix is a snapshot taken exactly there, so snapshots are
+whole states and restore only to their own offset.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx_lm.models.cache as _mlx_cache
+from mlx_lm.models.cache import ArraysCache
+
+from ._checks import check_offset, check_snapshot
+from .snapshot import CacheError, Snapshot, compact
+
+
+class RecurrentSnapshot(Snapshot):
+    """Every slot of a recurrent cache at ``to_offset``."""
+
+    kind = "recurrent"
+    needs_base = False
+
+    def __init__(self, from_offset, to_offset, arrays):
+        super().__init__(from_offset, to_offset, arrays)
+        self.size = len(arrays)
+
+    @property
+    def slots(self) -> List[Optional[mx.array]]:
+        if self.closed:
+            self._get("0")  # raises the "closed" error
+        return [self._arrays.get(str(i)) for i in range(self._slot_count())]
+
+    def _slot_count(self) -> int:
+        return max((int(k) + 1 for k in self._arrays), default=0)
+
+    def meta(self):
+        return {**super().meta(), "size": self._slot_count()}
+
+    @classmethod
+    def _from_arrays(cls, arrays, meta):
+        try:
+            return cls(int(meta["from_offset"]), int(meta["to_offset"]), dict(arrays))
+        except KeyError as e:
+            raise CacheError(f"recurrent snapshot is missing {e}") from None
+
+
+class RecurrentCache(ArraysCache):
+    """Slots of recurrent state (``cache[0]`` conv state, ``cache[1]`` recurrent state),
+    drop-in for mlx-lm's ``ArraysCache`` (it subclasses it, which Mamba-1 requires).
+
+    The recurrent state (slot 1 when ``size >= 2``) is kept in float32: it is an
+    accumulator over the whole sequence. ``offset`` counts the tokens absorbed; models
+    that call ``advance(n)`` keep it current, and `settle` covers those that do not.
+    """
+
+    def __init__(self, size: int = 2, left_padding: Optional[List[int]] = None) -> None:
+        if int(size) < 1:
+            raise CacheError(f"size must be >= 1, got {size}")
+        super().__init__(int(size), left_padding=left_padding)
+        self.offset = 0
+        self._dirty = False  # written since the last advance
+
+    @property
+    def _fp32_slot(self) -> Optional[int]:
+        return 1 if len(self.cache) >= 2 else None
+
+    def __setitem__(self, idx: int, value: Optional[mx.array]) -> None:
+        if value is not None:
+            if not isinstance(value, mx.array):
+                raise CacheError(f"slot {idx} must be an mx.array, got {type(value).__name__}")
+            old = self.cache[idx]
+            if idx == self._fp32_slot and value.dtype != mx.float32:
+                value = value.astype(mx.float32)
+            if old is not None and (old.shape != value.shape or old.dtype != value.dtype):
+                raise CacheError(
+                    f"slot {idx} changed mid-sequence from {tuple(old.shape)} {old.dtype} "
+                    f"to {tuple(value.shape)} {value.dtype}"
+                )
+        self.cache[idx] = value
+        self._dirty = True
+
+    def advance(self, n: int) -> None:
+        """Record ``n`` absorbed tokens (called by the model after writing its state)."""
+        super().advance(n)
+        self.offset += int(n)
+        self._dirty = False
+
+    def settle(self, n: int) -> None:
+        """After a forward pass of ``n`` tokens: advance if the model wrote state without
+        calling `advance` (Mamba-1 does not), so ``offset`` stays exact."""
+        if self._dirty:
+            self.advance(n)
+
+    # -- accessors in the seed's spirit ------------------------------------------------
+    def _slot(self, idx: int, batch: int, dtype) -> Optional[mx.array]:
+        s = self.cache[idx]
+        if s is not None and (s.shape[0] != batch or (dtype is not None and s.dtype != dtype)):
+            raise CacheError(
+                f"slot {idx} holds batch {s.shape[0]} {s.dtype}, asked for batch {batch} {dtype}"
+            )
+        return s
+
+    def conv_state(self, batch: int = 1, dtype=None) -> Optional[mx.array]:
+        """The conv state (None before the first write); raises on a batch/dtype mismatch."""
+        return self._slot(0, batch, dtype)
+
+    def set_conv_state(self, v: mx.array) -> None:
+        # Compact so the state does not pin the forward pass's larger concat buffer.
+        self[0] = compact(v)
+
+    def delta_state(self, batch: int = 1, dtype=mx.float32) -> Optional[mx.array]:
+        """The recurrent (delta / SSM) state, float32 (None before the first write)."""
+        if len(self.cache) < 2:
+            raise CacheError("this cache has no recurrent-state slot (size < 2)")
+        return self._slot(1, batch, dtype)
+
+    def set_delta_state(self, v: mx.array) -> None:
+        if len(self.cache) < 2:
+            raise CacheError("this cache has no recurrent-state slot (size < 2)")
+        self[1] = v
+
+    def free(self) -> None:
+        """Drop all state; ``offset`` becomes 0."""
+        self.cache = [None] * len(self.cache)
+        self.offset = 0
+        self._dirty = False
+        self.lengths = None
+        self.left_padding = None
+
+    # -- snapshot face ----------------------------------------------------------------
+    def update(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        """Recurrent layers attend to nothing: a pass-through that satisfies the protocol."""
+        return keys, values
+
+    def snapshot(self, from_offset: int = 0) -> Optional[RecurrentSnapshot]:
+        """Copy of every slot at ``offset`` (``from_offset`` is recorded, not used)."""
+        from_offset = check_offset("from_offset", from_offset, self.offset)
+        if self.empty() or from_offset == self.offset:
+            return None
+        arrays = {str(i): compact(s) for i, s in enumerate(self.cache) if s is not None}
+        mx.eval(list(arrays.values()))
+        return RecurrentSnapshot(from_offset, self.offset, arrays)
+
+    def restore(self, snapshot: Optional[RecurrentSnapshot], target: int) -> bool:
+        """Recurrent state cannot rewind: only ``target == offset`` (live) or
+        ``target == snapshot.to_offset`` succeed. False (no change) otherwise."""
+        target = check_offset("target", target)
+        if snapshot is None:
+            return target == self.offset
+        check_snapshot(snapshot, RecurrentSnapshot, "RecurrentCache.restore")
+        slots = snapshot.slots
+        if len(slots) > len(self.cache):
+            raise CacheError(f"snapshot has {len(slots)} slots, the cache has {len(self.cache)}")
+        for i, (old, new) in enumerate(zip(self.cache, slots)):
+            if old is not None and new is not None and (old.shape != new.shape or old.dtype != new.dtype):
+                raise CacheError(
+                    f"snapshot slot {i} is {tuple(new.shape)} {new.dtype}, the cache holds "
+                    f"{tuple(old.shape)} {old.dtype}"
+                )
+        if target != snapshot.to_offset:
+            return False
+        # Models replace slots wholesale, so sharing the snapshot's arrays is safe.
+        self.cache = list(slots) + [None] * (len(self.cache) - len(slots))
+        self.offset = target
+        self._dirty = False
+        return True
+
+    def merge(
+        self, parent: Optional[RecurrentSnapshot], child: Optional[RecurrentSnapshot]
+    ) -> Optional[RecurrentSnapshot]:
+        """The child's state supersedes the parent's; the parent is closed."""
+        for s in (parent, child):
+            if s is not None:
+                check_snapshot(s, RecurrentSnapshot, "RecurrentCache.merge")
+        if parent is not None and parent is not child:
+            parent.close()
+        return child
+
+    def split(self, snapshot: RecurrentSnapshot, at: int) -> Tuple[None, RecurrentSnapshot]:
+        """A state cannot be cut: returns ``(None, snapshot)``."""
+        check_snapshot(snapshot, RecurrentSnapshot, "RecurrentCache.split")
+        check_offset("at", at)
+        return None, snapshot
+
+    # -- mlx-lm face ------------------------------------------------------------------
+    @property
+    def state(self):
+        """``(slots, left_padding, lengths, offset)``."""
+        return self.cache, self.left_padding, self.lengths, self.offset
+
+    @state.setter
+    def state(self, v) -> None:
+        if len(v) == 4:
+            self.cache, self.left_padding, self.lengths, offset = v
+        else:  # an mlx-lm ArraysCache state
+            self.cache, self.left_padding, self.lengths = v
+            offset = 0
+        self.cache = list(self.cache)
+        self.offset = int(offset)
+        self._dirty = False
+
+    @property
+    def meta_state(self) -> str:
+        return ""
+
+    @classmethod
+    def from_state(cls, state, meta_state=None) -> "RecurrentCache":
+        obj = cls(len(state[0]))
+        obj.state = state
+        return obj
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def size(self) -> int:
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.cache if c is not None)
+
+    def __repr__(self) -> str:
+        return f"RecurrentCache(size={len(self.cache)}, offset={self.offset})"
+
+
+def settle(caches: Sequence, n: int) -> None:
+    """Call after every forward pass of ``n`` tokens over ``caches`` (a model's cache list)."""
+    for c in caches:
+        if isinstance(c, RecurrentCache):
+            c.settle(n)
+        elif hasattr(c, "caches"):  # mlx-lm CacheList
+            settle(c.caches, n)
+
+
+# mlx-lm's load_prompt_cache (and CacheList) rebuild classes by name from its own module.
+if not hasattr(_mlx_cache, "RecurrentCache"):
+    _mlx_cache.RecurrentCache = RecurrentCache

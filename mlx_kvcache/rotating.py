@@ -1,0 +1,302 @@
+"""`RotatingKVCache`: a sliding-window KV cache with snapshot / restore.
+
+It follows mlx-lm's ``RotatingKVCache`` exactly (same buffer layout, same masks), so
+models produce identical logits on either. A window that has wrapped has lost the
+tokens it overwrote; the only way back to an earlier point is a snapshot taken
+there, and a snapshot is therefore the whole window plus the write cursor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+
+from ._checks import check_kv, check_offset, check_snapshot
+from .snapshot import CacheError, Snapshot, compact
+
+
+class RotatingSnapshot(Snapshot):
+    """The whole window at ``to_offset``: buffer rows, write cursor, and window settings."""
+
+    kind = "rotating"
+    needs_base = False
+
+    @property
+    def keys(self) -> mx.array:
+        return self._get("keys")
+
+    @property
+    def values(self) -> mx.array:
+        return self._get("values")
+
+    def __init__(self, from_offset, to_offset, arrays, idx: int, max_size: int, keep: int):
+        super().__init__(from_offset, to_offset, arrays)
+        self.idx = int(idx)
+        self.max_size = int(max_size)
+        self.keep = int(keep)
+
+    @property
+    def wrapped(self) -> bool:
+        """True when tokens before the window were already dropped."""
+        return self._to > self.max_size
+
+    def meta(self):
+        return {**super().meta(), "idx": self.idx, "max_size": self.max_size, "keep": self.keep}
+
+    @classmethod
+    def _from_arrays(cls, arrays, meta):
+        try:
+            return cls(
+                int(meta["from_offset"]), int(meta["to_offset"]),
+                {"keys": arrays["keys"], "values": arrays["values"]},
+                int(meta["idx"]), int(meta["max_size"]), int(meta["keep"]),
+            )
+        except KeyError as e:
+            raise CacheError(f"rotating snapshot is missing {e}") from None
+
+
+class RotatingKVCache:
+    """Sliding-window KV cache holding at most ``max_size`` positions (plus ``keep``
+    attention-sink rows that are never evicted), drop-in for mlx-lm's class.
+
+    ``offset`` counts every token ever seen (it drives RoPE); ``_idx`` is the next
+    physical write slot.
+    """
+
+    step = 256
+
+    def __init__(self, max_size: int, keep: int = 0) -> None:
+        if int(max_size) < 1:
+            raise CacheError(f"max_size must be >= 1, got {max_size}")
+        if not 0 <= int(keep) < int(max_size):
+            raise CacheError(f"keep must be in [0, max_size), got keep={keep}, max_size={max_size}")
+        self.max_size = int(max_size)
+        self.keep = int(keep)
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self.offset = 0
+        self._idx = 0
+
+    # -- buffer mechanics (mlx-lm's semantics) ----------------------------------------
+    def _trim(self, trim_size: int, v: mx.array, append: Optional[mx.array] = None) -> mx.array:
+        parts = [v[..., : self.keep, :], v[..., trim_size + self.keep :, :]] if trim_size > 0 else [v]
+        if append is not None:
+            parts.append(append)
+        return mx.concatenate(parts, axis=2)
+
+    def _temporal_order(self, v: mx.array) -> mx.array:
+        """The buffer in token order, without unused rows."""
+        if self._idx == v.shape[2]:
+            return v
+        if self._idx < self.offset:
+            return mx.concatenate(
+                [v[..., : self.keep, :], v[..., self._idx :, :], v[..., self.keep : self._idx, :]],
+                axis=2,
+            )
+        return v[..., : self._idx, :]
+
+    def _update_concat(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = self._temporal_order(self.keys)
+            self.values = self._temporal_order(self.values)
+            self._idx = self.keys.shape[2]
+            # Keep max_size - 1 old rows so every new query sees a full window.
+            trim_size = self._idx - self.max_size + 1
+            self.keys = self._trim(trim_size, self.keys, keys)
+            self.values = self._trim(trim_size, self.values, values)
+        self.offset += keys.shape[2]
+        self._idx = self.keys.shape[2]
+        return self.keys, self.values
+
+    def _update_in_place(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        B, H, S, dk = keys.shape
+        prev = self.offset
+        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
+            grow = min(self.step, self.max_size - prev)
+            new_k = mx.zeros((B, H, grow, dk), keys.dtype)
+            new_v = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                self.keys = mx.concatenate([self.keys, new_k], axis=2)
+                self.values = mx.concatenate([self.values, new_v], axis=2)
+            self._idx = prev
+        trim_size = self.keys.shape[2] - self.max_size
+        if trim_size > 0:
+            self.keys = self._trim(trim_size, self.keys)
+            self.values = self._trim(trim_size, self.values)
+            self._idx = self.max_size
+        if self._idx == self.max_size:
+            self._idx = self.keep
+        self.keys[..., self._idx : self._idx + S, :] = keys
+        self.values[..., self._idx : self._idx + S, :] = values
+        self.offset += S
+        self._idx += S
+        return self.keys_and_values()
+
+    def update(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        """Append ``[B, H, L, D]`` keys/values; return the window to attend to."""
+        check_kv(keys, values, self.keys, self.values)
+        if keys.shape[2] == 1:
+            return self._update_in_place(keys, values)
+        return self._update_concat(keys, values)
+
+    update_and_fetch = update
+
+    def keys_and_values(self) -> Tuple[mx.array, mx.array]:
+        if self.offset < self.keys.shape[2]:
+            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.keys, self.values
+
+    def free(self) -> None:
+        """Drop all state; ``offset`` becomes 0."""
+        self.keys = self.values = None
+        self.offset = 0
+        self._idx = 0
+
+    @property
+    def wrapped(self) -> bool:
+        """True once tokens have left the window (they cannot come back)."""
+        return self.offset > self.max_size
+
+    # -- snapshot face ----------------------------------------------------------------
+    def snapshot(self, from_offset: int = 0) -> Optional[RotatingSnapshot]:
+        """The whole window at ``offset`` (``from_offset`` is recorded, not used)."""
+        from_offset = check_offset("from_offset", from_offset, self.offset)
+        if self.keys is None or from_offset == self.offset:
+            return None
+        k, v, idx = self.keys, self.values, self._idx
+        if not self.wrapped:
+            # Unwrapped: rows [0, offset) in order; the rest is growth padding or stale.
+            k, v, idx = k[..., : self.offset, :], v[..., : self.offset, :], self.offset
+        elif k.shape[2] > self.max_size:
+            # Oversized after a multi-token write (always in temporal order): keep the
+            # rows any next write would keep, i.e. what mlx-lm's trim leaves behind.
+            cut = k.shape[2] - self.max_size
+            k, v, idx = self._trim(cut, k), self._trim(cut, v), self.max_size
+        k, v = compact(k), compact(v)
+        mx.eval(k, v)
+        return RotatingSnapshot(
+            from_offset, self.offset, {"keys": k, "values": v}, idx, self.max_size, self.keep
+        )
+
+    def restore(self, snapshot: Optional[RotatingSnapshot], target: int) -> bool:
+        """Bring the cache to ``target`` tokens.
+
+        Live rewind (``snapshot=None``): ``target == offset``, or any lower target while
+        the window never wrapped. From a snapshot: ``target == snapshot.to_offset``, or
+        any lower target when the snapshot never wrapped. False (no change) otherwise.
+        """
+        target = check_offset("target", target)
+        if snapshot is None:
+            if target == self.offset:
+                return True
+            if target > self.offset or self.wrapped:
+                return False
+            self.offset = self._idx = target
+            return True
+        check_snapshot(snapshot, RotatingSnapshot, "RotatingKVCache.restore")
+        if (snapshot.max_size, snapshot.keep) != (self.max_size, self.keep):
+            raise CacheError(
+                f"snapshot window (max_size={snapshot.max_size}, keep={snapshot.keep}) does not "
+                f"match the cache's (max_size={self.max_size}, keep={self.keep})"
+            )
+        k, v = snapshot.keys, snapshot.values
+        if self.keys is not None:
+            check_kv(k, v, self.keys, self.values)
+        if target > snapshot.to_offset or (target < snapshot.to_offset and snapshot.wrapped):
+            return False
+        # Sharing the snapshot's arrays is safe: MLX arrays are values, and the next
+        # slice write gives the live cache a new buffer instead of touching them.
+        self.keys, self.values = k, v
+        self.offset, self._idx = snapshot.to_offset, snapshot.idx
+        if target < snapshot.to_offset:
+            self.offset = self._idx = target
+        return True
+
+    def merge(
+        self, parent: Optional[RotatingSnapshot], child: Optional[RotatingSnapshot]
+    ) -> Optional[RotatingSnapshot]:
+        """The child's window supersedes the parent's; the parent is closed."""
+        for s in (parent, child):
+            if s is not None:
+                check_snapshot(s, RotatingSnapshot, "RotatingKVCache.merge")
+        if parent is not None and parent is not child:
+            parent.close()
+        return child
+
+    def split(self, snapshot: RotatingSnapshot, at: int) -> Tuple[None, RotatingSnapshot]:
+        """A window cannot be cut: returns ``(None, snapshot)``."""
+        check_snapshot(snapshot, RotatingSnapshot, "RotatingKVCache.split")
+        check_offset("at", at)
+        return None, snapshot
+
+    # -- mlx-lm face ------------------------------------------------------------------
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        if N > 1:
+            window_size = window_size or self.max_size
+            offset = min(self.max_size - 1, self.offset)
+            if offset + N > window_size or return_array:
+                return create_causal_mask(N, offset, window_size=window_size)
+            return "causal"
+        if window_size is None:
+            return None
+        # A single query needs a mask only when the model's window is smaller than the buffer.
+        if self.offset >= window_size and self.max_size > window_size:
+            idx = 0 if self._idx >= self.max_size else self._idx
+            size = self.offset + 1 if self.offset < self.max_size else self.max_size
+            mask = mx.arange(size) >= (size - window_size)
+            return mx.roll(mask, shift=idx + 1)
+        return None
+
+    @property
+    def state(self) -> Tuple[Any, ...]:
+        """``(keys, values, offset, keep, max_size, _idx)``, mlx-lm's layout."""
+        return self.keys, self.values, self.offset, self.keep, self.max_size, self._idx
+
+    @state.setter
+    def state(self, v) -> None:
+        self.keys, self.values, offset, keep, max_size, idx = v
+        self.offset, self.keep, self.max_size, self._idx = int(offset), int(keep), int(max_size), int(idx)
+
+    @property
+    def meta_state(self) -> str:
+        return ""
+
+    @classmethod
+    def from_state(cls, state, meta_state=None) -> "RotatingKVCache":
+        obj = cls.__new__(cls)
+        obj.state = state
+        return obj
+
+    def is_trimmable(self) -> bool:
+        return self.offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        if not self.is_trimmable():
+            raise CacheError(
+                f"cannot trim a window that has wrapped (offset {self.offset} >= max_size {self.max_size})"
+            )
+        n = min(self.offset, int(n))
+        self.offset -= n
+        self._idx -= n
+        return n
+
+    def size(self) -> int:
+        return min(self.offset, self.max_size)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    def __repr__(self) -> str:
+        return f"RotatingKVCache(max_size={self.max_size}, keep={self.keep}, offset={self.offset})"

@@ -1,0 +1,106 @@
+"""The `Snapshot` base type shared by every cache kind.
+
+A snapshot is a compact, immutable copy of part (KV) or all (rotating window,
+recurrent state) of a cache's state. It owns its arrays: no later write to the
+live cache can change it, and holding it keeps no live buffer alive.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Dict, Tuple, Type
+
+import mlx.core as mx
+
+
+class CacheError(ValueError):
+    """Bad input to a cache or a snapshot operation (shape, dtype, offset, kind).
+
+    Raised before anything is changed: the cache is left as it was.
+    """
+
+
+class Snapshot:
+    """State covering the tokens ``[from_offset, to_offset)`` of one cache layer.
+
+    ``needs_base`` tells whether restoring it requires the cache to already hold the
+    tokens below ``from_offset`` (KV snapshots are deltas); whole-state snapshots
+    (rotating window, recurrent) stand alone and are only valid at ``to_offset``.
+    """
+
+    #: Short name of the cache kind ("kv", "rotating", "recurrent").
+    kind: ClassVar[str] = "base"
+    #: True when the snapshot is a delta over the tokens below ``from_offset``.
+    needs_base: ClassVar[bool] = False
+
+    _registry: ClassVar[Dict[str, Type["Snapshot"]]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        Snapshot._registry[cls.kind] = cls
+
+    def __init__(self, from_offset: int, to_offset: int, arrays: Dict[str, mx.array]):
+        self._from = int(from_offset)
+        self._to = int(to_offset)
+        self._arrays: Dict[str, mx.array] | None = dict(arrays)
+        self._nbytes = sum(a.nbytes for a in arrays.values())
+
+    @property
+    def from_offset(self) -> int:
+        """First absolute token position the snapshot covers."""
+        return self._from
+
+    @property
+    def to_offset(self) -> int:
+        """Absolute position just past the last covered token (the cache offset it restores)."""
+        return self._to
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the snapshot really holds (0 once closed)."""
+        return 0 if self._arrays is None else self._nbytes
+
+    @property
+    def closed(self) -> bool:
+        return self._arrays is None
+
+    def close(self) -> None:
+        """Drop the arrays. Idempotent."""
+        self._arrays = None
+
+    def _get(self, name: str) -> mx.array:
+        if self._arrays is None:
+            raise CacheError(f"{type(self).__name__} [{self._from}, {self._to}) is closed")
+        return self._arrays[name]
+
+    # -- serialisation (used by persistence) -------------------------------------------
+    def meta(self) -> Dict[str, int]:
+        """Integers besides the arrays that restore needs."""
+        return {"from_offset": self._from, "to_offset": self._to}
+
+    def to_arrays(self) -> Tuple[Dict[str, mx.array], Dict[str, int]]:
+        """The arrays and integer metadata that fully describe the snapshot."""
+        if self._arrays is None:
+            raise CacheError("cannot serialise a closed snapshot")
+        return dict(self._arrays), self.meta()
+
+    @classmethod
+    def from_arrays(cls, kind: str, arrays: Dict[str, mx.array], meta: Dict[str, int]) -> "Snapshot":
+        """Rebuild a snapshot written by `to_arrays`; raises `CacheError` on a mismatch."""
+        try:
+            sub = Snapshot._registry[kind]
+        except KeyError:
+            raise CacheError(f"unknown snapshot kind {kind!r}") from None
+        return sub._from_arrays(arrays, meta)
+
+    @classmethod
+    def _from_arrays(cls, arrays, meta):  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.nbytes} B"
+        return f"{type(self).__name__}([{self._from}, {self._to}), {state})"
+
+
+def compact(x: mx.array) -> mx.array:
+    """A copy of ``x`` in its own buffer (never a view that pins a larger one)."""
+    return mx.contiguous(x)
