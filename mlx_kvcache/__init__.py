@@ -31,3 +31,18 @@ __all__ = [
     "make_prompt_cache",
 ]
 __version__ = "0.1.0"
+
+from .stats import CacheStats, RequestStats  # noqa: E402
+from .trie import PrefixTrie, TrieNode  # noqa: E402
+from .manager import PrefixManager  # noqa: E402
+from .prefix_cache import CachedGenerationResponse, PrefixCache  # noqa: E402
+
+__all__ += [
+    "CacheStats",
+    "RequestStats",
+    "PrefixTrie",
+    "TrieNode",
+    "PrefixManager",
+    "PrefixCache",
+    "CachedGenerationResponse",
+]

@@ -212,7 +212,7 @@ class RotatingKVCache:
             return False
         # Sharing the snapshot's arrays is safe: MLX arrays are values, and the next
         # slice write gives the live cache a new buffer instead of touching them.
-        self.keys, self.values = k, v
+        self.keys, self.values = mx.array(k), mx.array(v)  # own wrappers: slice writes rebind only ours
         self.offset, self._idx = snapshot.to_offset, snapshot.idx
         if target < snapshot.to_offset:
             self.offset = self._idx = target

@@ -1,0 +1,266 @@
+"""`PrefixCache`: generation on an mlx-lm model that reuses every earlier request's work.
+
+Layer 4 of DESIGN.md: drives the model through the manager — restore, chunked prefill
+that stops exactly at the planned snapshot offsets, decode, record.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, List, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.models import cache as mlc
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .factory import leaf_caches, make_prompt_cache
+from .manager import PrefixManager, default_max_bytes
+from .recurrent import settle
+from .snapshot import CacheError
+from .stats import CacheStats, RequestStats
+
+
+@dataclass
+class CachedGenerationResponse(GenerationResponse):
+    """mlx-lm's `GenerationResponse` plus the request's cache facts."""
+
+    cache: Optional[RequestStats] = None
+
+
+def _eval_caches(leaves) -> None:
+    arrays = []
+    for c in leaves:
+        if isinstance(c, mlc.ArraysCache):
+            arrays.extend(x for x in c.cache if x is not None)
+        elif c.keys is not None:
+            arrays.extend((c.keys, c.values))
+    mx.eval(arrays)
+
+
+class PrefixCache:
+    """A model, its live caches, and a trie of snapshots reused across requests.
+
+    Args:
+        model: an mlx-lm model.
+        max_bytes: budget for the snapshots the trie holds (default: 20% of memory).
+        prefill_step_size: largest prefill chunk, in tokens.
+        pre_end_margin, snapshot_interval: where hybrid / sliding-window models take
+            extra snapshots (see `PrefixManager`).
+
+    Thread-safe: requests from several threads run one at a time on the model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_bytes: Optional[int] = None,
+        prefill_step_size: int = 2048,
+        pre_end_margin: int = 4,
+        snapshot_interval: int = 2048,
+    ) -> None:
+        self.model = model
+        self.prefill_step_size = int(prefill_step_size)
+        self._lock = threading.RLock()
+        self.stats = CacheStats()
+        self.last_request: Optional[RequestStats] = None
+        budget = default_max_bytes() if max_bytes is None else int(max_bytes)
+        self.stats.max_bytes = budget
+        try:
+            caches = make_prompt_cache(model)
+            self.manager: Optional[PrefixManager] = PrefixManager(
+                caches, max_bytes=budget, pre_end_margin=pre_end_margin,
+                snapshot_interval=snapshot_interval,
+            )
+            self.unsupported: Optional[str] = None
+        except CacheError as e:
+            self.manager = None
+            self.unsupported = str(e)
+            warnings.warn(
+                f"mlx_kvcache: this model's caches cannot be reused ({e}); every request "
+                f"will recompute its whole prompt",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    # -- public API ------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes of snapshots the trie holds."""
+        return self.manager.trie.nbytes if self.manager else 0
+
+    def stream_generate(
+        self,
+        tokenizer: Union[TokenizerWrapper, Any],
+        prompt: Union[str, mx.array, Sequence[int]],
+        max_tokens: int = 256,
+        *,
+        sampler: Optional[Callable[[mx.array], mx.array]] = None,
+        logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
+        prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+        **kwargs,
+    ) -> Generator[CachedGenerationResponse, None, None]:
+        """Like `mlx_lm.stream_generate`, reusing cached prefixes of ``prompt``.
+
+        Each response also carries ``cache``, the request's `RequestStats`.
+        ``prompt_progress_callback(done, total)`` is called after each prefill chunk.
+        """
+        if kwargs.pop("prompt_cache", None) is not None:
+            raise ValueError("PrefixCache manages the prompt cache itself; do not pass prompt_cache")
+        for k in ("prefill_step_size",):
+            if k in kwargs:
+                self.prefill_step_size = int(kwargs.pop(k))
+        if kwargs:
+            raise TypeError(f"unsupported arguments: {sorted(kwargs)}")
+        if max_tokens == 0:
+            raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
+        if not isinstance(tokenizer, TokenizerWrapper):
+            tokenizer = TokenizerWrapper(tokenizer)
+        tokens = self._encode(tokenizer, prompt)
+        with self._lock:
+            yield from self._run(tokenizer, tokens, max_tokens, sampler, logits_processors,
+                                 prompt_progress_callback)
+
+    def generate(self, tokenizer, prompt, max_tokens: int = 256, **kwargs) -> str:
+        """The whole generated text of `stream_generate`."""
+        return "".join(r.text for r in self.stream_generate(tokenizer, prompt, max_tokens, **kwargs))
+
+    def clear(self) -> None:
+        """Drop every snapshot and the live state."""
+        with self._lock:
+            if self.manager:
+                self.manager.clear()
+
+    # -- internals -------------------------------------------------------------------------
+    @staticmethod
+    def _encode(tokenizer: TokenizerWrapper, prompt) -> List[int]:
+        if isinstance(prompt, str):
+            add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+            tokens = tokenizer.encode(prompt, add_special_tokens=add_special)
+        elif isinstance(prompt, mx.array):
+            tokens = prompt.reshape(-1).tolist()
+        else:
+            tokens = [int(t) for t in prompt]
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        return tokens
+
+    def _forward(self, caches, toks: List[int]) -> mx.array:
+        logits = self.model(mx.array(toks)[None], cache=caches)
+        settle(caches, len(toks))
+        return logits
+
+    def _run(self, tokenizer, tokens, max_tokens, sampler, processors, progress):
+        t0 = time.perf_counter()
+        stats = RequestStats(prompt_tokens=len(tokens))
+        self.last_request = stats
+        mgr = self.manager
+        if mgr is None:
+            caches = mlc.make_prompt_cache(self.model)
+            leaves, start, stops = None, 0, []
+            stats.reason = f"model caches cannot be reused: {self.unsupported}"
+        else:
+            caches, leaves = mgr.caches, mgr.leaves
+            plan = mgr.begin(tokens)
+            stats.matched_tokens, stats.restored_tokens = plan.matched, plan.restored
+            stats.reason = plan.reason
+            start, stops = plan.restored, plan.stops
+        sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
+        processors = processors or []
+        fed: List[int] = list(tokens[:start])
+        n = len(tokens)
+        try:
+            # Prefill up to the last prompt token, stopping at every planned snapshot.
+            pos = start
+            while pos < n - 1:
+                end = min(pos + self.prefill_step_size, n - 1)
+                nxt = next((s for s in stops if s > pos), None)
+                if nxt is not None:
+                    end = min(end, nxt)
+                self._forward(caches, tokens[pos:end])
+                fed.extend(tokens[pos:end])
+                if leaves is not None:
+                    _eval_caches(leaves)
+                else:
+                    mx.eval([c.state for c in caches])
+                stats.prefilled_tokens += end - pos
+                pos = end
+                mx.clear_cache()
+                if mgr is not None and pos in stops:
+                    mgr.checkpoint(fed)
+                    stats.snapshots_taken += 1
+                if progress:
+                    progress(pos - start, n - start)
+
+            history = mx.array(tokens)
+
+            def step(toks: List[int]):
+                nonlocal history
+                logits = self._forward(caches, toks)[:, -1, :]
+                fed.extend(toks)
+                if processors:
+                    for p in processors:
+                        logits = p(history, logits)
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                y = sampler(logprobs)
+                return y, logprobs.squeeze(0)
+
+            y, logprobs = step(tokens[n - 1 :])
+            stats.prefilled_tokens += 1
+            mx.async_eval(y, logprobs)
+            detok = tokenizer.detokenizer
+            detok.reset()
+            tic = time.perf_counter()
+            ntok = 0
+            while True:
+                tok = int(y.item())
+                if ntok == 0:
+                    stats.time_to_first_token = time.perf_counter() - t0
+                    stats.prompt_tps = (n - start) / max(stats.time_to_first_token, 1e-9)
+                    tic = time.perf_counter()
+                ntok += 1
+                stats.generated_tokens = ntok
+                last = tok in tokenizer.eos_token_ids or ntok == max_tokens
+                if not last:
+                    # One step ahead: the next forward runs while the caller handles this token.
+                    history = mx.concatenate([history, mx.array([tok])])
+                    ny, nlp = step([tok])
+                    mx.async_eval(ny, nlp)
+                if tok not in tokenizer.eos_token_ids:
+                    detok.add_token(tok)
+                if last:
+                    detok.finalize()
+                    stats.finish_reason = "stop" if tok in tokenizer.eos_token_ids else "length"
+                stats.generation_tps = ntok / max(time.perf_counter() - tic, 1e-9)
+                stats.cache_bytes = self.nbytes
+                yield CachedGenerationResponse(
+                    text=detok.last_segment,
+                    token=tok,
+                    logprobs=logprobs,
+                    from_draft=False,
+                    prompt_tokens=n,
+                    prompt_tps=stats.prompt_tps,
+                    generation_tokens=ntok,
+                    generation_tps=stats.generation_tps,
+                    peak_memory=mx.get_peak_memory() / 1e9,
+                    finish_reason=stats.finish_reason,
+                    cache=stats,
+                )
+                if last:
+                    break
+                y, logprobs = ny, nlp
+                if ntok % 256 == 0:
+                    mx.clear_cache()
+        finally:
+            if mgr is not None:
+                evicted = mgr.finish(fed)
+                self.stats.evicted_bytes += evicted
+                self.stats.bytes_held = mgr.trie.nbytes
+                self.stats.nodes = sum(1 for _ in mgr.trie.nodes())
+            stats.cache_bytes = self.nbytes
+            self.stats.add(stats)

@@ -1,0 +1,67 @@
+"""Per-request and cumulative reuse statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class RequestStats:
+    """What one request reused and computed.
+
+    ``matched_tokens`` is the longest prompt prefix found in the trie;
+    ``restored_tokens`` what the caches were actually brought to (lower when a
+    recurrent or wrapped-window layer has no state at the match point, or when a full
+    hit holds back one token); ``reason`` says why restored < matched.
+    """
+
+    prompt_tokens: int = 0
+    matched_tokens: int = 0
+    restored_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    reason: Optional[str] = None
+    snapshots_taken: int = 0
+    #: Seconds from the request's start to the first generated token.
+    time_to_first_token: float = 0.0
+    prompt_tps: float = 0.0
+    generation_tps: float = 0.0
+    #: Bytes the trie holds after the request (also while it runs).
+    cache_bytes: int = 0
+    finish_reason: Optional[str] = None
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens not recomputed (same as ``restored_tokens``)."""
+        return self.restored_tokens
+
+
+@dataclass
+class CacheStats:
+    """Totals over every request a `PrefixCache` served."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    matched_tokens: int = 0
+    restored_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    evicted_bytes: int = 0
+    bytes_held: int = 0
+    nodes: int = 0
+    max_bytes: int = 0
+    history: list = field(default_factory=list, repr=False)
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of prompt tokens restored instead of recomputed."""
+        return self.restored_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def add(self, r: RequestStats) -> None:
+        self.requests += 1
+        self.prompt_tokens += r.prompt_tokens
+        self.matched_tokens += r.matched_tokens
+        self.restored_tokens += r.restored_tokens
+        self.prefilled_tokens += r.prefilled_tokens
+        self.generated_tokens += r.generated_tokens
