@@ -1,0 +1,295 @@
+"""PrefixCache: exact outputs vs cold mlx-lm runs, reuse bounds, dedup, budget, threads, failures."""
+
+import gc
+import itertools
+import random
+import threading
+import warnings
+import weakref
+
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import ChunkedKVCache
+from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
+
+import mlx_kvcache as mk
+from mlx_kvcache.snapshot import Snapshot
+from fake_tokenizer import FakeTokenizer
+from models import V, build
+
+TOK = FakeTokenizer()
+MARGIN = 4
+MODELS = {}
+
+
+def model(name):
+    if name not in MODELS:
+        MODELS[name] = build(name)
+    return MODELS[name]
+
+
+# -- snapshot leak checker -------------------------------------------------------------------
+_ALL_SNAPSHOTS: "weakref.WeakSet[Snapshot]" = weakref.WeakSet()
+_COUNTER = itertools.count()
+_orig_init = Snapshot.__init__
+
+
+def _tracking_init(self, *a, **k):
+    _orig_init(self, *a, **k)
+    self._test_seq = next(_COUNTER)
+    _ALL_SNAPSHOTS.add(self)
+
+
+@pytest.fixture(autouse=True)
+def track_snapshots(monkeypatch):
+    monkeypatch.setattr(Snapshot, "__init__", _tracking_init)
+    yield
+
+
+def new_cache(m, **kw):
+    pc = mk.PrefixCache(m, **kw)
+    pc._test_seq = next(_COUNTER)  # snapshots created from here on belong to pc
+    return pc
+
+
+def check_no_leaks(pc):
+    """Trie invariants hold, and every open snapshot pc made that is still alive is in its trie."""
+    trie = pc.manager.trie
+    trie.check_invariants()
+    gc.collect()
+    held = {id(s) for n in trie.nodes() for s in n.snapshots if s is not None}
+    leaked = [
+        s for s in list(_ALL_SNAPSHOTS)
+        if not s.closed and id(s) not in held and getattr(s, "_test_seq", -1) >= pc._test_seq
+    ]
+    assert not leaked, leaked
+    assert trie.nbytes == sum(n.nbytes for n in trie.nodes())
+
+
+# -- reference ---------------------------------------------------------------------------------
+def cold(m, prompt, max_tokens):
+    """Greedy tokens and log-probs from mlx-lm's own generate_step on fresh caches."""
+    out = []
+    gen = generate_step(mx.array(prompt), m, prompt_cache=mlx_make_prompt_cache(m), max_tokens=max_tokens)
+    for (t, lp), _ in zip(gen, range(max_tokens)):
+        out.append((int(t), lp))
+    return out
+
+
+def run(pc, prompt, max_tokens, **kw):
+    rs = list(pc.stream_generate(TOK, prompt, max_tokens, **kw))
+    return [(r.token, r.logprobs) for r in rs], rs[-1].cache
+
+
+def assert_same(ref, got):
+    assert [t for t, _ in ref] == [t for t, _ in got]
+    diff = max(mx.abs(a - b).max().item() for (_, a), (_, b) in zip(ref, got))
+    assert diff < 1e-4, diff
+
+
+# -- random multi-turn / branching workloads -------------------------------------------------
+ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["extend", "extend", "branch", "repeat", "drop", "new"]),
+        st.integers(1, 12),
+        st.integers(0, 10**6),
+    ),
+    min_size=3,
+    max_size=7,
+)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=ACTIONS)
+def test_random_workloads_match_cold_runs(name, actions):
+    m = model(name)
+    pc = new_cache(m, max_bytes=1 << 30, pre_end_margin=MARGIN, snapshot_interval=16)
+    convs = [[5, 6, 7, 8, 9, 10, 11, 12]]  # every conversation shares a "system prompt"
+    for action, k, seed in actions:
+        rng = random.Random(seed)
+        base = convs[rng.randrange(len(convs))]
+        if action == "extend":
+            prompt = base + [rng.randrange(V) for _ in range(k)]
+        elif action == "branch":
+            cut = rng.randrange(1, len(base) + 1)
+            prompt = base[:cut] + [rng.randrange(V) for _ in range(k)]
+        elif action == "repeat":
+            prompt = list(base)
+        elif action == "drop":  # drop the last turn(s)
+            prompt = base[: max(1, len(base) - k)] + [rng.randrange(V)]
+        else:
+            prompt = [rng.randrange(V) for _ in range(k + 8)]
+        ref = cold(m, prompt, 3)
+        got, stats = run(pc, prompt, 3)
+        assert_same(ref, got)
+        assert stats.restored_tokens <= stats.matched_tokens <= len(prompt) - 1
+        assert stats.restored_tokens + stats.prefilled_tokens == len(prompt)
+        check_no_leaks(pc)
+        convs.append(prompt + [t for t, _ in got])
+
+
+# -- reuse bounds ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next", "mamba"])
+def test_reuse_bounds(name):
+    m = model(name)
+    pc = new_cache(m, pre_end_margin=MARGIN)
+    rng = random.Random(0)
+    conv = [rng.randrange(V) for _ in range(30)]  # longer than gemma's window (8): it wraps
+    slack = 1 if name == "llama" else MARGIN + 1
+    for turn in range(3):
+        got, s = run(pc, conv, 5)
+        if turn:
+            assert s.prefilled_tokens <= new + slack, s
+        new = 7
+        conv = conv + [t for t, _ in got] + [rng.randrange(V) for _ in range(new)]
+
+    # An identical repeated prompt reprocesses one token.
+    got1, _ = run(pc, conv, 4)
+    got2, s = run(pc, conv, 4)
+    assert s.prefilled_tokens == 1 and s.restored_tokens == len(conv) - 1
+    assert_same(got1, got2)
+
+    # A prompt diverging inside an earlier one: llama restores to the divergence point at
+    # once; the others land short, schedule a branch-point snapshot, and hit it next time.
+    d = 20
+    p1 = conv[:d] + [1, 2, 3]
+    ref = cold(m, p1, 3)
+    got, s = run(pc, p1, 3)
+    assert_same(ref, got)
+    assert s.matched_tokens == d
+    if name == "llama":
+        assert s.restored_tokens == d and s.reason is None
+    else:
+        assert s.restored_tokens < d and s.reason
+    p2 = conv[:d] + [4, 5, 6]
+    got, s = run(pc, p2, 3)
+    assert_same(cold(m, p2, 3), got)
+    assert s.matched_tokens == d and s.restored_tokens == d
+    check_no_leaks(pc)
+
+
+# -- dedup -----------------------------------------------------------------------------------
+def test_shared_system_prompt_is_held_once():
+    m = model("llama")
+    pc = new_cache(m)
+    rng = random.Random(1)
+    system = [rng.randrange(V) for _ in range(200)]
+    stored = set()
+    for i in range(8):
+        prompt = system + [rng.randrange(V) for _ in range(10)]
+        got, s = run(pc, prompt, 3)
+        if i:
+            assert s.restored_tokens >= len(system)
+        seq = prompt + [t for t, _ in got][:-1]  # the last sampled token is never fed
+        stored.update(tuple(seq[:j]) for j in range(1, len(seq) + 1))
+    per_token = 2 * 2 * 2 * 16 * 4  # layers * (k, v) * kv heads * head dim * float32
+    ideal = len(stored) * per_token  # distinct prefixes == distinct trie positions
+    assert pc.nbytes <= 1.1 * ideal, (pc.nbytes, ideal)
+    check_no_leaks(pc)
+
+
+# -- budget ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_budget_holds_and_shared_prefix_survives(name):
+    m = model(name)
+    budget = 40_000 if name == "llama" else 200_000
+    pc = new_cache(m, max_bytes=budget, pre_end_margin=MARGIN, snapshot_interval=16)
+    rng = random.Random(2)
+    system = [rng.randrange(V) for _ in range(24)]
+    for i in range(14):
+        prompt = system + [rng.randrange(V) for _ in range(rng.randrange(4, 30))]
+        got, s = run(pc, prompt, 3)
+        assert_same(cold(m, prompt, 3), got)
+        assert pc.nbytes <= budget
+        check_no_leaks(pc)
+    assert pc.stats.evicted_bytes > 0
+    # The shared system prompt is still a restore point.
+    _, s = run(pc, system + [1, 2, 3], 2)
+    assert s.restored_tokens >= len(system) - (0 if name == "llama" else MARGIN + 1) or s.restored_tokens >= 16
+
+
+# -- threads ---------------------------------------------------------------------------------
+def test_threads_run_one_at_a_time_and_stay_correct():
+    m = model("qwen3_next")
+    pc = new_cache(m, pre_end_margin=MARGIN)
+    rng = random.Random(3)
+    prompts = [[1, 2, 3, 4, 5, 6] + [rng.randrange(V) for _ in range(rng.randrange(3, 12))] for _ in range(8)]
+    refs = [cold(m, p, 4) for p in prompts]
+    results, errors = {}, []
+
+    def worker(idx):
+        try:
+            for i in idx:
+                results[i] = run(pc, prompts[i], 4)[0]
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(range(j, 8, 4),)) for j in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i, ref in enumerate(refs):
+        assert_same(ref, results[i])
+    check_no_leaks(pc)
+
+
+# -- failures --------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_cancel_and_failures_keep_trie_valid(name):
+    m = model(name)
+    pc = new_cache(m, pre_end_margin=MARGIN)
+    prompt = list(range(40, 80))
+
+    # The consumer stops iterating after two tokens.
+    gen = pc.stream_generate(TOK, prompt, 10)
+    next(gen), next(gen)
+    gen.close()
+    check_no_leaks(pc)
+
+    # A logits processor raises mid-generation; then a KeyboardInterrupt.
+    for exc in (RuntimeError("boom"), KeyboardInterrupt()):
+        calls = []
+
+        def proc(tokens, logits, exc=exc):
+            calls.append(1)
+            if len(calls) == 3:
+                raise exc
+            return logits
+
+        with pytest.raises(type(exc)):
+            list(pc.stream_generate(TOK, prompt + [1, 2], 10, logits_processors=[proc]))
+        check_no_leaks(pc)
+
+    # The next request works and hits the snapshots already taken.
+    got, s = run(pc, prompt + [3], 4)
+    assert_same(cold(m, prompt + [3], 4), got)
+    assert s.restored_tokens >= len(prompt) - MARGIN - 1
+    check_no_leaks(pc)
+
+
+def test_unsupported_cache_kind_warns_and_still_generates():
+    m = build("llama")
+    m.make_cache = lambda: [ChunkedKVCache(64) for _ in m.layers]
+    with pytest.warns(RuntimeWarning, match="cannot be reused"):
+        pc = mk.PrefixCache(m)
+    rs = list(pc.stream_generate(TOK, [1, 2, 3, 4], 3))
+    assert rs[-1].cache.reason and "ChunkedKVCache" in rs[-1].cache.reason
+    assert rs[-1].cache.prefilled_tokens == 4
+
+
+def test_prompt_as_text_and_generate():
+    m = model("llama")
+    pc = new_cache(m)
+    with pytest.raises(ValueError):
+        list(pc.stream_generate(TOK, [], 3))
+    with pytest.raises(ValueError):
+        pc.generate(TOK, [1, 2], 0)
+    text = pc.generate(TOK, [1, 2, 3], 3)
+    assert text.count("<") == 3
+    assert pc.last_request.generated_tokens == 3
