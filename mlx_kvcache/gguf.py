@@ -451,8 +451,12 @@ def _build_model(weights: dict, meta: dict, path: str, dequantize: bool):
             continue
         mod = _mlx_module_name(base)
         if mod is None:
-            if base.startswith("blk.") and int(base.split(".")[1]) >= args.num_hidden_layers:
-                raise ModelLoadError(f"{path}: tensor {key!r} beyond block_count")
+            parts = base.split(".")
+            if len(parts) > 1 and parts[0] == "blk" and parts[1].isdigit() and int(
+                    parts[1]) >= args.num_hidden_layers:
+                raise ModelLoadError(
+                    f"{path}: tensor {key!r} belongs to a block beyond "
+                    f"block_count={args.num_hidden_layers}")
             log.debug("ignoring GGUF tensor %s", key)
             continue
         if f"{base}.scales" in weights:

@@ -51,6 +51,10 @@ class PrefixCache:
         prefill_step_size: largest prefill chunk, in tokens.
         pre_end_margin, snapshot_interval: where hybrid / sliding-window models take
             extra snapshots (see `PrefixManager`).
+        cache_dir: persist the trie under this directory (`mlx_kvcache.persist`): load
+            it now, save it after every request and on `close()`.
+        max_disk_bytes: disk budget for this model's persisted cache (None: no limit).
+        tokenizer: included in the model fingerprint that keys the persisted cache.
 
     Thread-safe: requests from several threads run one at a time on the model.
     """
@@ -63,6 +67,9 @@ class PrefixCache:
         prefill_step_size: int = 2048,
         pre_end_margin: int = 4,
         snapshot_interval: int = 2048,
+        cache_dir: Optional[str] = None,
+        max_disk_bytes: Optional[int] = None,
+        tokenizer: Any = None,
     ) -> None:
         self.model = model
         self.prefill_step_size = int(prefill_step_size)
@@ -87,6 +94,18 @@ class PrefixCache:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        # Persistence (layer 5): see save / load / close.
+        self._tokenizer_for_fp = tokenizer
+        self._fingerprint: Optional[str] = None
+        self._store = None
+        self.max_disk_bytes = max_disk_bytes
+        self.cache_dir = cache_dir
+        if cache_dir is not None and self.manager is not None:
+            try:
+                self.load(cache_dir)
+            except Exception as e:  # fail-open: a cache problem never stops the model
+                warnings.warn(f"mlx_kvcache: could not load the prefix cache from "
+                              f"{cache_dir}: {e}", RuntimeWarning, stacklevel=2)
 
     # -- public API ------------------------------------------------------------------------
     @property
@@ -130,6 +149,59 @@ class PrefixCache:
         """The whole generated text of `stream_generate`."""
         return "".join(r.text for r in self.stream_generate(tokenizer, prompt, max_tokens, **kwargs))
 
+    def fingerprint(self) -> str:
+        """`mlx_kvcache.persist.model_fingerprint` of the model (computed once)."""
+        if self._fingerprint is None:
+            from .persist import model_fingerprint
+
+            self._fingerprint = model_fingerprint(self.model, self._tokenizer_for_fp)
+        return self._fingerprint
+
+    def _persistent(self, path):
+        from .persist import PersistentStore
+
+        if self._store is None:
+            if path is None:
+                raise ValueError("no cache directory: pass a path or construct with cache_dir")
+            self._store = PersistentStore(self.manager, path, self.fingerprint(),
+                                          self.max_disk_bytes)
+        return self._store
+
+    def save(self, path: Optional[str] = None) -> int:
+        """Write the cache under ``path`` (default: ``cache_dir``); returns bytes on disk.
+
+        Incremental: snapshots already on disk are not rewritten. Raises ``OSError``
+        when the directory cannot be written.
+        """
+        with self._lock:
+            if self.manager is None:
+                return 0
+            return self._persistent(path).save(path)
+
+    def load(self, path: Optional[str] = None) -> int:
+        """Merge the cache saved under ``path`` (default: ``cache_dir``) into the trie.
+
+        Returns the number of cached tokens loaded. Fail-open: a missing, damaged,
+        other-model or other-version cache gives one warning and loads nothing.
+        """
+        with self._lock:
+            if self.manager is None:
+                return 0
+            return self._persistent(path).load(path)
+
+    def close(self) -> None:
+        """Save the cache (when constructed with ``cache_dir``). Idempotent."""
+        with self._lock:
+            if self._store is not None and self.cache_dir is not None:
+                self._autosave()
+
+    def _autosave(self) -> None:
+        try:
+            self._store.save()
+        except Exception as e:  # a full or read-only disk must not break generation
+            warnings.warn(f"mlx_kvcache: could not save the prefix cache: {e}",
+                          RuntimeWarning, stacklevel=3)
+
     def clear(self) -> None:
         """Drop every snapshot and the live state."""
         with self._lock:
@@ -166,6 +238,8 @@ class PrefixCache:
             stats.reason = f"model caches cannot be reused: {self.unsupported}"
         else:
             caches, leaves = mgr.caches, mgr.leaves
+            if self._store is not None:
+                self._store.before_request(tokens)  # check lazily loaded snapshots
             plan = mgr.begin(tokens)
             stats.matched_tokens, stats.restored_tokens = plan.matched, plan.restored
             stats.reason = plan.reason
@@ -264,3 +338,5 @@ class PrefixCache:
                 self.stats.nodes = sum(1 for _ in mgr.trie.nodes())
             stats.cache_bytes = self.nbytes
             self.stats.add(stats)
+            if self._store is not None and self.cache_dir is not None and mgr is not None:
+                self._autosave()

@@ -162,8 +162,10 @@ class RecurrentCache(ArraysCache):
                 )
         if target != snapshot.to_offset:
             return False
-        # Models replace slots wholesale, so sharing the snapshot's arrays is safe.
-        self.cache = list(slots) + [None] * (len(self.cache) - len(slots))
+        # New wrappers around the snapshot's (immutable) arrays: a slot write by the model
+        # then rebinds only the cache's wrapper, never the snapshot's.
+        fresh = [None if s is None else mx.array(s) for s in slots]
+        self.cache = fresh + [None] * (len(self.cache) - len(slots))
         self.offset = target
         self._dirty = False
         return True

@@ -99,7 +99,7 @@ class RotatingKVCache:
 
     def _update_concat(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
         if self.keys is None:
-            self.keys, self.values = keys, values
+            self.keys, self.values = mx.array(keys), mx.array(values)  # never write into the caller's arrays
         else:
             self.keys = self._temporal_order(self.keys)
             self.values = self._temporal_order(self.values)
@@ -210,9 +210,9 @@ class RotatingKVCache:
             check_kv(k, v, self.keys, self.values)
         if target > snapshot.to_offset or (target < snapshot.to_offset and snapshot.wrapped):
             return False
-        # Sharing the snapshot's arrays is safe: MLX arrays are values, and the next
-        # slice write gives the live cache a new buffer instead of touching them.
-        self.keys, self.values = mx.array(k), mx.array(v)  # own wrappers: slice writes rebind only ours
+        # New wrappers around the snapshot's (immutable) arrays: the next slice write
+        # rebinds only the cache's wrapper and copies, never touching the snapshot.
+        self.keys, self.values = mx.array(k), mx.array(v)
         self.offset, self._idx = snapshot.to_offset, snapshot.idx
         if target < snapshot.to_offset:
             self.offset = self._idx = target

@@ -1,0 +1,138 @@
+"""Helpers for tests/test_persist.py, also run as a fresh process (``python _persist_child.py``).
+
+Child modes (argv[1]):
+  * ``restart JSON``: for each job ``{"model", "dir", "prompt", "max_tokens"}`` build the
+    model (same seed), construct ``PrefixCache(cache_dir=dir)``, run the prompt, print one
+    JSON line per job with the tokens, the request stats and the warnings seen.
+  * ``saver DIR``: build tiny llama, then run requests forever with autosave, writing
+    slowly (a sleep between file parts) so a SIGKILL is likely to land inside a save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import mlx_kvcache  # noqa: E402,F401  (before mlx)
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
+
+from mlx_kvcache import PrefixCache  # noqa: E402
+
+
+class _Detok:
+    def reset(self):
+        self.last_segment = ""
+
+    def add_token(self, t):
+        self.last_segment = f"<{t}>"
+
+    def finalize(self):
+        pass
+
+
+class TinyTokenizer(TokenizerWrapper):
+    """Enough of a tokenizer for `PrefixCache.stream_generate` with token-id prompts."""
+
+    bos_token = None
+
+    def __init__(self, eos=()):
+        object.__setattr__(self, "_tokenizer", None)
+        self._eos_token_ids = set(eos)
+        self._detokenizer = _Detok()
+
+    @property
+    def detokenizer(self):
+        d = _Detok()
+        d.reset()
+        return d
+
+
+TOK = TinyTokenizer()
+
+
+def build_model(name: str, perturb: bool = False):
+    if name == "smollm2":
+        from mlx_kvcache.default_model import load_default_model
+
+        return load_default_model()[0]
+    from models import build
+
+    m = build(name, seed=1)
+    if perturb:  # a "fine-tune": one row of one layer moves by 1e-3
+        lin = m.layers[1].mlp.down_proj if hasattr(m, "layers") else None
+        if lin is None:
+            raise KeyError(name)
+        w = lin.weight
+        w[3] = w[3] + 1e-3
+        lin.weight = w
+        mx.eval(m.parameters())
+    return m
+
+
+def run(pc: PrefixCache, prompt, max_tokens: int):
+    toks = [r.token for r in pc.stream_generate(TOK, prompt, max_tokens)]
+    return toks, pc.last_request
+
+
+def prompts(n: int, length: int = 40, seed: int = 0, vocab: int = 128):
+    """Deterministic prompts sharing a common head, then diverging."""
+    import random
+
+    rng = random.Random(seed)
+    head = [rng.randrange(vocab) for _ in range(length // 2)]
+    return [head + [rng.randrange(vocab) for _ in range(length - len(head))] for _ in range(n)]
+
+
+def _restart(jobs):
+    for job in jobs:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            m = build_model(job["model"])
+            pc = PrefixCache(m, cache_dir=job["dir"], tokenizer=job.get("tokenizer"))
+            loaded_nodes = sum(1 for _ in pc.manager.trie.nodes())
+            toks, st = run(pc, job["prompt"], job["max_tokens"])
+            pc.manager.trie.check_invariants()
+        print(json.dumps({
+            "model": job["model"], "tokens": toks, "prefilled": st.prefilled_tokens,
+            "restored": st.restored_tokens, "loaded_nodes": loaded_nodes,
+            "ttft": st.time_to_first_token,
+            "warnings": [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)],
+        }), flush=True)
+
+
+def _saver(d):
+    import time
+
+    from mlx_kvcache import persist
+
+    orig = persist._write_atomic
+
+    def slow(path, parts):
+        def gen():
+            for p in parts:
+                time.sleep(0.004)
+                yield p
+        return orig(path, gen())
+
+    persist._write_atomic = slow
+    m = build_model("llama")
+    pc = PrefixCache(m, cache_dir=d)
+    print("ready", flush=True)
+    i = 0
+    while True:
+        for p in prompts(6, length=48, seed=100 + i):
+            run(pc, p, 4)
+        i += 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "restart":
+        _restart(json.loads(sys.argv[2]))
+    elif sys.argv[1] == "saver":
+        _saver(sys.argv[2])

