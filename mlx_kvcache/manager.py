@@ -130,25 +130,46 @@ class PrefixManager:
         self.live_tokens = []
 
     # -- begin: restore ------------------------------------------------------------------
-    def _reachable(self, i: int, t: int, path: List[TrieNode], live_common: int) -> bool:
-        c = self.leaves[i]
-        if t == 0:
-            return True
-        if t <= live_common:
-            if isinstance(c, KVCache) or t == c.offset:
-                return True
-            if isinstance(c, RotatingKVCache) and not c.wrapped:
-                return True
-        if isinstance(c, KVCache):
-            base = min(live_common, t)
-            return all(n.has_state(i) for n in path if n.end > base and n.start < t)
-        for n in path:
-            if not n.has_state(i):
+    def _reach_table(self, path: List[TrieNode], live_common: int, top: int):
+        """Per layer, what it can reach at or below ``top`` (computed once per request).
+
+        Returns, per layer, either ``("kv", limit)`` — every offset up to ``limit`` —
+        or ``("points", ends, any_below)`` — exactly the offsets in ``ends``, plus any
+        offset up to ``any_below`` (an unwrapped window).
+        """
+        table = []
+        for i, c in enumerate(self.leaves):
+            if isinstance(c, KVCache):
+                limit = live_common
+                for n in path:  # the trie pages in node after node above the live prefix
+                    if n.end <= limit:
+                        continue
+                    if n.start > limit or not n.has_state(i):
+                        break
+                    limit = min(n.end, top)
+                table.append(("kv", max(limit, live_common)))
                 continue
-            s = n.snapshots[i]
-            if n.end == t or (isinstance(s, RotatingSnapshot) and not s.wrapped and n.end >= t):
-                return True
-        return False
+            ends = {0}
+            any_below = 0
+            if c.offset <= live_common:
+                ends.add(c.offset)
+                if isinstance(c, RotatingKVCache) and not c.wrapped:
+                    any_below = c.offset
+            for n in path:
+                if not n.has_state(i):
+                    continue
+                s = n.snapshots[i]
+                ends.add(n.end)
+                if isinstance(s, RotatingSnapshot) and not s.wrapped:
+                    any_below = max(any_below, min(n.end, top))
+            table.append(("points", ends, any_below))
+        return table
+
+    @staticmethod
+    def _reachable(entry, t: int) -> bool:
+        if entry[0] == "kv":
+            return t <= entry[1]
+        return t in entry[1] or t <= entry[2]
 
     def _restore_layer(self, i: int, t: int, path: List[TrieNode], live_common: int) -> bool:
         c = self.leaves[i]
@@ -171,10 +192,11 @@ class PrefixManager:
                 return True
         return False
 
-    def begin(self, tokens: Sequence[int]) -> Plan:
+    def begin(self, tokens: Sequence[int], extra_stops: Sequence[int] = ()) -> Plan:
         """Restore the live caches for ``tokens`` and plan the prefill's snapshot stops.
 
         Always leaves at least one prompt token to evaluate (the model needs logits).
+        ``extra_stops`` adds snapshot offsets (e.g. chat message boundaries).
         """
         tokens = list(tokens)
         n = len(tokens)
@@ -190,12 +212,10 @@ class PrefixManager:
         top = max(matched, live_common)
         cands = {top, 0, live_common}
         cands.update(nd.end for nd in path if nd.end <= top)
+        table = self._reach_table(path, live_common, top)
         target, reason = 0, None
         for t in sorted(cands, reverse=True):
-            blocked = next(
-                (i for i in range(len(self.leaves)) if not self._reachable(i, t, path, live_common)),
-                None,
-            )
+            blocked = next((i for i, e in enumerate(table) if not self._reachable(e, t)), None)
             if blocked is None:
                 target = t
                 break
@@ -217,7 +237,8 @@ class PrefixManager:
                 self.trie.touch(nd)
         if target >= top:
             reason = None
-        return Plan(n, max(matched, target), target, reason, self._stops(n, target, top))
+        stops = sorted(set(self._stops(n, target, top)) | {s for s in extra_stops if target < s <= n - 1})
+        return Plan(n, max(matched, target), target, reason, stops)
 
     def _stops(self, n: int, restored: int, matched: int) -> List[int]:
         if not self.whole_state:

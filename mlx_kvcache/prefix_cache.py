@@ -122,12 +122,15 @@ class PrefixCache:
         sampler: Optional[Callable[[mx.array], mx.array]] = None,
         logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
         prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+        snapshot_at: Sequence[int] = (),
         **kwargs,
     ) -> Generator[CachedGenerationResponse, None, None]:
         """Like `mlx_lm.stream_generate`, reusing cached prefixes of ``prompt``.
 
         Each response also carries ``cache``, the request's `RequestStats`.
         ``prompt_progress_callback(done, total)`` is called after each prefill chunk.
+        ``snapshot_at`` adds prompt offsets to snapshot at (e.g. chat message boundaries),
+        so a later prompt that diverges there restores exactly on any model.
         """
         if kwargs.pop("prompt_cache", None) is not None:
             raise ValueError("PrefixCache manages the prompt cache itself; do not pass prompt_cache")
@@ -143,7 +146,7 @@ class PrefixCache:
         tokens = self._encode(tokenizer, prompt)
         with self._lock:
             yield from self._run(tokenizer, tokens, max_tokens, sampler, logits_processors,
-                                 prompt_progress_callback)
+                                 prompt_progress_callback, snapshot_at)
 
     def generate(self, tokenizer, prompt, max_tokens: int = 256, **kwargs) -> str:
         """The whole generated text of `stream_generate`."""
@@ -227,7 +230,7 @@ class PrefixCache:
         settle(caches, len(toks))
         return logits
 
-    def _run(self, tokenizer, tokens, max_tokens, sampler, processors, progress):
+    def _run(self, tokenizer, tokens, max_tokens, sampler, processors, progress, snapshot_at=()):
         t0 = time.perf_counter()
         stats = RequestStats(prompt_tokens=len(tokens))
         self.last_request = stats
@@ -240,7 +243,7 @@ class PrefixCache:
             caches, leaves = mgr.caches, mgr.leaves
             if self._store is not None:
                 self._store.before_request(tokens)  # check lazily loaded snapshots
-            plan = mgr.begin(tokens)
+            plan = mgr.begin(tokens, snapshot_at)
             stats.matched_tokens, stats.restored_tokens = plan.matched, plan.restored
             stats.reason = plan.reason
             start, stops = plan.restored, plan.stops

@@ -293,3 +293,16 @@ def test_prompt_as_text_and_generate():
     text = pc.generate(TOK, [1, 2, 3], 3)
     assert text.count("<") == 3
     assert pc.last_request.generated_tokens == 3
+
+
+def test_snapshot_at_message_boundaries_makes_first_divergence_exact():
+    m = model("qwen3_next")
+    pc = new_cache(m, pre_end_margin=MARGIN)
+    rng = random.Random(4)
+    conv = [rng.randrange(V) for _ in range(40)]
+    run(pc, conv, 3, snapshot_at=[20])
+    p = conv[:20] + [1, 2, 3]
+    got, s = run(pc, p, 3)
+    assert_same(cold(m, p, 3), got)
+    assert s.matched_tokens == 20 and s.restored_tokens == 20 and s.reason is None
+    check_no_leaks(pc)
