@@ -93,4 +93,5 @@ def _mlx_lm_load(s: str):
     try:
         return load(s)
     except Exception as e:
-        raise ModelLoadError(f"mlx_lm could not load {s!r}: {type(e).__name__}: {e}") from e
+        msg = " ".join(str(e).split())  # one line, for CLI error reporting
+        raise ModelLoadError(f"mlx_lm could not load {s!r}: {type(e).__name__}: {msg}") from e
