@@ -38,6 +38,13 @@ restore rules handle, and the node is dropped after the request). A bad index (m
 fields, unknown format version, another model's fingerprint, other cache layers) is
 ignored as a whole with one warning. A missing index is the normal first start: no
 warning. Nothing here raises into a request.
+
+Placeholders count their full size against the memory budget (as if resident), so the
+budget holds whatever gets verified later. One writer per directory: a save collects
+the files its own index does not reference (under ``.lock``), so two processes saving to
+one directory lose each other's nodes (the loser sees a "missing" warning, never wrong
+output). Model identity: `model_fingerprint` (one pass over the weights, ~0.5 s for a
+135M model on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -232,22 +239,43 @@ def _raw_bytes(a: mx.array) -> memoryview:
     return memoryview(np.ascontiguousarray(np.asarray(v)).reshape(-1)).cast("B")
 
 
-def _encode_file(tensors: Dict[str, mx.array]) -> Tuple[bytes, List[memoryview]]:
+def _header(tensors: Dict[str, mx.array]) -> bytes:
+    """The safetensors header (length prefix included); needs shapes only, no data."""
     header: Dict[str, Any] = {"__metadata__": {"format": _MAGIC}}
-    blobs = []
     pos = 0
     for key in sorted(tensors):
         a = tensors[key]
         if a.dtype not in _DTYPES:
             raise CacheError(f"cannot persist dtype {a.dtype}")
-        b = _raw_bytes(a)
         header[key] = {"dtype": _DTYPES[a.dtype][0], "shape": list(a.shape),
-                       "data_offsets": [pos, pos + b.nbytes]}
-        blobs.append(b)
-        pos += b.nbytes
+                       "data_offsets": [pos, pos + a.nbytes]}
+        pos += a.nbytes
     hj = json.dumps(header, separators=(",", ":")).encode()
     hj += b" " * (-len(hj) % 8)
-    return len(hj).to_bytes(8, "little") + hj, blobs
+    return len(hj).to_bytes(8, "little") + hj
+
+
+def _encode_file(tensors: Dict[str, mx.array]) -> Tuple[bytes, List[memoryview]]:
+    return _header(tensors), [_raw_bytes(tensors[k]) for k in sorted(tensors)]
+
+
+def _file_tensors(new: Dict[int, Snapshot]) -> Dict[str, mx.array]:
+    out = {}
+    for i, snap in new.items():
+        for name, a in snap.to_arrays()[0].items():
+            out[f"L{i}.{name}"] = a
+    return out
+
+
+def _layer_entry(s: Snapshot, file: str, keys: Dict[str, str]) -> dict:
+    arrays = s._arrays or {}  # noqa: SLF001 - shapes only (no data read)
+    return {
+        "kind": s.kind,
+        "meta": s.meta(),
+        "file": file,
+        "arrays": {name: [keys[name], list(a.shape), _DTYPE_STR[a.dtype]]
+                   for name, a in arrays.items()},
+    }
 
 
 def _fsync_dir(d: Path) -> None:
@@ -664,18 +692,28 @@ class PersistentStore:
         # Disk budget: leave out least recently used leaves until the estimate fits.
         keep = {id(n) for n in nodes}
         if self.max_disk_bytes is not None:
+            # Bytes each node adds: its index entry (measured on a stand-in with the same
+            # field widths), its new file (exact header + data), and the files it
+            # references (a file shared by several nodes is counted for each: safe side).
+            dummy = f"n{'0' * 20}.safetensors"
+            big = 10 ** len(str(max(len(nodes), 1) + 1))
             cost = {}
             for n, refs, new in plan:
-                c = 300 + 12 * len(n.tokens)
-                for r in refs:
-                    if r is not None:
-                        c += self._file_info.get((d, r["file"]), (0, 0))[0] // max(1, sum(
-                            1 for rr in refs if rr is not None and rr["file"] == r["file"]))
+                entry = {"id": big, "parent": big, "tokens": n.tokens, "end": n.end,
+                         "last_used": n.last_used, "keep": False, "layers": [
+                             None if (r is None and i not in new) else _layer_entry(
+                                 n.snapshots[i], dummy, (r or {}).get("keys") or {
+                                     k: f"L{i}.{k}" for k in n.snapshots[i]._arrays})
+                             for i, r in enumerate(refs)]}
+                c = len(json.dumps(entry, separators=(",", ":"))) + 1
+                used = {r["file"] for r in refs if r is not None}
+                c += sum(self._file_info.get((d, f), (0, 0))[0] + 80 for f in used)
                 if new:
-                    c += 8 + 200 * sum(len(s.to_arrays()[0]) for s in new.values()) + sum(
-                        s.nbytes for s in new.values())
+                    t = _file_tensors(new)
+                    c += len(_header(t)) + sum(a.nbytes for a in t.values()) + 80
                 cost[id(n)] = c
-            total = 512 + sum(cost.values())
+            total = 400 + len(json.dumps(_layer_signature(self.manager.leaves))) + sum(
+                cost.values())
             children = {id(n): len(n.children) for n in nodes}
             leaves = [n for n in nodes if not n.children]
             import heapq
@@ -720,14 +758,7 @@ class PersistentStore:
                 if r is None or s is None:
                     layers.append(None)
                     continue
-                arrays = s._arrays or {}  # noqa: SLF001 - shapes only (no data read)
-                layers.append({
-                    "kind": s.kind,
-                    "meta": s.meta(),
-                    "file": r["file"],
-                    "arrays": {name: [r["keys"][name], list(a.shape), _DTYPE_STR[a.dtype]]
-                               for name, a in arrays.items()},
-                })
+                layers.append(_layer_entry(s, r["file"], r["keys"]))
                 files[r["file"]] = self._file_info[(d, r["file"])]
             entries.append({
                 "id": ids[id(n)],

@@ -56,14 +56,14 @@ class TinyTokenizer(TokenizerWrapper):
 TOK = TinyTokenizer()
 
 
-def build_model(name: str, perturb: bool = False):
+def build_model(name: str, perturb: bool = False, seed: int = 1):
     if name == "smollm2":
         from mlx_kvcache.default_model import load_default_model
 
         return load_default_model()[0]
     from models import build
 
-    m = build(name, seed=1)
+    m = build(name, seed=seed)
     if perturb:  # a "fine-tune": one row of one layer moves by 1e-3
         lin = m.layers[1].mlp.down_proj if hasattr(m, "layers") else None
         if lin is None:
