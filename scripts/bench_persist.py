@@ -45,7 +45,6 @@ def load_model():
         return model, tok, f"SmolLM2-135M-Instruct (embedded GGUF, loaded in {time.perf_counter() - t:.1f} s)"
     except Exception as e:  # not installed: fall back to a random llama
         from mlx_lm.models import llama
-        from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         mx.random.seed(0)
         model = llama.Model(llama.ModelArgs(
@@ -53,31 +52,9 @@ def load_model():
             num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152))
         mx.eval(model.parameters())
 
-        class _Detok:
-            def reset(self):
-                self.last_segment = ""
+        from mlx_kvcache.testing import TokenIdTokenizer
 
-            def add_token(self, t):
-                self.last_segment = ""
-
-            def finalize(self):
-                pass
-
-        class _Tok(TokenizerWrapper):
-            bos_token = None
-
-            def __init__(self):
-                object.__setattr__(self, "_tokenizer", None)
-                self._eos_token_ids = set()
-                self._detokenizer = _Detok()
-
-            @property
-            def detokenizer(self):
-                d = _Detok()
-                d.reset()
-                return d
-
-        return model, _Tok(), f"random llama of SmolLM2 shape (default model unavailable: {e})"
+        return model, TokenIdTokenizer(), f"random llama of SmolLM2 shape (default model unavailable: {e})"
 
 
 def request(pc, tok, prompt, n):

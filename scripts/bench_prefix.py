@@ -53,9 +53,9 @@ import mlx_kvcache  # isort: skip
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import stream_generate as mlx_stream_generate  # noqa: E402
 from mlx_lm.models import cache as mlc  # noqa: E402
-from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
 
 from mlx_kvcache import PrefixCache  # noqa: E402
+from mlx_kvcache.testing import TokenIdTokenizer as IdTokenizer, build  # noqa: E402
 
 MODEL_KEY = ("bench-model", None, None)  # what mlx_lm.server uses as the trie key
 CONTENDERS = ("cold", "prefix", "lru")
@@ -73,43 +73,6 @@ def mib(n):
 
 
 # -- tokenizers / models ------------------------------------------------------------------
-class IdTokenizer(TokenizerWrapper):
-    """Token ids in, ``<id>`` text out: enough for both generate loops."""
-
-    bos_token = None
-
-    class _Detok:
-        def __init__(self):
-            self.tokens = []
-
-        def reset(self):
-            self.tokens = []
-
-        def add_token(self, t):
-            self.tokens.append(t)
-
-        def finalize(self):
-            pass
-
-        @property
-        def last_segment(self):
-            return f"<{self.tokens[-1]}>" if self.tokens else ""
-
-    def __init__(self):  # deliberately skips the real wrapper's setup
-        self._tokenizer = None
-        self._detokenizer = IdTokenizer._Detok()
-        self._eos_token_ids = set()
-
-    @property
-    def detokenizer(self):
-        self._detokenizer.reset()
-        return self._detokenizer
-
-    @property
-    def eos_token_ids(self):
-        return self._eos_token_ids
-
-
 def build_random_llama(vocab=32000):
     from mlx_lm.models import llama
 
@@ -123,21 +86,8 @@ def build_random_llama(vocab=32000):
 
 
 def build_tiny_hybrid():
-    """tests/models.py's qwen3_next tiny config (float32, vocab 128)."""
-    from mlx_lm.models import qwen3_next
-
-    mx.random.seed(1)
-    m = qwen3_next.Model(qwen3_next.ModelArgs(
-        model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
-        num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=64,
-        mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-6, vocab_size=128,
-        rope_theta=10000.0, partial_rotary_factor=0.25, max_position_embeddings=4096,
-        full_attention_interval=4))
-    mx.eval(m.parameters())
-    return m
+    """The tiny qwen3_next hybrid the tests use (float32, vocab 128)."""
+    return build("qwen3_next")
 
 
 def load_main_model():

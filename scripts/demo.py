@@ -28,33 +28,9 @@ import mlx_kvcache  # isort: skip
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models import cache as mlx_cache  # noqa: E402
-from mlx_lm.models import llama, qwen3_next  # noqa: E402
+from mlx_kvcache.testing import build  # noqa: E402
 
 VOCAB = 128
-
-
-def build(name: str, seed: int = 1):
-    """A tiny random-weight model (float32; the MoE needs it on the CPU build)."""
-    mx.random.seed(seed)
-    if name == "llama":
-        model = llama.Model(llama.ModelArgs(
-            model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-            vocab_size=VOCAB))
-    elif name == "qwen3_next":  # 3 gated-delta-net layers + 1 attention layer, MoE
-        model = qwen3_next.Model(qwen3_next.ModelArgs(
-            model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-            linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
-            num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=64,
-            mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-6,
-            vocab_size=VOCAB, rope_theta=10000.0, partial_rotary_factor=0.25,
-            max_position_embeddings=512, full_attention_interval=4))
-    else:
-        raise KeyError(name)
-    mx.eval(model.parameters())
-    return model
 
 
 def forward(model, tokens: mx.array, cache) -> mx.array:

@@ -20,40 +20,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mlx_kvcache  # noqa: E402,F401  (before mlx)
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.tokenizer_utils import TokenizerWrapper  # noqa: E402
 
 from mlx_kvcache import PrefixCache  # noqa: E402
+from mlx_kvcache.testing import TokenIdTokenizer  # noqa: E402
 
 
-class _Detok:
-    def reset(self):
-        self.last_segment = ""
-
-    def add_token(self, t):
-        self.last_segment = f"<{t}>"
-
-    def finalize(self):
-        pass
-
-
-class TinyTokenizer(TokenizerWrapper):
-    """Enough of a tokenizer for `PrefixCache.stream_generate` with token-id prompts."""
-
-    bos_token = None
-
-    def __init__(self, eos=()):
-        object.__setattr__(self, "_tokenizer", None)
-        self._eos_token_ids = set(eos)
-        self._detokenizer = _Detok()
-
-    @property
-    def detokenizer(self):
-        d = _Detok()
-        d.reset()
-        return d
-
-
-TOK = TinyTokenizer()
+TOK = TokenIdTokenizer()
 
 
 def build_model(name: str, perturb: bool = False, seed: int = 1):
