@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -104,6 +105,30 @@ def format_status(st) -> str:
     return line
 
 
+class _StopFlag:
+    """While active, the first SIGINT only sets ``requested``; a second one raises."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> "_StopFlag":
+        try:
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread: leave SIGINT alone
+            self._old = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
 # -- the conversation ------------------------------------------------------------------------
 @dataclass
 class _Turn:
@@ -130,6 +155,14 @@ class ChatSession:
         self.turns: List[_Turn] = []
         self.messages: List[dict] = []
         self.last_build = ""  # "rendered" or "spliced": how the last prompt was built
+        self.boundaries: List[int] = []  # message boundaries in the last prompt
+        import inspect
+
+        try:
+            params = inspect.signature(cache.stream_generate).parameters
+            self._snapshot_at = "snapshot_at" in params
+        except (TypeError, ValueError):  # pragma: no cover
+            self._snapshot_at = False
         self.reset()
 
     # conversation state ---------------------------------------------------------------------
@@ -179,26 +212,36 @@ class ChatSession:
                         else:
                             gen.pop()
                     self.last_build = "spliced"
-                    return list(last.prompt_ids) + gen + (self._encode(tail) if tail else [])
+                    head_ids = list(last.prompt_ids) + gen
+                    self.boundaries = [len(head_ids)]  # where the new user turn starts
+                    return head_ids + (self._encode(tail) if tail else [])
         self.last_build = "rendered"
-        return self._encode(self._render(messages, True))
+        ids = self._encode(self._render(messages, True))
+        self.boundaries = []
+        if messages and messages[0]["role"] == "system" and len(messages) > 1:
+            # End of the system block, so /reset with the same system prompt restores
+            # exactly there even on recurrent / sliding-window models.
+            sys_ids = self._encode(self._render(messages[:1], False))
+            if 0 < len(sys_ids) < len(ids) and ids[: len(sys_ids)] == sys_ids:
+                self.boundaries = [len(sys_ids)]
+        return ids
 
     # one turn -------------------------------------------------------------------------------
-    def _progress_cb(self) -> Optional[Callable[[int, int], None]]:
-        if not self.progress:
-            return None
+    def _progress_cb(self, stop: "_StopFlag") -> Callable[[int, int], None]:
         tty = self.err.isatty() if hasattr(self.err, "isatty") else False
         state = {"shown": False, "last": -1}
 
         def cb(done: int, total: int) -> None:
-            if total < 256:  # short prompts: no noise
+            if stop.requested:  # Ctrl-C during prefill: stop at this chunk boundary
+                raise KeyboardInterrupt
+            if not self.progress or total < 256:  # short prompts: no noise
                 return
             pct = int(100 * done / max(total, 1))
             if tty:
                 self.err.write(f"\rprefill {pct:3d}% ({done}/{total} tokens)")
                 self.err.flush()
                 state["shown"] = True
-            elif pct // 25 != state["last"] // 25 or done == total:
+            elif pct // 25 != state["last"] // 25:
                 self.err.write(f"prefill {pct}% ({done}/{total} tokens)\n")
                 self.err.flush()
             state["last"] = pct
@@ -213,7 +256,12 @@ class ChatSession:
         return cb
 
     def ask(self, text: str):
-        """Stream the answer to ``text``; returns the request's `RequestStats` (or None)."""
+        """Stream the answer to ``text``; returns the request's `RequestStats` (or None).
+
+        Ctrl-C stops the answer at a safe point — after the current token, or at the next
+        prefill chunk boundary — so the prefix cache records everything computed so far.
+        A second Ctrl-C before that point interrupts at once.
+        """
         n_before = len(self.messages)
         messages = self.messages + [{"role": "user", "content": text}]
         try:
@@ -221,28 +269,33 @@ class ChatSession:
         except Exception as e:  # a template that rejects the conversation
             self.err.write(f"error: cannot apply the chat template: {type(e).__name__}: {e}\n")
             return None
-        cb = self._progress_cb()
         gen_ids: List[int] = []
         pieces: List[str] = []
         interrupted = False
         stats = None
-        it = self.cache.stream_generate(self.tokenizer, ids, self.max_tokens, sampler=self.sampler,
-                                        prompt_progress_callback=cb)
-        try:
-            for r in it:
-                if cb is not None and not gen_ids:
-                    cb.clear()
-                gen_ids.append(int(r.token))
-                stats = r.cache
-                if r.text:
-                    pieces.append(r.text)
-                    self.out.write(r.text)
-                    self.out.flush()
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            it.close()  # records what was computed; no-op when already finished
-            if cb is not None:
+        with _StopFlag() as stop:
+            cb = self._progress_cb(stop)
+            kw = {"snapshot_at": self.boundaries} if self._snapshot_at and self.boundaries else {}
+            it = self.cache.stream_generate(self.tokenizer, ids, self.max_tokens,
+                                            sampler=self.sampler, prompt_progress_callback=cb,
+                                            **kw)
+            try:
+                for r in it:
+                    if not gen_ids:
+                        cb.clear()
+                    gen_ids.append(int(r.token))
+                    stats = r.cache
+                    if r.text:
+                        pieces.append(r.text)
+                        self.out.write(r.text)
+                        self.out.flush()
+                    if stop.requested:
+                        interrupted = True
+                        break
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                it.close()  # records what was computed; no-op when already finished
                 cb.clear()
         self.out.write("\n")
         stats = stats or getattr(self.cache, "last_request", None)
@@ -301,44 +354,30 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _make_cache(PrefixCache, model, args, err: TextIO):
-    """A PrefixCache, persistent when this version supports it. Returns (cache, persistent)."""
+def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO):
+    """A PrefixCache; persistent (loaded now, saved after every request and on close) unless
+    ``--no-persist``. Prints how many cached tokens were loaded."""
     import inspect
 
     kw = {"max_bytes": args.max_cache_bytes}
     params = inspect.signature(PrefixCache.__init__).parameters
-    if args.no_persist or "cache_dir" not in params:
-        if not args.no_persist and args.cache_dir:
-            err.write("note: this version of mlx_kvcache cannot persist the cache; "
-                      "--cache-dir ignored\n")
-        return PrefixCache(model, **kw), False
+    if args.no_persist:
+        return PrefixCache(model, **kw)
+    if "cache_dir" not in params:  # pragma: no cover - builds without persistence
+        err.write("note: this build of mlx_kvcache cannot persist the cache\n")
+        return PrefixCache(model, **kw)
     cache_dir = Path(os.path.expanduser(args.cache_dir)) if args.cache_dir else default_cache_dir()
-    return PrefixCache(model, cache_dir=cache_dir, **kw), True
-
-
-def _load_persisted(cache, out: TextIO, err: TextIO) -> None:
-    if not hasattr(cache, "load"):
-        return
-    try:
-        n = cache.load()
-    except Exception as e:
-        err.write(f"warning: could not load the saved cache: {type(e).__name__}: {e}\n")
-        return
-    tokens = n if isinstance(n, int) else getattr(n, "tokens", None)
-    if tokens is None:
-        tokens = sum(len(node.tokens) for node in cache.manager.trie.nodes()
-                     if getattr(node, "tokens", None) is not None) if cache.manager else 0
-    out.write(f"[cache] loaded {tokens} cached tokens ({human_bytes(cache.nbytes)}) from disk\n")
-    out.flush()
-
-
-def _save_persisted(cache, err: TextIO) -> None:
-    if not hasattr(cache, "save"):
-        return
-    try:
-        cache.save()
-    except Exception as e:
-        err.write(f"warning: could not save the cache: {type(e).__name__}: {e}\n")
+    if "tokenizer" in params:
+        kw["tokenizer"] = tokenizer
+    t0 = time.perf_counter()
+    cache = PrefixCache(model, cache_dir=str(cache_dir), **kw)
+    mgr = getattr(cache, "manager", None)
+    if mgr is not None:
+        tokens = sum(len(n.tokens) for n in mgr.trie.nodes())
+        out.write(f"[cache] loaded {tokens} cached tokens ({human_bytes(cache.nbytes)}) from "
+                  f"{cache_dir} in {time.perf_counter() - t0:.1f} s\n")
+        out.flush()
+    return cache
 
 
 def _read_lines(interactive: bool):
@@ -387,12 +426,10 @@ def _chat(args, out: TextIO, err: TextIO) -> int:
     if args.seed is not None:
         mx.random.seed(args.seed)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
-    cache, persistent = _make_cache(PrefixCache, model, args, err)
     name = args.model or "SmolLM2-135M-Instruct (embedded)"
     err.write(f"loaded {name} in {time.perf_counter() - t0:.1f} s; /help for commands\n")
     err.flush()
-    if persistent:
-        _load_persisted(cache, out, err)
+    cache = _make_cache(PrefixCache, model, tokenizer, args, out, err)
 
     session = ChatSession(cache, tokenizer, system=args.system, max_tokens=args.max_tokens,
                           sampler=sampler, out=out, err=err)
@@ -428,13 +465,20 @@ def _chat(args, out: TextIO, err: TextIO) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside an answer (e.g. between pipe lines)
         out.write("\n")
     finally:
-        if persistent:
-            _save_persisted(cache, err)
+        if hasattr(cache, "close"):
+            cache.close()  # saves a persistent cache (it also saves after every request)
         out.flush()
     return 0
 
 
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    import warnings
+
+    warnings.formatwarning = _format_warning  # one clean line, no source excerpt
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:

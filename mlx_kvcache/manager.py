@@ -293,20 +293,28 @@ class PrefixManager:
             self._keep.add(node)
         return node
 
-    def finish(self, tokens: Sequence[int]) -> int:
+    def finish(self, tokens: Sequence[int], pending: Sequence[int] = ()) -> int:
         """End a request whose caches absorbed ``tokens``; record them and enforce the budget.
 
-        A live state left half-written by an interruption is dropped (the snapshots
-        already taken stay). Returns the bytes evicted.
+        ``pending`` are tokens of a forward pass that an interruption may or may not have
+        let every layer absorb. A live state that cannot be made consistent (a recurrent
+        layer half-way through a write) is dropped; the snapshots already taken stay.
+        Returns the bytes evicted.
         """
         seq = list(tokens)
+        if pending and self.consistent(len(seq) + len(pending)):
+            seq += list(pending)
+        elif not self.consistent(len(seq)):
+            # Layers that ran ahead can rewind if they are KV (or an unwrapped window).
+            for c in self.leaves:
+                if c.offset != len(seq):
+                    c.restore(None, len(seq))
         if seq and self.consistent(len(seq)):
             self.checkpoint(seq)
-        elif seq:
-            log.info("discarding an interrupted live state at %s", [c.offset for c in self.leaves])
-            self.reset_live()
         else:
-            self.live_tokens = []
+            if seq:
+                log.info("discarding an interrupted live state at %s", [c.offset for c in self.leaves])
+            self.reset_live()
         return self.enforce_budget()
 
     def enforce_budget(self) -> int:

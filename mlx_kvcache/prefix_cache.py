@@ -225,9 +225,18 @@ class PrefixCache:
             raise ValueError("the prompt is empty")
         return tokens
 
-    def _forward(self, caches, toks: List[int]) -> mx.array:
+    def _forward(self, caches, toks: List[int], fed: List[int]) -> mx.array:
+        """Run ``toks`` through the model and record them as absorbed.
+
+        ``fed`` is extended right after the graph is built (nothing is evaluated yet),
+        so an interrupt can only leave it one call behind: `PrefixManager.finish`
+        recognises that case through ``self._pending``.
+        """
+        self._pending = toks
         logits = self.model(mx.array(toks)[None], cache=caches)
         settle(caches, len(toks))
+        fed.extend(toks)
+        self._pending = []
         return logits
 
     def _run(self, tokenizer, tokens, max_tokens, sampler, processors, progress, snapshot_at=()):
@@ -250,6 +259,7 @@ class PrefixCache:
         sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
         processors = processors or []
         fed: List[int] = list(tokens[:start])
+        self._pending: List[int] = []
         n = len(tokens)
         try:
             # Prefill up to the last prompt token, stopping at every planned snapshot.
@@ -259,8 +269,7 @@ class PrefixCache:
                 nxt = next((s for s in stops if s > pos), None)
                 if nxt is not None:
                     end = min(end, nxt)
-                self._forward(caches, tokens[pos:end])
-                fed.extend(tokens[pos:end])
+                self._forward(caches, tokens[pos:end], fed)
                 if leaves is not None:
                     _eval_caches(leaves)
                 else:
@@ -278,8 +287,7 @@ class PrefixCache:
 
             def step(toks: List[int]):
                 nonlocal history
-                logits = self._forward(caches, toks)[:, -1, :]
-                fed.extend(toks)
+                logits = self._forward(caches, toks, fed)[:, -1, :]
                 if processors:
                     for p in processors:
                         logits = p(history, logits)
@@ -335,7 +343,7 @@ class PrefixCache:
                     mx.clear_cache()
         finally:
             if mgr is not None:
-                evicted = mgr.finish(fed)
+                evicted = mgr.finish(fed, pending=self._pending)
                 self.stats.evicted_bytes += evicted
                 self.stats.bytes_held = mgr.trie.nbytes
                 self.stats.nodes = sum(1 for _ in mgr.trie.nodes())

@@ -306,3 +306,28 @@ def test_snapshot_at_message_boundaries_makes_first_divergence_exact():
     assert_same(cold(m, p, 3), got)
     assert s.matched_tokens == 20 and s.restored_tokens == 20 and s.reason is None
     check_no_leaks(pc)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_interrupt_right_after_a_forward_keeps_its_work(name):
+    """A KeyboardInterrupt between the forward pass and its bookkeeping loses nothing."""
+    m = model(name)
+    pc = new_cache(m, pre_end_margin=MARGIN)
+    prompt = list(range(10, 50))
+    real = pc.model
+
+    class Interrupting:
+        def __call__(self, *a, **k):
+            out = real(*a, **k)
+            raise KeyboardInterrupt
+
+    pc.model = Interrupting()
+    with pytest.raises(KeyboardInterrupt):
+        list(pc.stream_generate(TOK, prompt, 4))
+    pc.model = real
+    check_no_leaks(pc)
+    got, s = run(pc, prompt, 4)
+    # The interrupted (first) prefill chunk was recorded: it ends at the prompt end - 1,
+    # or at the pre-end snapshot stop on the hybrid model.
+    assert s.prefilled_tokens == (1 if name == "llama" else MARGIN)
+    assert_same(cold(m, prompt, 4), got)
