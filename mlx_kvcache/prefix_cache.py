@@ -32,6 +32,17 @@ class CachedGenerationResponse(GenerationResponse):
     cache: Optional[RequestStats] = None
 
 
+def default_prefill_step() -> int:
+    """Largest prefill chunk: mlx-lm's 2048 on a GPU; 512 on the CPU build, where
+    unfused attention over a 2048-token chunk is memory bound (measured on SmolLM2 with
+    OpenBLAS: a 2048-token prompt in 18.6 s with 512-token chunks vs 28.8 s)."""
+    try:
+        gpu = mx.metal.is_available() or mx.cuda.is_available()
+    except AttributeError:  # pragma: no cover - older MLX without mx.cuda
+        gpu = mx.metal.is_available()
+    return 2048 if gpu else 512
+
+
 def _eval_caches(leaves) -> None:
     arrays = []
     for c in leaves:
@@ -48,7 +59,8 @@ class PrefixCache:
     Args:
         model: an mlx-lm model.
         max_bytes: budget for the snapshots the trie holds (default: 20% of memory).
-        prefill_step_size: largest prefill chunk, in tokens.
+        prefill_step_size: largest prefill chunk, in tokens (default: 2048 on a GPU,
+            512 on MLX's CPU build, where attention over smaller chunks is ~1.5x faster).
         pre_end_margin, snapshot_interval: where hybrid / sliding-window models take
             extra snapshots (see `PrefixManager`).
         cache_dir: persist the trie under this directory (`mlx_kvcache.persist`): load
@@ -64,7 +76,7 @@ class PrefixCache:
         model: nn.Module,
         *,
         max_bytes: Optional[int] = None,
-        prefill_step_size: int = 2048,
+        prefill_step_size: Optional[int] = None,
         pre_end_margin: int = 4,
         snapshot_interval: int = 2048,
         cache_dir: Optional[str] = None,
@@ -72,7 +84,7 @@ class PrefixCache:
         tokenizer: Any = None,
     ) -> None:
         self.model = model
-        self.prefill_step_size = int(prefill_step_size)
+        self.prefill_step_size = int(prefill_step_size or default_prefill_step())
         self._lock = threading.RLock()
         self.stats = CacheStats()
         self.last_request: Optional[RequestStats] = None

@@ -151,6 +151,8 @@ class Contenders:
     def __init__(self, model, tok, max_tokens, prefix_kwargs=None):
         self.model, self.tok, self.max_tokens = model, tok, max_tokens
         self.prefix = PrefixCache(model, max_bytes=8 << 30, **(prefix_kwargs or {}))
+        # Every contender prefills in chunks of the same size.
+        self.step = self.prefix.prefill_step_size
         self.lru = mlc.LRUPromptCache(max_size=100_000, max_bytes=1 << 62)
         self.last_cold_cache = None
 
@@ -159,7 +161,7 @@ class Contenders:
         cache = mlc.make_prompt_cache(self.model)
         ttft, toks, _ = first_and_rest(
             mlx_stream_generate(self.model, self.tok, ids, max_tokens=self.max_tokens,
-                                prompt_cache=cache), t0)
+                                prompt_cache=cache, prefill_step_size=self.step), t0)
         self.last_cold_cache = cache
         return dict(ttft=ttft, toks=toks, reprocessed=len(ids), total=time.perf_counter() - t0)
 
@@ -185,7 +187,7 @@ class Contenders:
             cache = mlc.make_prompt_cache(self.model)
         ttft, toks = None, []
         for gen in mlx_stream_generate(self.model, self.tok, rest, max_tokens=self.max_tokens,
-                                       prompt_cache=cache):
+                                       prompt_cache=cache, prefill_step_size=self.step):
             if ttft is None:
                 ttft = time.perf_counter() - t0
             toks.append(int(gen.token))
@@ -209,7 +211,7 @@ class Contenders:
         t0 = time.perf_counter()
         ttft, _, _ = first_and_rest(
             mlx_stream_generate(self.model, self.tok, list(ids[restored:]), max_tokens=1,
-                                prompt_cache=cache), t0)
+                                prompt_cache=cache, prefill_step_size=self.step), t0)
         return ttft
 
     def lru_logical_bytes(self):
