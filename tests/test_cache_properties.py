@@ -132,6 +132,22 @@ class SnapPool:
         raise AssertionError(f"{s!r} not in the pool")
 
 
+def whole_state_merge_or_split(c, op, pool, data):
+    """Whole-state kinds: merge keeps the child (closing the parent), split cannot cut."""
+    if op == "merge":
+        p = data.draw(st.sampled_from(pool.items), label="parent")[0]
+        q = data.draw(st.sampled_from(pool.items), label="child")[0]
+        m = c.merge(p, q)
+        assert m is q and not q.closed
+        if p is not q:
+            assert p.closed
+            pool.drop(p)
+    else:
+        s = data.draw(st.sampled_from(pool.items), label="snap")[0]
+        at = data.draw(st.integers(0, s.to_offset + 1), label="at")
+        assert c.split(s, at) == (None, s) and not s.closed
+
+
 def check_closed_refused(cache, s, state_of):
     """A closed snapshot is refused with CacheError and changes nothing."""
     before = state_of(cache)
@@ -417,18 +433,8 @@ def test_rotating_random_ops(data):
                 rot_probe(c, hist, heads)
             else:
                 assert same_tree(rot_state(c), before)
-        elif op == "merge" and pool.items:
-            p = data.draw(st.sampled_from(pool.items), label="parent")[0]
-            q = data.draw(st.sampled_from(pool.items), label="child")[0]
-            m = c.merge(p, q)
-            assert m is q and not q.closed
-            if p is not q:
-                assert p.closed
-                pool.drop(p)
-        elif op == "split" and pool.items:
-            s = data.draw(st.sampled_from(pool.items), label="snap")[0]
-            at = data.draw(st.integers(0, s.to_offset + 1), label="at")
-            assert c.split(s, at) == (None, s) and not s.closed
+        elif op in ("merge", "split") and pool.items:
+            whole_state_merge_or_split(c, op, pool, data)
         elif op == "free":
             c.free()
             assert c.offset == 0
@@ -542,18 +548,8 @@ def test_recurrent_random_ops(data):
                 written = True
             else:
                 assert same_tree(rec_state(c), before)
-        elif op == "merge" and pool.items:
-            p = data.draw(st.sampled_from(pool.items), label="parent")[0]
-            q = data.draw(st.sampled_from(pool.items), label="child")[0]
-            m = c.merge(p, q)
-            assert m is q and not q.closed
-            if p is not q:
-                assert p.closed
-                pool.drop(p)
-        elif op == "split" and pool.items:
-            s = data.draw(st.sampled_from(pool.items), label="snap")[0]
-            at = data.draw(st.integers(0, s.to_offset + 1), label="at")
-            assert c.split(s, at) == (None, s) and not s.closed
+        elif op in ("merge", "split") and pool.items:
+            whole_state_merge_or_split(c, op, pool, data)
         elif op == "free":
             c.free()
             hist, written = [], False
