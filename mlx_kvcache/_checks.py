@@ -6,6 +6,7 @@ cache exactly as it was.
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import mlx.core as mx
@@ -50,15 +51,9 @@ def check_kv(keys: mx.array, values: mx.array, like: Optional[mx.array], like_v:
 
 def check_offset(name: str, value: int, upper: Optional[int] = None) -> int:
     """An offset must be a non-negative int (and at most ``upper`` when given)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            import numbers
-
-            if not isinstance(value, numbers.Integral):
-                raise TypeError
-            value = int(value)
-        except TypeError:
-            raise CacheError(f"{name} must be an int, got {type(value).__name__}") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise CacheError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
     if value < 0:
         raise CacheError(f"{name} must be >= 0, got {value}")
     if upper is not None and value > upper:

@@ -15,6 +15,7 @@ every layer reaches, and schedules a branch-point snapshot where it fell short.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -60,8 +61,6 @@ def default_max_bytes(fraction: float = 0.2) -> int:
         total = 0
     if not total:
         try:
-            import os
-
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):  # pragma: no cover
             total = 16 << 30

@@ -23,10 +23,6 @@ class RecurrentSnapshot(Snapshot):
     kind = "recurrent"
     needs_base = False
 
-    def __init__(self, from_offset, to_offset, arrays):
-        super().__init__(from_offset, to_offset, arrays)
-        self.size = len(arrays)
-
     @property
     def slots(self) -> List[Optional[mx.array]]:
         if self.closed:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 
@@ -51,7 +51,6 @@ class CacheStats:
     bytes_held: int = 0
     nodes: int = 0
     max_bytes: int = 0
-    history: list = field(default_factory=list, repr=False)
 
     @property
     def hit_rate(self) -> float:
