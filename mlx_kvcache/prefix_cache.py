@@ -146,9 +146,8 @@ class PrefixCache:
         """
         if kwargs.pop("prompt_cache", None) is not None:
             raise ValueError("PrefixCache manages the prompt cache itself; do not pass prompt_cache")
-        for k in ("prefill_step_size",):
-            if k in kwargs:
-                self.prefill_step_size = int(kwargs.pop(k))
+        # Per request, as in mlx-lm: it must not change the instance's default.
+        chunk = int(kwargs.pop("prefill_step_size", None) or self.prefill_step_size)
         if kwargs:
             raise TypeError(f"unsupported arguments: {sorted(kwargs)}")
         if max_tokens == 0:
@@ -158,7 +157,7 @@ class PrefixCache:
         tokens = self._encode(tokenizer, prompt)
         with self._lock:
             yield from self._run(tokenizer, tokens, max_tokens, sampler, logits_processors,
-                                 prompt_progress_callback, snapshot_at)
+                                 prompt_progress_callback, snapshot_at, chunk)
 
     def generate(self, tokenizer, prompt, max_tokens: int = 256, **kwargs) -> str:
         """The whole generated text of `stream_generate`."""
@@ -251,7 +250,8 @@ class PrefixCache:
         self._pending = []
         return logits
 
-    def _run(self, tokenizer, tokens, max_tokens, sampler, processors, progress, snapshot_at=()):
+    def _run(self, tokenizer, tokens, max_tokens, sampler, processors, progress, snapshot_at=(),
+             chunk=None):
         t0 = time.perf_counter()
         stats = RequestStats(prompt_tokens=len(tokens))
         self.last_request = stats
@@ -268,6 +268,7 @@ class PrefixCache:
             stats.matched_tokens, stats.restored_tokens = plan.matched, plan.restored
             stats.reason = plan.reason
             start, stops = plan.restored, plan.stops
+        chunk = chunk or self.prefill_step_size
         sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
         processors = processors or []
         fed: List[int] = list(tokens[:start])
@@ -277,7 +278,7 @@ class PrefixCache:
             # Prefill up to the last prompt token, stopping at every planned snapshot.
             pos = start
             while pos < n - 1:
-                end = min(pos + self.prefill_step_size, n - 1)
+                end = min(pos + chunk, n - 1)
                 nxt = next((s for s in stops if s > pos), None)
                 if nxt is not None:
                     end = min(end, nxt)

@@ -331,3 +331,12 @@ def test_interrupt_right_after_a_forward_keeps_its_work(name):
     # or at the pre-end snapshot stop on the hybrid model.
     assert s.prefilled_tokens == (1 if name == "llama" else MARGIN)
     assert_same(cold(m, prompt, 4), got)
+
+
+def test_prefill_step_size_is_per_request():
+    m = model("llama")
+    pc = new_cache(m, prefill_step_size=64)
+    prompt = list(range(1, 40))
+    got, _ = run(pc, prompt, 3, prefill_step_size=7)
+    assert pc.prefill_step_size == 64  # the request's value did not stick
+    assert_same(cold(m, prompt, 3), got)
