@@ -1,8 +1,12 @@
 """mlx_kvcache: KV caches that snapshot, restore, merge and split, for mlx-lm models.
 
-Layers (each imports only the ones above it): cache classes (`KVCache`,
-`RotatingKVCache`, `RecurrentCache`, `Snapshot`), the prefix trie, the prefix-cache
-manager and generation (`PrefixCache`), persistence, and the front ends.
+The folders are the layers (docs/design.md); each imports only the ones before it:
+
+``caches``      1  cache classes (`KVCache`, `RotatingKVCache`, `RecurrentCache`, `Snapshot`)
+``prefix``      2-3 the prefix trie and the manager (restore, snapshot, evict decisions)
+``store``       4  the trie on disk, keyed by model identity
+``generation``  5  `PrefixCache`: generation that reuses cached prefixes
+``models``, ``cli``  6  front ends: model loading, the ``mlx-kvcache`` commands
 """
 
 from . import _blas
@@ -10,11 +14,22 @@ from . import _blas
 # Must run before anything imports mlx.core (see _blas).
 _blas.preload()
 
-from .snapshot import CacheError, Snapshot  # noqa: E402
-from .kv import KVCache, KVSnapshot  # noqa: E402
-from .rotating import RotatingKVCache, RotatingSnapshot  # noqa: E402
-from .recurrent import RecurrentCache, RecurrentSnapshot, settle  # noqa: E402
-from .factory import convert, leaf_caches, make_prompt_cache  # noqa: E402
+from .caches import (  # noqa: E402
+    CacheError,
+    KVCache,
+    KVSnapshot,
+    RecurrentCache,
+    RecurrentSnapshot,
+    RotatingKVCache,
+    RotatingSnapshot,
+    Snapshot,
+    convert,
+    leaf_caches,
+    make_prompt_cache,
+    settle,
+)
+from .prefix import CacheStats, PrefixManager, PrefixTrie, RequestStats, TrieNode  # noqa: E402
+from .generation import CachedGenerationResponse, PrefixCache  # noqa: E402
 
 __all__ = [
     "CacheError",
@@ -29,15 +44,6 @@ __all__ = [
     "convert",
     "leaf_caches",
     "make_prompt_cache",
-]
-__version__ = "0.1.0"
-
-from .stats import CacheStats, RequestStats  # noqa: E402
-from .trie import PrefixTrie, TrieNode  # noqa: E402
-from .manager import PrefixManager  # noqa: E402
-from .prefix_cache import CachedGenerationResponse, PrefixCache  # noqa: E402
-
-__all__ += [
     "CacheStats",
     "RequestStats",
     "PrefixTrie",
@@ -46,3 +52,4 @@ __all__ += [
     "PrefixCache",
     "CachedGenerationResponse",
 ]
+__version__ = "0.1.0"

@@ -33,12 +33,12 @@ import mlx_kvcache  # isort: skip  (before mlx: preloads a fast BLAS)
 import mlx.core as mx  # noqa: E402
 
 from mlx_kvcache import PrefixCache  # noqa: E402
-from mlx_kvcache.persist import disk_usage, model_fingerprint  # noqa: E402
+from mlx_kvcache.store import disk_usage, model_fingerprint  # noqa: E402
 
 
 def load_model():
     try:
-        from mlx_kvcache.default_model import load_default_model
+        from mlx_kvcache.models.default import load_default_model
 
         t = time.perf_counter()
         model, tok = load_default_model()

@@ -93,7 +93,7 @@ def build_tiny_hybrid():
 def load_main_model():
     """(model, tokenizer, description, is_text)."""
     try:
-        from mlx_kvcache.default_model import load_default_model
+        from mlx_kvcache.models.default import load_default_model
 
         t0 = time.perf_counter()
         model, tok = load_default_model()

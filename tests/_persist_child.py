@@ -30,7 +30,7 @@ TOK = TokenIdTokenizer()
 
 def build_model(name: str, perturb: bool = False, seed: int = 1):
     if name == "smollm2":
-        from mlx_kvcache.default_model import load_default_model
+        from mlx_kvcache.models.default import load_default_model
 
         return load_default_model()[0]
     from models import build
@@ -81,18 +81,19 @@ def _restart(jobs):
 def _saver(d):
     import time
 
-    from mlx_kvcache import persist
+    from mlx_kvcache.store import save
 
-    orig = persist._write_atomic
+    orig = save.write_atomic
 
     def slow(path, parts):
         def gen():
             for p in parts:
-                time.sleep(0.004)
-                yield p
+                for i in range(0, len(p), 4096):
+                    time.sleep(0.004)
+                    yield p[i:i + 4096]
         return orig(path, gen())
 
-    persist._write_atomic = slow
+    save.write_atomic = slow
     m = build_model("llama")
     pc = PrefixCache(m, cache_dir=d)
     print("ready", flush=True)

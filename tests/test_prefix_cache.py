@@ -16,7 +16,7 @@ from mlx_lm.models.cache import ChunkedKVCache
 from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 
 import mlx_kvcache as mk
-from mlx_kvcache.snapshot import Snapshot
+from mlx_kvcache.caches.snapshot import Snapshot
 from fake_tokenizer import FakeTokenizer
 from models import V, build
 

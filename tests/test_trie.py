@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from mlx_kvcache.snapshot import Snapshot
-from mlx_kvcache.trie import PrefixTrie, TrieNode
+from mlx_kvcache.caches.snapshot import Snapshot
+from mlx_kvcache.prefix.trie import PrefixTrie, TrieNode
 
 
 # -- fakes -----------------------------------------------------------------------------

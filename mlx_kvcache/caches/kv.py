@@ -7,7 +7,7 @@ from typing import Any, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
-from ._checks import check_kv, check_offset, check_snapshot
+from .checks import check_kv, check_offset, check_snapshot
 from .snapshot import CacheError, Snapshot, compact
 
 

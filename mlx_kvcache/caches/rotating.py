@@ -13,7 +13,7 @@ from typing import Any, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from ._checks import check_kv, check_offset, check_snapshot
+from .checks import check_kv, check_offset, check_snapshot
 from .snapshot import CacheError, Snapshot, compact
 
 

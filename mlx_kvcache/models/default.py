@@ -8,7 +8,7 @@ it would import ``llm`` and ``llama_cpp``).
 
 ``load_model(spec, *, dequantize=None)`` lives here:
   * ``None``            -> the default model (``load_default_model``)
-  * ``"*.gguf"`` path   -> ``mlx_kvcache.gguf.load_gguf``
+  * ``"*.gguf"`` path   -> ``mlx_kvcache.models.gguf.load_gguf``
   * existing directory or a Hugging Face repo id -> ``mlx_lm.load(spec)``
     (``dequantize`` does not apply; needs network for repo ids)
   * anything else that looks like a path but does not exist -> ModelLoadError
@@ -21,7 +21,8 @@ import os
 import re
 from pathlib import Path
 
-from .gguf import ModelLoadError, load_gguf
+from .errors import ModelLoadError
+from .gguf import load_gguf
 
 __all__ = ["DEFAULT_GGUF_NAME", "INSTALL_HINT", "default_model_path", "load_default_model",
            "load_model", "ModelLoadError"]

@@ -5,7 +5,7 @@ model: the generation layer asks it to `begin` a request (restore the caches for
 prompt and get the offsets to stop at), to `checkpoint` when the caches reach one, and
 to `finish` with the tokens the caches absorbed.
 
-The restore rules (DESIGN.md) live in `_reachable` and `_restore_layer`:
+The restore rules (docs/design.md) live in `_reachable` and `_restore_layer`:
 KV layers reach any token the trie or the live cache holds; rotating layers reach a
 node end holding their window (any point while the window never wrapped); recurrent
 layers only a node end holding their state. A request lands on the deepest offset
@@ -21,10 +21,10 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .factory import leaf_caches
-from .kv import KVCache
-from .recurrent import RecurrentCache
-from .rotating import RotatingKVCache, RotatingSnapshot
+from ..caches.factory import leaf_caches
+from ..caches.kv import KVCache
+from ..caches.recurrent import RecurrentCache
+from ..caches.rotating import RotatingKVCache, RotatingSnapshot
 from .trie import PrefixTrie, TrieNode
 
 log = logging.getLogger("mlx_kvcache")
@@ -319,7 +319,7 @@ class PrefixManager:
     def enforce_budget(self) -> int:
         freed = self.trie.evict(self.max_bytes)
         if freed:
-            self._keep = {n for n in self._keep if not n.detached}
+            self._keep.difference_update([n for n in self._keep if n.detached])
         return freed
 
     def clear(self) -> None:

@@ -17,10 +17,11 @@ and is closed when dropped; ``take_snapshots`` hands ownership back. A call that
 
 from __future__ import annotations
 
-import heapq
 from typing import Iterator, List, Optional, Protocol, Sequence, Tuple
 
-from .snapshot import Snapshot
+from ..caches.snapshot import Snapshot
+from . import diagnostics, eviction
+from .node import TrieNode, _as_tokens, _live_bytes
 
 __all__ = ["LayerOps", "TrieNode", "PrefixTrie"]
 
@@ -37,86 +38,11 @@ class LayerOps(Protocol):
         ...
 
 
-def _as_tokens(tokens: Sequence[int]) -> List[int]:
-    # numpy / mx arrays compare element-wise, which breaks the slice equality in `find`.
-    if hasattr(tokens, "tolist"):
-        tokens = tokens.tolist()  # type: ignore[union-attr]
-    return [int(t) for t in tokens]
-
-
-def _live_bytes(snapshots: Sequence[Optional[Snapshot]]) -> int:
-    return sum(s.nbytes for s in snapshots if s is not None)
-
-
-class TrieNode:
-    """One compressed edge of the trie and the per-layer snapshots at it.
-
-    Nodes are created and rearranged only by `PrefixTrie`; read their fields freely, but
-    change ``tokens``, ``end``, ``parent``, ``children`` or ``snapshots`` only through the
-    trie, or its byte count and invariants break.
-    """
-
-    __slots__ = (
-        "tokens", "end", "parent", "children", "last_used", "snapshots", "in_use",
-        "detached", "_acct",
-    )
-
-    def __init__(
-        self,
-        tokens: List[int],
-        end: int,
-        parent: Optional["TrieNode"],
-        snapshots: List[Optional[Snapshot]],
-        last_used: int = 0,
-    ):
-        self.tokens: List[int] = tokens
-        self.end: int = end
-        self.parent: Optional[TrieNode] = parent
-        #: Keyed by the child's first token, which makes sibling first tokens unique.
-        self.children: dict[int, TrieNode] = {}
-        self.last_used: int = last_used
-        self.snapshots: List[Optional[Snapshot]] = snapshots
-        #: Pin count of running requests; eviction never touches a pinned node.
-        self.in_use: int = 0
-        #: True once the trie dropped this object (removed, merged away, cleared).
-        self.detached: bool = False
-        # Bytes this node contributed to the trie's counter when its snapshots were last
-        # set; the counter subtracts exactly this, even if a snapshot was closed behind the
-        # trie's back (check_invariants reports that case).
-        self._acct: int = 0
-
-    @property
-    def start(self) -> int:
-        """Absolute offset of the first token of the edge."""
-        return self.end - len(self.tokens)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the node's snapshots hold now."""
-        return _live_bytes(self.snapshots)
-
-    def has_state(self, layer: int) -> bool:
-        """Whether ``layer`` has a (live) snapshot at this node."""
-        s = self.snapshots[layer]
-        return s is not None and not s.closed
-
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    def __repr__(self) -> str:
-        held = sum(1 for s in self.snapshots if s is not None)
-        gone = " detached" if self.detached else ""
-        return (
-            f"TrieNode([{self.start},{self.end}) {len(self.tokens)}t "
-            f"{held}/{len(self.snapshots)} snaps in_use={self.in_use}{gone})"
-        )
-
-
 class PrefixTrie:
     """Compressed token trie of per-layer snapshots, with exact byte accounting and LRU eviction.
 
-    ``ops[i]`` splits and merges the snapshots of layer ``i``. Not thread-safe: callers
-    serialise access (the manager runs one request at a time).
+    ``ops[i]`` splits and merges the snapshots of layer ``i``. Not thread-safe: the
+    manager changes it only inside its short critical sections.
     """
 
     def __init__(self, ops: Sequence[LayerOps]):
@@ -411,141 +337,15 @@ class PrefixTrie:
         self.root.children = {}
         self._nbytes = 0
 
-    # -- eviction ----------------------------------------------------------------------
-    def _evictable(self, node: TrieNode) -> bool:
-        return (
-            not node.detached
-            and node is not self.root
-            and node.in_use == 0
-            and len(node.children) <= 1
-        )
-
-    @staticmethod
-    def _evict_key(node: TrieNode) -> Tuple[int, int, int]:
-        # Oldest first; on a tie the deeper node (so a chain is eaten from its tip), then
-        # the bigger one (frees the most).
-        return (node.last_used, -node.end, -node.nbytes)
-
+    # -- eviction and diagnostics (their own modules) -------------------------------------
     def evict(self, max_bytes: int) -> int:
-        """Free snapshots until ``nbytes <= max_bytes`` or no candidate is left.
+        """Free snapshots until ``nbytes <= max_bytes``; see `eviction.evict`."""
+        return eviction.evict(self, max_bytes)
 
-        Candidates: unpinned non-root nodes with at most one child, so branch points
-        (shared prefixes) survive until only one branch is left. Leaves are removed;
-        single-child nodes are merged into their child (frees whole-state snapshots; for
-        KV it frees nothing but shortens the chain so the leaf can go next). Each step
-        drops one node, so the loop ends. Returns the bytes freed.
-        """
-        before = self._nbytes
-        if before <= max_bytes:
-            return 0
-        heap: List[Tuple[Tuple[int, int, int], int, TrieNode]] = []
-        seq = 0
-
-        def push(n: TrieNode) -> None:
-            nonlocal seq
-            if self._evictable(n):
-                heapq.heappush(heap, (self._evict_key(n), seq, n))
-                seq += 1
-
-        for n in self.nodes():
-            push(n)
-        # Entries go stale when a node changes; every change below pushes a fresh entry,
-        # so a popped entry whose key no longer matches is simply dropped.
-        while heap and self._nbytes > max_bytes:
-            key, _, n = heapq.heappop(heap)
-            if not self._evictable(n) or key != self._evict_key(n):
-                continue
-            parent = n.parent
-            assert parent is not None
-            if n.children:
-                push(self.merge_with_child(n))
-            else:
-                self.remove(n)
-                push(parent)
-        return before - self._nbytes
-
-    # -- diagnostics -------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first broken invariant."""
-        root = self.root
-        L = self.num_layers
-        if root.tokens or root.end != 0 or root.parent is not None:
-            raise AssertionError(f"root must have an empty edge at 0 and no parent: {root!r}")
-        if len(root.snapshots) != L or any(s is not None for s in root.snapshots):
-            raise AssertionError("root must hold no snapshots")
-        total = 0
-        stack = [root]
-        seen = set()
-        while stack:
-            node = stack.pop()
-            if id(node) in seen:
-                raise AssertionError(f"{node!r} reached twice (cycle or shared child)")
-            seen.add(id(node))
-            if node.detached:
-                raise AssertionError(f"detached {node!r} still linked in the trie")
-            if node.in_use < 0:
-                raise AssertionError(f"{node!r} has negative in_use")
-            if node.last_used > self._clock:
-                raise AssertionError(f"{node!r} last_used {node.last_used} > clock {self._clock}")
-            if len(node.snapshots) != L:
-                raise AssertionError(f"{node!r} has {len(node.snapshots)} snapshots for {L} layers")
-            for key, child in node.children.items():
-                where = f"child {child!r} of {node!r}"
-                if child.parent is not node:
-                    raise AssertionError(f"{where}: parent pointer is {child.parent!r}")
-                if not child.tokens:
-                    raise AssertionError(f"{where}: empty edge on a non-root node")
-                if child.tokens[0] != key:
-                    raise AssertionError(
-                        f"{where}: keyed under {key} but its edge starts with {child.tokens[0]}"
-                    )
-                if child.start != node.end:
-                    raise AssertionError(f"{where}: starts at {child.start}, parent ends at {node.end}")
-                stack.append(child)
-            if node is not root and len(node.tokens) != node.end - node.start:
-                raise AssertionError(f"{node!r}: edge length does not match its offsets")
-            node_bytes = 0
-            for i, s in enumerate(node.snapshots):
-                if s is None:
-                    continue
-                if s.closed:
-                    raise AssertionError(f"{node!r} layer {i}: holds closed snapshot {s!r}")
-                if s.needs_base:
-                    if (s.from_offset, s.to_offset) != (node.start, node.end):
-                        raise AssertionError(
-                            f"{node!r} layer {i}: {s!r} does not span [{node.start}, {node.end})"
-                        )
-                elif s.to_offset != node.end:
-                    raise AssertionError(
-                        f"{node!r} layer {i}: whole-state {s!r} does not end at {node.end}"
-                    )
-                node_bytes += s.nbytes
-            if node._acct != node_bytes:
-                raise AssertionError(
-                    f"{node!r}: accounted {node._acct} B but its snapshots hold {node_bytes} B"
-                )
-            total += node_bytes
-        if total != self._nbytes:
-            raise AssertionError(f"nbytes counter {self._nbytes} != {total} held by snapshots")
+        diagnostics.check_invariants(self)
 
     def dump(self) -> str:
-        """One line per node: ``[start,end) Nt bytes age in_use layers``.
-
-        ``layers`` has one character per layer: ``K`` a KV (delta) snapshot, ``S`` a
-        whole-state snapshot, ``.`` none.
-        """
-        lines = [f"root: {self._nbytes} B, clock {self._clock}"]
-
-        # Iterative: a long-lived trie can be deeper than Python's recursion limit.
-        stack = [(self.root.children[k], 1) for k in sorted(self.root.children, reverse=True)]
-        while stack:
-            c, depth = stack.pop()
-            layers = "".join(
-                "." if s is None else ("K" if s.needs_base else "S") for s in c.snapshots
-            )
-            lines.append(
-                f"{'  ' * depth}[{c.start},{c.end}) {len(c.tokens)}t {c.nbytes}B "
-                f"age={self._clock - c.last_used} in_use={c.in_use} {layers}"
-            )
-            stack.extend((c.children[k], depth + 1) for k in sorted(c.children, reverse=True))
-        return "\n".join(lines)
+        """One line per node; see `diagnostics.dump`."""
+        return diagnostics.dump(self)

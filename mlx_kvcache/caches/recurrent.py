@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
 from mlx_lm.models.cache import ArraysCache
 
-from ._checks import check_offset, check_snapshot
+from .checks import check_offset, check_snapshot
 from .snapshot import CacheError, Snapshot, compact
 
 

@@ -76,3 +76,19 @@ def leaf_caches(caches: List[Any]) -> List[Any]:
         else:
             raise CacheError(f"cannot snapshot a {type(c).__name__} layer cache")
     return out
+
+
+def layer_signature(leaves: List[Any]) -> List[List[Any]]:
+    """Kind and shape-defining settings of each layer cache: snapshots are interchangeable
+    only between cache lists with the same signature (persistence checks it)."""
+    sig: List[List[Any]] = []
+    for c in leaves:
+        if isinstance(c, RotatingKVCache):
+            sig.append(["rotating", c.max_size, c.keep])
+        elif isinstance(c, RecurrentCache):
+            sig.append(["recurrent", len(c.cache)])
+        elif isinstance(c, KVCache):
+            sig.append(["kv"])
+        else:
+            sig.append([type(c).__name__])
+    return sig

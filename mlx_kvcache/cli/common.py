@@ -1,0 +1,41 @@
+"""Helpers shared by the commands: byte sizes, cache directories, warning format."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+
+__all__ = ["parse_bytes", "human_bytes", "default_cache_dir", "format_warning"]
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
+          "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_bytes(s: str) -> int:
+    """'512M', '2GiB', '1.5g', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(s))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {s!r} (try 512M, 2G, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mlx_kvcache"
+
+
+
+def format_warning(message, category, filename, lineno, line=None) -> str:
+    """One clean ``warning: ...`` line, no source excerpt (installed by `main`)."""
+    return f"warning: {message}\n"

@@ -1,0 +1,151 @@
+"""Model identity: a fingerprint that keys a persisted prefix cache to one model.
+
+Two models share a fingerprint only if they have the same class, config, parameter names,
+shapes, dtypes and (up to a 64-bit-per-tensor checksum of every element plus a sample of
+raw values) the same weights; the tokenizer's vocabulary, special tokens and chat template
+are included when it is given. Costs one pass over the weights (~0.5 s for a 135M model
+on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import fields, is_dataclass
+from typing import Any, Dict
+
+import mlx.core as mx
+import numpy as np
+
+from .format import RAW
+
+__all__ = ["model_fingerprint"]
+
+
+def _jsonable(v: Any) -> Any:
+    try:
+        json.dumps(v, sort_keys=True)
+        return v
+    except (TypeError, ValueError):
+        return None
+
+
+def _config(model) -> Dict[str, Any]:
+    args = getattr(model, "args", None)
+    if args is None:
+        args = getattr(model, "config", None)
+    if args is None:
+        return {}
+    if is_dataclass(args):
+        items = {f.name: getattr(args, f.name, None) for f in fields(args)}
+    elif isinstance(args, dict):
+        items = dict(args)
+    else:
+        items = dict(getattr(args, "__dict__", {}))
+    out = {}
+    for k in sorted(items):
+        if str(k).startswith("_"):
+            continue
+        v = _jsonable(items[k])
+        if v is not None or items[k] is None:
+            out[str(k)] = v
+    return out
+
+
+_CHUNK = 1 << 22  # elements per chunk of the content checksum (bounds temporaries)
+
+
+def _content_digest(a: mx.array) -> bytes:
+    """Order-sensitive checksum of every element's bits, plus a strided sample.
+
+    Integer arithmetic modulo 2**32 is exact and associative, so the result does not
+    depend on the device or the reduction order. Each element's bit pattern is weighted
+    by an odd position-dependent factor: changing any single element always changes the
+    sum, and a realistic fine-tune (many elements) cannot cancel out except by chance.
+    """
+    flat = a.reshape(-1)
+    dt = flat.dtype
+    if dt == mx.bool_:
+        bits = flat.astype(mx.uint32)
+    elif dt in RAW:
+        raw = RAW[dt]
+        bits = mx.view(flat, raw)
+        if raw == mx.uint64:
+            bits = mx.view(bits, mx.uint32)
+        elif raw != mx.uint32:
+            bits = bits.astype(mx.uint32)
+    else:  # complex64 and anything 32-bit multiple
+        bits = mx.view(flat.astype(mx.float32) if dt.size < 4 else flat, mx.uint32)
+    n = bits.size
+    sums = []
+    for s in range(0, n, _CHUNK):
+        part = bits[s:s + _CHUNK]
+        idx = mx.arange(s, s + part.size, dtype=mx.uint32)
+        w = idx * mx.array(2654435761, dtype=mx.uint32) + mx.array(0x9E3779B9, dtype=mx.uint32)
+        w = w | mx.array(1, dtype=mx.uint32)
+        sums.append(mx.sum(part * w))
+        sums.append(mx.sum(part ^ idx))
+    step = max(1, n // 2048)
+    sample = bits[::step][:2048]
+    mx.eval(sums, sample)
+    return np.asarray([int(x.item()) for x in sums], dtype=np.uint64).tobytes() + \
+        np.asarray(sample).tobytes()
+
+
+def _tokenizer_identity(tok) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    inner = getattr(tok, "_tokenizer", tok)
+
+    def get(name):
+        for o in (tok, inner):
+            try:
+                v = getattr(o, name)
+            except Exception:
+                continue
+            if v is not None:
+                return v
+        return None
+
+    try:
+        vocab = inner.get_vocab()
+        h = hashlib.sha256()
+        for k, v in sorted(vocab.items(), key=lambda kv: (kv[1], kv[0])):
+            h.update(f"{v}\t{k}\n".encode("utf-8", "surrogatepass"))
+        out["vocab"] = h.hexdigest()
+        out["vocab_size"] = len(vocab)
+    except Exception:
+        pass
+    for name in ("vocab_size", "bos_token", "eos_token", "pad_token", "unk_token",
+                 "all_special_tokens", "chat_template"):
+        v = get(name)
+        if v is not None:
+            out.setdefault(name, _jsonable(v) if not isinstance(v, (set, tuple)) else sorted(v))
+    try:
+        out["eos_token_ids"] = sorted(int(t) for t in tok.eos_token_ids)
+    except Exception:
+        pass
+    return out
+
+
+def model_fingerprint(model, tokenizer=None) -> str:
+    """A hex SHA-256 naming the model (config, parameters and their contents) and tokenizer.
+
+    Two models share a fingerprint only if they have the same class, config, parameter
+    names, shapes, dtypes and (up to a 64-bit-per-tensor checksum of every element plus
+    a sample of raw values) the same weights; the tokenizer's vocabulary, special tokens
+    and chat template are included when it is given. Costs one pass over the weights.
+    """
+    from mlx.utils import tree_flatten
+
+    h = hashlib.sha256()
+    h.update(f"mlx_kvcache-fingerprint-v1\n{type(model).__module__}.{type(model).__qualname__}\n".encode())
+    h.update(json.dumps(_config(model), sort_keys=True, default=str).encode())
+    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    for name, a in params:
+        h.update(f"\n{name}:{tuple(a.shape)}:{a.dtype}\n".encode())
+        h.update(_content_digest(a))
+    if tokenizer is not None:
+        h.update(b"\ntokenizer\n")
+        h.update(json.dumps(_tokenizer_identity(tokenizer), sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
