@@ -81,13 +81,11 @@ class TokenIdTokenizer(TokenizerWrapper):
 
     def __init__(self, eos=()):  # deliberately skips the real wrapper's setup
         self._tokenizer = None
-        self._detokenizer = _IdDetokenizer()
         self._eos_token_ids = set(eos)
 
     @property
     def detokenizer(self):
-        self._detokenizer.reset()
-        return self._detokenizer
+        return _IdDetokenizer()  # one per caller: requests are detokenized concurrently
 
     @property
     def eos_token_ids(self):

@@ -30,7 +30,7 @@ Workloads:
      an earlier prompt. Reports the fraction of prompt tokens each reuses.
      mlx-lm cannot trim ``ArraysCache``, so LRUPromptCache gets nothing there.
 
-a and b use the embedded SmolLM2-135M-Instruct (``mlx_kvcache.default_model``) with its
+a and b use the embedded SmolLM2-135M-Instruct (``mlx_kvcache.models.default``) with its
 tokenizer and chat template; without it, a random-weight llama with random token ids.
 
     python scripts/bench_prefix.py            # ~4 min on 2 busy CPU cores (less when idle)

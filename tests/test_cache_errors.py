@@ -150,10 +150,15 @@ def test_snapshot_from_offset_out_of_range(make):
 
 @pytest.mark.parametrize("make", [kv_cache, rot_cache, rec_cache])
 def test_negative_restore_target(make):
+    """The seed interface: Restore returns false when the target is unreachable, e.g. negative."""
     c = make()
     s = c.snapshot(0)
-    expect_error(c, lambda: c.restore(None, -1), "target must be >= 0")
-    expect_error(c, lambda: c.restore(s, -1), "target must be >= 0")
+    before = snap_state(c)
+    assert c.restore(None, -1) is False
+    assert c.restore(s, -1) is False
+    assert same(snap_state(c), before), "a refused restore changed the cache"
+    expect_error(c, lambda: c.restore(None, 1.5), "target must be an int")
+    expect_error(c, lambda: c.restore(s, "3"), "target must be an int")
 
 
 def test_snapshot_of_another_kind():

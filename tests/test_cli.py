@@ -448,3 +448,33 @@ def test_parse_and_format_bytes():
     assert parse_bytes("1.5g") == 3 << 29
     assert parse_bytes("1000") == 1000
     assert human_bytes(1536) == "1.5 KiB" and human_bytes(12) == "12 B"
+
+
+@pytest.mark.parametrize("args, what", [
+    (["--temp", "-1"], "--temp: must be >= 0"),
+    (["--temp", "nan"], "--temp: must be a finite number"),
+    (["--temp", "inf"], "--temp: must be a finite number"),
+    (["--top-p", "5"], r"--top-p: must be in \(0, 1\]"),
+    (["--top-p", "0"], r"--top-p: must be in \(0, 1\]"),
+    (["--top-p", "x"], "--top-p: not a number"),
+])
+def test_sampling_options_out_of_range(capsys, args, what):
+    from mlx_kvcache.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["chat", *args])
+    assert e.value.code == 2
+    assert re.search(what, capsys.readouterr().err)
+
+
+def test_invalid_utf8_input_is_named_and_skipped(tiny_dir, tmp_path):
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), PYTHONUNBUFFERED="1")
+    p = subprocess.run([sys.executable, "-m", "mlx_kvcache.cli", "chat", "--no-persist",
+                        "--model", str(tiny_dir), "--max-tokens", "3"],
+                       input=b"caf\xe9 au lait\nhello\n", capture_output=True, timeout=240,
+                       env=env, cwd=str(ROOT))
+    err = p.stderr.decode()
+    assert p.returncode == 0, err
+    assert "error: input line 1 is not valid UTF-8 (byte 0xe9 at character 3); skipped" in err
+    assert "chat template" not in err
+    assert len(status_lines(p.stdout.decode())) == 1  # the valid line was answered

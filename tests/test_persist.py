@@ -283,6 +283,7 @@ def test_killed_save_leaves_loadable_cache(tmp_path):
             pc = PrefixCache(model, cache_dir=str(tmp_path))
             pc.manager.trie.check_invariants()
             toks, st = run(pc, probe, 4)
+            pc.flush()
         assert _ours(ws) == [], _ours(ws)
         assert toks == expect
         pc.manager.reset_live()
@@ -297,11 +298,13 @@ def test_incremental_save(tmp_path):
     ps = prompts(3, seed=21)
     pc = PrefixCache(build_model("llama"), cache_dir=str(tmp_path))
     run(pc, ps[0], 4)
+    pc.flush()
     d = _model_dir(tmp_path)
     first = {p.name: p.stat().st_mtime_ns for p in _snapshot_files(d)}
     pc.save()
     assert {p.name: p.stat().st_mtime_ns for p in _snapshot_files(d)} == first
     run(pc, ps[0] + [5, 6, 7, 8, 9], 4)  # extends the first prompt's node
+    pc.flush()
     after = {p.name: p.stat().st_mtime_ns for p in _snapshot_files(d)}
     assert all(after.get(k) in (None, v) for k, v in first.items())  # never rewritten
     assert len(set(after) - set(first)) >= 1
@@ -316,7 +319,7 @@ def test_save_and_load_explicit_path(tmp_path):
     n = fresh.load(str(tmp_path))
     assert n == sum(len(x.tokens) for x in pc.manager.trie.nodes())
     fresh.manager.trie.check_invariants()
-    assert fresh.nbytes == pc.nbytes
+    assert fresh.stats.snapshot_bytes == pc.stats.snapshot_bytes
     toks, st = run(fresh, ps[1], 5)
     assert toks == outs[1] and st.prefilled_tokens == 1
 
@@ -339,6 +342,7 @@ def test_disk_budget_holds(tmp_path):
     pc = PrefixCache(model, cache_dir=str(tmp_path), max_disk_bytes=budget)
     for i, p in enumerate(prompts(12, length=40, seed=41) + prompts(6, length=40, seed=42)):
         run(pc, p, 4)
+        pc.flush()
         assert disk_usage(_model_dir(tmp_path)) <= budget, i
     fresh = PrefixCache(model, cache_dir=str(tmp_path), max_disk_bytes=budget)
     fresh.manager.trie.check_invariants()
@@ -357,6 +361,7 @@ def test_unwritable_dir_does_not_break_generation(tmp_path):
         pc = PrefixCache(build_model("llama"), cache_dir=str(f))
         p = prompts(1, seed=51)[0]
         toks, _ = run(pc, p, 4)
+        pc.flush()
     assert toks == _cold("llama", p, 4)
     assert any("could not save" in m for m in _ours(ws))
 

@@ -61,6 +61,14 @@ def check_offset(name: str, value: int, upper: Optional[int] = None) -> int:
     return value
 
 
+def check_target(value: int) -> Optional[int]:
+    """A restore target as an int, or None when it is negative (unreachable, so the
+    restore returns False as the seed interface says); a non-int raises."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value < 0:
+        return None
+    return check_offset("target", value)
+
+
 def check_snapshot(snap: Snapshot, cls: type, owner: str) -> None:
     """A snapshot must be of the cache's own kind and still open."""
     if not isinstance(snap, cls):

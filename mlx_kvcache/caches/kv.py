@@ -7,7 +7,7 @@ from typing import Any, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
-from .checks import check_kv, check_offset, check_snapshot
+from .checks import check_kv, check_offset, check_snapshot, check_target
 from .snapshot import CacheError, Snapshot, compact
 
 
@@ -109,6 +109,14 @@ class KVCache:
         mx.eval(k, v)
         return KVSnapshot(from_offset, self.offset, {"keys": k, "values": v})
 
+    def snapshot_nbytes(self, from_offset: int = 0) -> int:
+        """Bytes ``snapshot(from_offset)`` would hold (nothing is copied)."""
+        if self.keys is None or from_offset >= self.offset:
+            return 0
+        B, H, _, dk = self.keys.shape
+        row = dk * self.keys.dtype.size + self.values.shape[3] * self.values.dtype.size
+        return B * H * (self.offset - max(from_offset, 0)) * row
+
     def restore(self, snapshot: Optional[KVSnapshot], target: int) -> bool:
         """Bring the cache to ``target`` tokens.
 
@@ -117,7 +125,9 @@ class KVCache:
         snapshot.from_offset``) and ``target <= snapshot.to_offset``. Returns False,
         changing nothing, when the target is unreachable.
         """
-        target = check_offset("target", target)
+        target = check_target(target)
+        if target is None:
+            return False
         if snapshot is None:
             if target > self.offset:
                 return False

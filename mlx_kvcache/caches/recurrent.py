@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
 from mlx_lm.models.cache import ArraysCache
 
-from .checks import check_offset, check_snapshot
+from .checks import check_offset, check_snapshot, check_target
 from .snapshot import CacheError, Snapshot, compact
 
 
@@ -140,10 +140,18 @@ class RecurrentCache(ArraysCache):
         mx.eval(list(arrays.values()))
         return RecurrentSnapshot(from_offset, self.offset, arrays)
 
+    def snapshot_nbytes(self, from_offset: int = 0) -> int:
+        """Bytes ``snapshot(from_offset)`` would hold: every slot (nothing is copied)."""
+        if self.empty() or from_offset >= self.offset:
+            return 0
+        return sum(s.size * s.dtype.size for s in self.cache if s is not None)
+
     def restore(self, snapshot: Optional[RecurrentSnapshot], target: int) -> bool:
         """Recurrent state cannot rewind: only ``target == offset`` (live) or
         ``target == snapshot.to_offset`` succeed. False (no change) otherwise."""
-        target = check_offset("target", target)
+        target = check_target(target)
+        if target is None:
+            return False
         if snapshot is None:
             return target == self.offset
         check_snapshot(snapshot, RecurrentSnapshot, "RecurrentCache.restore")

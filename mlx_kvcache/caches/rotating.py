@@ -13,7 +13,7 @@ from typing import Any, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from .checks import check_kv, check_offset, check_snapshot
+from .checks import check_kv, check_offset, check_snapshot, check_target
 from .snapshot import CacheError, Snapshot, compact
 
 
@@ -184,6 +184,14 @@ class RotatingKVCache:
             from_offset, self.offset, {"keys": k, "values": v}, idx, self.max_size, self.keep
         )
 
+    def snapshot_nbytes(self, from_offset: int = 0) -> int:
+        """Bytes ``snapshot(from_offset)`` would hold: the window (nothing is copied)."""
+        if self.keys is None or from_offset >= self.offset:
+            return 0
+        B, H, _, dk = self.keys.shape
+        rows = self.max_size if self.wrapped else self.offset
+        return B * H * rows * (dk * self.keys.dtype.size + self.values.shape[3] * self.values.dtype.size)
+
     def restore(self, snapshot: Optional[RotatingSnapshot], target: int) -> bool:
         """Bring the cache to ``target`` tokens.
 
@@ -191,7 +199,9 @@ class RotatingKVCache:
         the window never wrapped. From a snapshot: ``target == snapshot.to_offset``, or
         any lower target when the snapshot never wrapped. False (no change) otherwise.
         """
-        target = check_offset("target", target)
+        target = check_target(target)
+        if target is None:
+            return False
         if snapshot is None:
             if target == self.offset:
                 return True

@@ -102,5 +102,12 @@ class Snapshot:
 
 
 def compact(x: mx.array) -> mx.array:
-    """A copy of ``x`` in its own buffer (never a view that pins a larger one)."""
-    return mx.contiguous(x)
+    """A copy of ``x`` in a row-contiguous buffer of its own, exactly its size.
+
+    ``mx.contiguous`` alone returns the *same* buffer when a slice is row-contiguous and
+    the buffer is at most 16 KiB larger (a one-KV-head cache's first rows, say), which
+    would pin the whole live buffer; ``mx.array`` always copies (and ``contiguous`` then
+    fixes broadcast layouts). Evaluate the result while ``x``'s buffer is still referenced,
+    or MLX may donate that buffer to it.
+    """
+    return mx.contiguous(mx.array(x))

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from .common import default_cache_dir, human_bytes, parse_bytes
+from .common import default_cache_dir, human_bytes, parse_bytes, probability, temperature
 from .session import HELP, ChatSession
 
 __all__ = ["add_parser", "run"]
@@ -45,8 +45,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="same as --no-dequantize")
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--max-tokens", type=int, default=256, help="answer length limit (default 256)")
-    c.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    c.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0 = off)")
+    c.add_argument("--temp", type=temperature, default=0.0,
+                   help="sampling temperature, >= 0 (0 = greedy)")
+    c.add_argument("--top-p", type=probability, default=1.0,
+                   help="nucleus sampling, in (0, 1] (default 1.0 = off)")
     c.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     c.add_argument("--max-cache-bytes", type=parse_bytes, default=None,
                    help="byte budget for cached snapshots, e.g. 512M or 2G (default: 20%% of memory)")
@@ -77,7 +79,7 @@ def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO):
     cache = PrefixCache(model, cache_dir=str(cache_dir), **kw)
     mgr = getattr(cache, "manager", None)
     if mgr is not None:
-        tokens = sum(len(n.tokens) for n in mgr.trie.nodes())
+        tokens = mgr.peek(lambda: sum(len(n.tokens) for n in mgr.trie.nodes()))
         out.write(f"[cache] loaded {tokens} cached tokens ({human_bytes(cache.nbytes)}) from "
                   f"{cache_dir} in {time.perf_counter() - t0:.1f} s\n")
         out.flush()
@@ -85,7 +87,14 @@ def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO):
 
 
 def _read_lines(interactive: bool):
-    """Yield input lines; ends on EOF (and on Ctrl-C at an interactive prompt)."""
+    """Yield input lines; ends on EOF (and on Ctrl-C at an interactive prompt).
+
+    Bytes that are not UTF-8 come through as surrogate escapes (see `_bad_utf8`) instead
+    of ending the session with a decoding traceback."""
+    try:
+        sys.stdin.reconfigure(errors="surrogateescape")
+    except (AttributeError, ValueError):  # pragma: no cover - a replaced stdin
+        pass
     if interactive:
         try:
             import readline  # noqa: F401  (line editing and history for input())
@@ -103,6 +112,17 @@ def _read_lines(interactive: bool):
     else:
         for line in sys.stdin:
             yield line.rstrip("\r\n")
+
+
+def _bad_utf8(line: str) -> str:
+    """'' for valid text, else what is wrong with it (the first undecodable byte)."""
+    try:
+        line.encode("utf-8")
+        return ""
+    except UnicodeEncodeError as e:
+        byte = ord(line[e.start]) - 0xDC00 if 0xDC80 <= ord(line[e.start]) <= 0xDCFF else None
+        what = f"byte 0x{byte:02x}" if byte is not None else "a lone surrogate"
+        return f"{what} at character {e.start}"
 
 
 def run(args, out: TextIO, err: TextIO) -> int:
@@ -123,25 +143,29 @@ def run(args, out: TextIO, err: TextIO) -> int:
         err.write(f"error: cannot load model {args.model!r}: {type(e).__name__}: {e}\n")
         return 2
 
-    import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
     from ..generation import PrefixCache
 
-    if args.seed is not None:
-        mx.random.seed(args.seed)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
     name = args.model or "SmolLM2-135M-Instruct (embedded)"
     err.write(f"loaded {name} in {time.perf_counter() - t0:.1f} s; /help for commands\n")
     err.flush()
     cache = _make_cache(PrefixCache, model, tokenizer, args, out, err)
+    if args.seed is not None:
+        cache.seed(args.seed)  # sampling runs on the cache's engine thread
 
     session = ChatSession(cache, tokenizer, system=args.system, max_tokens=args.max_tokens,
                           sampler=sampler, out=out, err=err)
     try:
-        for line in _read_lines(interactive):
+        for number, line in enumerate(_read_lines(interactive), 1):
             text = line.strip()
             if not text:
+                continue
+            bad = _bad_utf8(text)
+            if bad:
+                err.write(f"error: input line {number} is not valid UTF-8 ({bad}); skipped\n")
+                err.flush()
                 continue
             if not interactive:
                 out.write(f">>> {text}\n")

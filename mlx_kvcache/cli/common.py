@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from pathlib import Path
 
-__all__ = ["parse_bytes", "human_bytes", "default_cache_dir", "format_warning"]
+__all__ = ["parse_bytes", "human_bytes", "default_cache_dir", "format_warning", "temperature",
+           "probability"]
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
@@ -34,6 +36,32 @@ def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "mlx_kvcache"
 
+
+
+def _number(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {s!r}")
+    return v
+
+
+def temperature(s: str) -> float:
+    """A sampling temperature: a finite number >= 0."""
+    v = _number(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy), got {s}")
+    return v
+
+
+def probability(s: str) -> float:
+    """A top-p value: a number in (0, 1]."""
+    v = _number(s)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s}")
+    return v
 
 
 def format_warning(message, category, filename, lineno, line=None) -> str:

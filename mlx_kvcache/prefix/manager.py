@@ -1,54 +1,41 @@
 """The prefix-cache manager (layer 3): what to restore, where to snapshot, what to keep.
 
-It owns one model's live caches and the trie of their snapshots, but never runs the
-model: the generation layer asks it to `begin` a request (restore the caches for a
-prompt and get the offsets to stop at), to `checkpoint` when the caches reach one, and
-to `finish` with the tokens the caches absorbed.
+It owns one model's trie of snapshots and lends *live sets* (cache lists) to requests:
+`checkout` gives a request a live set of its own, restored for its prompt, and the
+offsets where its prefill must stop; `checkpoint` records the live set at such a stop;
+`checkin` records the request's end and takes the live set back. Requests own their
+live sets, so any number may run at once, from any threads or event loops; the trie,
+the budget and the pool of live sets change only inside critical sections (`run`), which never
+span a generator step (docs/design.md, "Concurrency").
 
-The restore rules (docs/design.md) live in `_reachable` and `_restore_layer`:
-KV layers reach any token the trie or the live cache holds; rotating layers reach a
-node end holding their window (any point while the window never wrapped); recurrent
-layers only a node end holding their state. A request lands on the deepest offset
-every layer reaches, and schedules a branch-point snapshot where it fell short.
+The restore rules are in `planner`. The byte budget counts everything the manager holds:
+the trie's snapshots and every live set (lent or idle). It is enforced whenever that
+grows: after a restore, before each snapshot (a snapshot that cannot fit is skipped and
+counted) and at a request's end.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+import threading
+import weakref
+from collections import deque
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from ..caches.factory import leaf_caches
 from ..caches.kv import KVCache
-from ..caches.recurrent import RecurrentCache
-from ..caches.rotating import RotatingKVCache, RotatingSnapshot
+from . import planner
+from .live import LiveSet
+from .planner import Plan
 from .trie import PrefixTrie, TrieNode
 
+__all__ = ["PrefixManager", "Plan", "default_max_bytes"]
+
 log = logging.getLogger("mlx_kvcache")
-
-
-@dataclass
-class Plan:
-    """What `PrefixManager.begin` did for a prompt."""
-
-    prompt_tokens: int
-    matched: int
-    restored: int
-    reason: Optional[str]
-    #: Offsets (ascending, in ``(restored, prompt_tokens - 1]``) where prefill must stop
-    #: so the caches can be snapshotted there.
-    stops: List[int] = field(default_factory=list)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def default_max_bytes(fraction: float = 0.2) -> int:
@@ -68,11 +55,11 @@ def default_max_bytes(fraction: float = 0.2) -> int:
 
 
 class PrefixManager:
-    """Live caches + trie for one model; one request at a time (callers serialise).
+    """Trie + live sets for one model.
 
     Args:
-        caches: the model's cache list (from `mlx_kvcache.make_prompt_cache`).
-        max_bytes: budget for every byte of snapshots the trie holds.
+        make_caches: returns a fresh cache list for the model (one per live set).
+        max_bytes: budget for everything held: snapshots and live caches.
         pre_end_margin: snapshot this many tokens before a prompt's end (hybrid and
             sliding-window models), so a retried answer or a re-rendered assistant
             turn still lands on a snapshot.
@@ -80,250 +67,291 @@ class PrefixManager:
             sliding-window models), bounding the recompute after any divergence.
         merge_below: a plain node shorter than this is merged into its single new child
             (cheap, avoids a chain of tiny nodes); longer ones stay until eviction.
+        executor: runs a callable on the thread that may do this model's MLX work and
+            returns its result (`PrefixCache` passes its engine; None runs inline, for
+            callers that are that thread already, like mlx-lm's server thread).
     """
 
-    def __init__(
-        self,
-        caches: List,
-        *,
-        max_bytes: int,
-        pre_end_margin: int = 4,
-        snapshot_interval: int = 2048,
-        merge_below: int = 256,
-    ) -> None:
+    def __init__(self, make_caches: Callable[[], List[Any]], *, max_bytes: int,
+                 pre_end_margin: int = 4, snapshot_interval: int = 2048,
+                 merge_below: int = 256,
+                 executor: Optional[Callable[..., Any]] = None) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        self.caches = caches
-        self.leaves = leaf_caches(caches)
-        self.trie = PrefixTrie(self.leaves)
+        self.make_caches = make_caches
+        # A cache list that never holds state: its classes split and merge snapshots.
+        self.ops = leaf_caches(make_caches())
+        self.trie = PrefixTrie(self.ops)
         self.max_bytes = int(max_bytes)
         self.pre_end_margin = int(pre_end_margin)
         self.snapshot_interval = int(snapshot_interval)
         self.merge_below = int(merge_below)
         #: Whether some layer can only come back from a snapshot at a node end.
-        self.whole_state = any(not isinstance(c, KVCache) for c in self.leaves)
-        #: Tokens the live caches hold (their common offset is its length).
-        self.live_tokens: List[int] = []
-        # Nodes that are deliberate restore points (never merged away except by eviction).
-        self._keep: set = set()
+        self.whole_state = any(not isinstance(c, KVCache) for c in self.ops)
+        #: Nodes that are deliberate restore points (never merged away except by eviction).
+        self.keep: set = set()
+        #: Called with a prompt's tokens inside `checkout`, before anything is restored
+        #: (the store checks lazily loaded snapshot files there).
+        self.verify: Optional[Callable[[Sequence[int]], None]] = None
+        self.evicted_bytes = 0
+        self._lock = threading.Lock()
+        self._exec = executor or (lambda fn, *a: fn(*a))
+        self._inside = threading.local()  # per thread: critical sections entered, not left
+        self._deferred: deque = deque()
+        self._idle: Optional[LiveSet] = None
+        self._lent: "weakref.WeakSet[LiveSet]" = weakref.WeakSet()
+        self._epoch = 0
 
-    # -- consistency ---------------------------------------------------------------------
+    # -- critical sections ----------------------------------------------------------------
+    @contextmanager
+    def _held(self, drain: bool) -> Iterator[None]:
+        # Counted before acquiring: a finaliser the garbage collector runs on this thread
+        # anywhere from here on must defer instead of waiting for the lock it holds.
+        self._inside.depth = getattr(self._inside, "depth", 0) + 1
+        try:
+            with self._lock:
+                while drain and self._deferred:
+                    self._deferred.popleft()()
+                yield
+        finally:
+            self._inside.depth -= 1
+
+    def _busy_here(self) -> bool:
+        return bool(getattr(self._inside, "depth", 0))
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` inside a critical section on the MLX thread (see ``executor``):
+        short, never spanning a generator step; deferred work runs first."""
+        if self._busy_here():
+            raise RuntimeError("PrefixManager.run called from inside a critical section")
+
+        def section():
+            with self._held(drain=True):
+                return fn(*args)
+        return self._exec(section)
+
+    def peek(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` under the trie's lock on the calling thread: for reading counters
+        (no MLX work, nothing deferred runs)."""
+        with self._held(drain=False):
+            return fn(*args)
+
+    # -- bytes --------------------------------------------------------------------------------
     @property
-    def offset(self) -> int:
-        return min((c.offset for c in self.leaves), default=0)
+    def snapshot_bytes(self) -> int:
+        """Bytes of the trie's snapshots."""
+        return self.trie.nbytes
 
-    def consistent(self, length: int) -> bool:
-        """True when every layer holds exactly ``length`` tokens and no recurrent layer
-        has a half-applied write (an interrupted forward pass)."""
-        for c in self.leaves:
-            if c.offset != length:
-                return False
-            if isinstance(c, RecurrentCache) and c._dirty:
-                return False
-        return True
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of every live set, lent to a request or idle."""
+        sets = set(self._lent)
+        if self._idle is not None:
+            sets.add(self._idle)
+        return sum(s.nbytes for s in sets)
 
-    def reset_live(self) -> None:
-        """Forget the live state (the trie keeps every snapshot)."""
-        for c in self.leaves:
-            c.free()
-        self.live_tokens = []
+    @property
+    def nbytes(self) -> int:
+        """Everything the manager holds: snapshots and live caches."""
+        return self.snapshot_bytes + self.live_bytes
 
-    # -- begin: restore ------------------------------------------------------------------
-    def _reach_table(self, path: List[TrieNode], live_common: int, top: int):
-        """Per layer, what it can reach at or below ``top`` (computed once per request).
+    def _evict(self, target: int) -> None:
+        freed = self.trie.evict(max(target, 0))
+        if freed:
+            self.evicted_bytes += freed
+            self.keep.difference_update([n for n in self.keep if n.detached])
 
-        Returns, per layer, either ``("kv", limit)`` — every offset up to ``limit`` —
-        or ``("points", ends, any_below)`` — exactly the offsets in ``ends``, plus any
-        offset up to ``any_below`` (an unwrapped window).
-        """
-        table = []
-        for i, c in enumerate(self.leaves):
-            if isinstance(c, KVCache):
-                limit = live_common
-                for n in path:  # the trie pages in node after node above the live prefix
-                    if n.end <= limit:
-                        continue
-                    if n.start > limit or not n.has_state(i):
-                        break
-                    limit = min(n.end, top)
-                table.append(("kv", max(limit, live_common)))
-                continue
-            ends = {0}
-            any_below = 0
-            if c.offset <= live_common:
-                ends.add(c.offset)
-                if isinstance(c, RotatingKVCache) and not c.wrapped:
-                    any_below = c.offset
-            for n in path:
-                if not n.has_state(i):
-                    continue
-                s = n.snapshots[i]
-                ends.add(n.end)
-                if isinstance(s, RotatingSnapshot) and not s.wrapped:
-                    any_below = max(any_below, min(n.end, top))
-            table.append(("points", ends, any_below))
-        return table
+    def enforce_budget(self) -> None:
+        """Fit ``max_bytes``: drop the idle live set first (the trie holds its tokens too),
+        then evict least recently used snapshots. Lent live sets cannot be dropped."""
+        self.run(self._enforce)
 
-    @staticmethod
-    def _reachable(entry, t: int) -> bool:
-        if entry[0] == "kv":
-            return t <= entry[1]
-        return t in entry[1] or t <= entry[2]
+    def _enforce(self) -> None:
+        if self.nbytes <= self.max_bytes:
+            return
+        if self._idle is not None:
+            self._idle.reset()
+            self._idle = None
+        self._evict(self.max_bytes - self.live_bytes)
 
-    def _restore_layer(self, i: int, t: int, path: List[TrieNode], live_common: int) -> bool:
-        c = self.leaves[i]
-        if t == 0:
-            c.free()
-            return True
-        if t <= live_common and c.restore(None, t):
-            return True
-        if isinstance(c, KVCache):
-            if not c.restore(None, min(live_common, t)):
-                return False
-            for n in path:
-                if n.end <= c.offset:
-                    continue
-                if n.start >= t or not c.restore(n.snapshots[i], min(n.end, t)):
-                    break
-            return c.offset == t
-        for n in reversed(path):
-            if n.has_state(i) and c.restore(n.snapshots[i], t):
-                return True
-        return False
+    def _make_room(self, need: int) -> bool:
+        """Evict so ``need`` more bytes fit; False when they cannot."""
+        budget = self.max_bytes - self.live_bytes
+        if self.trie.nbytes + need > budget and self._idle is not None:
+            self._idle.reset()
+            self._idle = None
+            budget = self.max_bytes - self.live_bytes
+        if self.trie.nbytes + need > budget:
+            self._evict(budget - need)
+        return self.trie.nbytes + need <= budget
 
-    def begin(self, tokens: Sequence[int], extra_stops: Sequence[int] = ()) -> Plan:
-        """Restore the live caches for ``tokens`` and plan the prefill's snapshot stops.
+    # -- checkout: restore ----------------------------------------------------------------
+    def checkout(self, tokens: Sequence[int], extra_stops: Sequence[int] = ()) -> Tuple[LiveSet, Plan]:
+        """A live set of the caller's own, restored for ``tokens``, and its prefill plan.
 
         Always leaves at least one prompt token to evaluate (the model needs logits).
         ``extra_stops`` adds snapshot offsets (e.g. chat message boundaries).
         """
         tokens = list(tokens)
-        n = len(tokens)
-        if n == 0:
+        if not tokens:
             raise ValueError("the prompt is empty")
+        return self.run(self._checkout, tokens, list(extra_stops))
+
+    def _checkout(self, tokens: List[int], extra_stops: List[int]) -> Tuple[LiveSet, Plan]:
+        n = len(tokens)
+        live = self._idle
+        if live is not None and planner.common_prefix(live.tokens, tokens) > 0:
+            self._idle = None
+        else:
+            live = LiveSet(self.make_caches())
+        live.epoch = self._epoch
+        self._lent.add(live)
+        if self.verify is not None:
+            self.verify(tokens)
         path, matched = self.trie.find(tokens)
-        if matched >= n:
-            # Full hit: hold back the last token so it produces the first logits.
+        if matched >= n:  # full hit: hold back the last token so it produces logits
             path, matched = self.trie.find(tokens[: n - 1])
-        live_common = min(_common_prefix(self.live_tokens, tokens), n - 1)
-        if not self.consistent(len(self.live_tokens)):
-            live_common = 0
-        top = max(matched, live_common)
-        cands = {top, 0, live_common}
-        cands.update(nd.end for nd in path if nd.end <= top)
-        table = self._reach_table(path, live_common, top)
-        target, reason = 0, None
-        for t in sorted(cands, reverse=True):
-            blocked = next((i for i, e in enumerate(table) if not self._reachable(e, t)), None)
-            if blocked is None:
-                target = t
-                break
-            if t == top:
-                c = self.leaves[blocked]
-                reason = (
-                    f"layer {blocked} ({type(c).__name__}) has no state at offset {top}; "
-                    f"restored to the deepest offset every layer reaches"
-                )
-        ok = all(self._restore_layer(i, target, path, live_common) for i in range(len(self.leaves)))
-        if not ok or not self.consistent(target):
+        target, top, live_common, reason = planner.choose_target(live, tokens, path, matched)
+        ok = all(planner.restore_layer(c, i, target, path, live_common)
+                 for i, c in enumerate(live.leaves))
+        if not ok or not live.consistent(target):
             log.warning("restore to offset %d failed; recomputing the prompt from scratch", target)
             reason = f"restore to offset {target} failed unexpectedly; recomputed from 0"
-            self.reset_live()
+            live.reset()
             target = 0
-        self.live_tokens = tokens[:target]
+        live.tokens = tokens[:target]
         for nd in path:
             if nd.end <= target:
                 self.trie.touch(nd)
-        if target >= top:
-            reason = None
-        stops = sorted(set(self._stops(n, target, top)) | {s for s in extra_stops if target < s <= n - 1})
-        return Plan(n, max(matched, target), target, reason, stops)
+        self._enforce()
+        stops = planner.stops(n, target, top, whole_state=self.whole_state,
+                              pre_end_margin=self.pre_end_margin,
+                              snapshot_interval=self.snapshot_interval, extra=extra_stops)
+        return live, Plan(n, max(matched, target), target, reason, stops)
 
-    def _stops(self, n: int, restored: int, matched: int) -> List[int]:
-        if not self.whole_state:
-            return []  # KV layers reach any token: the request's end snapshot covers it all
-        stops = {n - 1, n - self.pre_end_margin}
-        if restored < matched:
-            stops.add(matched)  # branch point: the next divergence here restores exactly
-        if self.snapshot_interval > 0:
-            stops.update(range(self.snapshot_interval, n - 1, self.snapshot_interval))
-        return sorted(s for s in stops if restored < s <= n - 1)
+    # -- recording ------------------------------------------------------------------------
+    def checkpoint(self, live: LiveSet, tokens: Sequence[int]) -> bool:
+        """Record ``live`` (which holds exactly ``tokens``) at a prefill stop.
 
-    # -- recording -----------------------------------------------------------------------
-    def checkpoint(self, tokens: Sequence[int], keep: bool = True) -> Optional[TrieNode]:
-        """Record the live state (which holds exactly ``tokens``) as a trie node end.
+        False when nothing was recorded: the budget had no room for the snapshot, or the
+        cache was cleared since the request started.
+        """
+        return self.run(lambda: live.epoch == self._epoch
+                        and self._record(live, list(tokens)) is not None)
+
+    def _need(self, live: LiveSet, path: List[TrieNode], m: int, o: int) -> int:
+        """Bytes the snapshots of a record at ``o`` (trie match ``m``) will add."""
+        if m < o:
+            return sum(c.snapshot_nbytes(m) for c in live.leaves)
+        node = path[-1]  # holds ``o`` inside or at the end of its edge
+        need = 0
+        for i, c in enumerate(live.leaves):
+            kv = isinstance(c, KVCache)
+            if not node.has_state(i):
+                need += c.snapshot_nbytes(node.start if kv else 0)
+            elif node.end != o and not kv:  # the split's upper half needs a whole state
+                need += c.snapshot_nbytes(0)
+        return need
+
+    def _record(self, live: LiveSet, seq: List[int], keep: bool = True) -> Optional[TrieNode]:
+        """Record the live state (which holds exactly ``seq``) as a trie node end.
 
         Splits an edge where the point falls inside one, adds a child for tokens the trie
         lacks, and fills in the snapshots of layers that have none at that node.
         """
-        seq = list(tokens)
         o = len(seq)
         if o == 0:
             return None
-        if not self.consistent(o):
-            raise RuntimeError(
-                f"caches are not all at offset {o}: {[c.offset for c in self.leaves]}"
-            )
-        self.live_tokens = seq
+        if not live.consistent(o):
+            raise RuntimeError(f"caches are not all at offset {o}: {[c.offset for c in live.leaves]}")
+        live.tokens = seq
         path, m = self.trie.find(seq)
+        if not self._make_room(self._need(live, path, m, o)):
+            return None
+        path, m = self.trie.find(seq)  # eviction may have changed the path
         node = path[-1] if path else self.trie.root
         if path and node.end > m:
             node = self.trie.split(node, m)  # the point (or the divergence) is inside the edge
         if m == o:
-            missing = [i for i in range(len(self.leaves)) if not node.has_state(i)]
+            missing = [i for i in range(len(live.leaves)) if not node.has_state(i)]
             if missing:
                 snaps = list(node.snapshots)
                 for i in missing:
-                    snaps[i] = self.leaves[i].snapshot(node.start)
+                    snaps[i] = live.leaves[i].snapshot(node.start)
                 self.trie.set_snapshots(node, snaps)
         else:
-            snaps = [c.snapshot(m) for c in self.leaves]
+            snaps = [c.snapshot(m) for c in live.leaves]
             parent = node
             node = self.trie.add_child(parent, seq[m:], snaps)
-            if (
-                parent is not self.trie.root
-                and len(parent.children) == 1
-                and parent not in self._keep
-                and len(parent.tokens) < self.merge_below
-            ):
+            if (parent is not self.trie.root and len(parent.children) == 1
+                    and parent not in self.keep and len(parent.tokens) < self.merge_below):
                 node = self.trie.merge_with_child(parent)
         self.trie.touch(node)
         if keep and self.whole_state:
-            self._keep.add(node)
+            self.keep.add(node)
         return node
 
-    def finish(self, tokens: Sequence[int], pending: Sequence[int] = ()) -> int:
-        """End a request whose caches absorbed ``tokens``; record them and enforce the budget.
+    def checkin(self, live: LiveSet, tokens: Sequence[int], pending: Sequence[int] = (),
+                on_done: Optional[Callable[[bool], None]] = None) -> None:
+        """End a request whose caches absorbed ``tokens``: record them, keep ``live`` as
+        the idle live set, enforce the budget, then call ``on_done(recorded)`` (inside the
+        critical section).
 
         ``pending`` are tokens of a forward pass that an interruption may or may not have
         let every layer absorb. A live state that cannot be made consistent (a recurrent
         layer half-way through a write) is dropped; the snapshots already taken stay.
-        Returns the bytes evicted.
+        Safe from a generator's ``finally``, on any thread, also during garbage collection.
         """
-        seq = list(tokens)
-        if pending and self.consistent(len(seq) + len(pending)):
-            seq += list(pending)
-        elif not self.consistent(len(seq)):
-            # Layers that ran ahead can rewind if they are KV (or an unwrapped window).
-            for c in self.leaves:
-                if c.offset != len(seq):
-                    c.restore(None, len(seq))
-        if seq and self.consistent(len(seq)):
-            self.checkpoint(seq)
-        else:
-            if seq:
-                log.info("discarding an interrupted live state at %s", [c.offset for c in self.leaves])
-            self.reset_live()
-        return self.enforce_budget()
+        seq, pend = list(tokens), list(pending)
+        if self._busy_here():
+            # A generator finalised by the garbage collector can run while this very thread
+            # is inside a critical section; re-entering would corrupt it (or deadlock), so
+            # the work waits for the next section. The live set stays counted meanwhile.
+            self._deferred.append(lambda: self._checkin(live, seq, pend, on_done))
+            return
+        self.run(self._checkin, live, seq, pend, on_done)
 
-    def enforce_budget(self) -> int:
-        freed = self.trie.evict(self.max_bytes)
-        if freed:
-            self._keep.difference_update([n for n in self._keep if n.detached])
-        return freed
+    def _checkin(self, live, seq, pending, on_done) -> None:
+        self._lent.discard(live)
+        usable = live.epoch == self._epoch
+        if usable:
+            if pending and live.consistent(len(seq) + len(pending)):
+                seq += pending
+            elif not live.consistent(len(seq)):
+                for c in live.leaves:  # KV layers (and unwrapped windows) that ran ahead rewind
+                    if c.offset != len(seq):
+                        c.restore(None, len(seq))
+            usable = bool(seq) and live.consistent(len(seq))
+            if not usable and seq:
+                log.info("discarding an interrupted live state at %s", [c.offset for c in live.leaves])
+        recorded = usable and self._record(live, seq) is not None
+        if usable:  # the next turn of this conversation continues from it
+            if self._idle is not None and self._idle is not live:
+                self._idle.reset()
+            self._idle = live
+        else:
+            live.reset()
+        self._enforce()
+        if on_done is not None:
+            on_done(recorded)
+
+    # -- reset --------------------------------------------------------------------------------
+    def reset_live(self) -> None:
+        """Forget the idle live state (the trie keeps every snapshot)."""
+        self.run(self._drop_idle)
+
+    def _drop_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.reset()
+            self._idle = None
 
     def clear(self) -> None:
-        """Drop every snapshot and the live state."""
+        """Drop every snapshot and the idle live state. Requests running now finish
+        correctly on their own live sets, but record nothing."""
+        self.run(self._clear)
+
+    def _clear(self) -> None:
         self.trie.clear()
-        self._keep.clear()
-        self.reset_live()
+        self.keep.clear()
+        self._drop_idle()
+        self._epoch += 1

@@ -23,11 +23,13 @@ class RequestStats:
     generated_tokens: int = 0
     reason: Optional[str] = None
     snapshots_taken: int = 0
+    #: Planned prefill snapshots left out because the byte budget had no room for them.
+    snapshots_skipped: int = 0
     #: Seconds from the request's start to the first generated token.
     time_to_first_token: float = 0.0
     prompt_tps: float = 0.0
     generation_tps: float = 0.0
-    #: Bytes the trie holds after the request (also while it runs).
+    #: Bytes the cache holds (snapshots and live caches) after the request / while it runs.
     cache_bytes: int = 0
     finish_reason: Optional[str] = None
 
@@ -39,7 +41,11 @@ class RequestStats:
 
 @dataclass
 class CacheStats:
-    """Totals over every request a `PrefixCache` served."""
+    """Totals over every request a `PrefixCache` served, and what it holds now.
+
+    ``bytes_held`` is everything ``max_bytes`` bounds: ``snapshot_bytes`` (the trie) plus
+    ``live_bytes`` (the caches requests run on, and the idle set kept for the next turn).
+    """
 
     requests: int = 0
     prompt_tokens: int = 0
@@ -47,8 +53,12 @@ class CacheStats:
     restored_tokens: int = 0
     prefilled_tokens: int = 0
     generated_tokens: int = 0
+    snapshots_taken: int = 0
+    snapshots_skipped: int = 0
     evicted_bytes: int = 0
     bytes_held: int = 0
+    snapshot_bytes: int = 0
+    live_bytes: int = 0
     nodes: int = 0
     max_bytes: int = 0
 
@@ -64,3 +74,5 @@ class CacheStats:
         self.restored_tokens += r.restored_tokens
         self.prefilled_tokens += r.prefilled_tokens
         self.generated_tokens += r.generated_tokens
+        self.snapshots_taken += r.snapshots_taken
+        self.snapshots_skipped += r.snapshots_skipped

@@ -74,21 +74,24 @@ def prefix_digest(tokens: Sequence[int]) -> str:
 
 # -- snapshot files -----------------------------------------------------------------------
 
-def _raw(a: mx.array) -> np.ndarray:
+#: An array's raw bits as numpy (no MLX needed to write them), its dtype name and shape.
+RawTensor = Tuple[np.ndarray, str, List[int]]
+
+
+def to_raw(a: mx.array) -> RawTensor:
+    """``a`` as a `RawTensor` (runs MLX: call on the thread that owns the array; shares
+    ``a``'s buffer instead of copying where MLX allows)."""
+    if a.dtype not in RAW:
+        raise FormatError(f"cannot persist dtype {a.dtype}")
     bits = a.astype(mx.uint8) if a.dtype == mx.bool_ else mx.view(a, RAW[a.dtype])
-    return np.ascontiguousarray(np.asarray(bits))
+    return np.ascontiguousarray(np.asarray(bits)), DTYPE_NAME[a.dtype], list(a.shape)
 
 
-def encode_file(tensors: Dict[str, mx.array], metadata: Dict[str, str]) -> bytes:
+def encode_file(tensors: Dict[str, RawTensor], metadata: Dict[str, str]) -> bytes:
     """A safetensors file holding ``tensors`` (any supported dtype, bf16 included)."""
-    raws, specs = [], {}
-    for key, a in tensors.items():
-        if a.dtype not in RAW:
-            raise FormatError(f"cannot persist dtype {a.dtype}")
-        r = _raw(a)
-        raws.append(r)  # keeps each buffer alive while serialize reads its pointer
-        specs[key] = TensorSpec(dtype=DTYPE_NAME[a.dtype], shape=list(a.shape),
-                                data_ptr=r.ctypes.data, data_len=r.nbytes)
+    specs = {key: TensorSpec(dtype=dtype, shape=shape, data_ptr=raw.ctypes.data,
+                             data_len=raw.nbytes)
+             for key, (raw, dtype, shape) in tensors.items()}  # `tensors` keeps the buffers alive
     return serialize(specs, metadata={"format": MAGIC, **metadata})
 
 

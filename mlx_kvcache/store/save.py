@@ -1,8 +1,9 @@
 """Saving a trie: capture what to write (under the caller's lock), then write it (outside).
 
 `capture` is quick and reads the trie: per node its tokens, LRU stamp and, per layer,
-either a reference to the file that already holds the snapshot or the snapshot's arrays
-(immutable, so they can be written after the lock is released). `write` does the I/O:
+either a reference to the file that already holds the snapshot or the snapshot's raw
+bytes (shared with the immutable arrays, so they can be written after the lock is
+released, by a thread that runs no MLX). `write` does the I/O:
 
 1. leave out least recently used leaves until the directory's estimated size fits
    ``max_disk_bytes``;
@@ -30,13 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-import mlx.core as mx
 import numpy as np
 
 from ..caches.snapshot import Snapshot
 from .format import (
-    DTYPE_NAME, FORMAT_VERSION, INDEX, MAGIC, encode_file, encode_index, fsync_dir,
-    snapshot_files, write_atomic,
+    DTYPE_NAME, FORMAT_VERSION, INDEX, MAGIC, RawTensor, encode_file, encode_index, fsync_dir,
+    snapshot_files, to_raw, write_atomic,
 )
 from .lazy import Origin, Verifier
 
@@ -50,7 +50,7 @@ class LayerPlan:
     shapes: Dict[str, Tuple[List[int], str]]
     file: Optional[str] = None
     keys: Optional[Dict[str, str]] = None
-    arrays: Optional[Dict[str, mx.array]] = None
+    arrays: Optional[Dict[str, RawTensor]] = None
     snap: Optional["weakref.ref[Snapshot]"] = None
 
 
@@ -105,13 +105,13 @@ def capture(trie, keep: set, verifier: Verifier, d: Path) -> List[NodePlan]:
             elif o is not None and not o.verified and not verifier.ensure(s):
                 lp = None  # unreadable elsewhere: leave this layer out
             else:
-                lp.arrays = s.to_arrays()[0]
+                lp.arrays = {name: to_raw(a) for name, a in s.to_arrays()[0].items()}
             plan.layers.append(lp)
         plans.append(plan)
     return plans
 
 
-def _new_tensors(plan: NodePlan) -> Dict[str, mx.array]:
+def _new_tensors(plan: NodePlan) -> Dict[str, RawTensor]:
     return {f"L{i}.{name}": a for i, lp in enumerate(plan.layers)
             if lp is not None and lp.arrays is not None for name, a in lp.arrays.items()}
 
@@ -139,7 +139,7 @@ def within_budget(plans: List[NodePlan], d: Path, verifier: Verifier,
         c += sum((verifier.file_info((d, f)) or (0, 0))[0] + 80 for f in refs)
         new = _new_tensors(p)
         if new:
-            c += sum(a.nbytes for a in new.values()) + 200 + 120 * len(new)
+            c += sum(r.nbytes for r, _, _ in new.values()) + 200 + 120 * len(new)
         cost[p.id] = c
     total = fixed + sum(cost.values())
     children: Dict[int, int] = {}

@@ -1,0 +1,98 @@
+"""Checks on a request's arguments, made before anything changes.
+
+A token id outside the model's vocabulary must never reach the model: MLX does not bound
+check ``take``, so such an id reads garbage (and ids far outside crash the process), and
+the garbage would then be cached and saved. Everything here raises ``TypeError`` or
+``ValueError`` naming the problem.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+_EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embeddings",
+                    "embedding")
+
+
+def model_vocab_size(model: nn.Module) -> Optional[int]:
+    """Rows of the model's token embedding (the ids it can take), or None if unknown."""
+    rows = None
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if name.rsplit(".", 1)[-1] in _EMBEDDING_NAMES and isinstance(w, mx.array) and w.ndim == 2:
+            rows = int(w.shape[0])
+            break
+    args = getattr(model, "args", None)
+    declared = getattr(args, "vocab_size", None)
+    if declared is None and isinstance(getattr(args, "text_config", None), dict):
+        declared = args.text_config.get("vocab_size")
+    if isinstance(declared, int) and declared > 0:
+        return declared if rows is None else min(declared, rows)
+    return rows
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_token_ids(tokens: List[int], vocab: Optional[int]) -> List[int]:
+    """``tokens`` as plain ints, each in ``[0, vocab)``."""
+    if not tokens:
+        raise ValueError("the prompt is empty")
+    for i, t in enumerate(tokens):
+        if t < 0 or (vocab is not None and t >= vocab):
+            where = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise ValueError(f"token id {t} at prompt position {i} is outside the model's "
+                             f"vocabulary (vocab size {vocab}; ids must be in {where})")
+    return tokens
+
+
+def prompt_token_ids(tokenizer, prompt: Any, vocab: Optional[int]) -> List[int]:
+    """The prompt as a list of token ids: a string is encoded; token ids are checked."""
+    if isinstance(prompt, str):
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        tokens = [int(t) for t in tokenizer.encode(prompt, add_special_tokens=add_special)]
+    elif isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise TypeError("the prompt is bytes: decode it to str, or pass token ids")
+    elif isinstance(prompt, (mx.array, np.ndarray)):
+        if prompt.ndim != 1:
+            raise ValueError(f"a prompt array must be 1-D token ids, got shape {tuple(prompt.shape)}")
+        integer = mx.issubdtype(prompt.dtype, mx.integer) if isinstance(prompt, mx.array) \
+            else prompt.dtype.kind in "iu"
+        if not integer:
+            raise TypeError(f"a prompt array must hold integer token ids, got dtype {prompt.dtype}")
+        tokens = [int(t) for t in prompt.tolist()]
+    elif isinstance(prompt, (list, tuple, range)):
+        tokens = []
+        for i, t in enumerate(prompt):
+            if not is_int(t):
+                raise TypeError(f"prompt element {i} is {type(t).__name__} {t!r}; token ids "
+                                f"must be ints")
+            tokens.append(int(t))
+    else:
+        raise TypeError(f"the prompt must be a str, a list of token ids or a 1-D integer "
+                        f"array, got {type(prompt).__name__}")
+    return check_token_ids(tokens, vocab)
+
+
+def check_max_tokens(max_tokens: Any) -> int:
+    """A positive int, or -1 for no limit."""
+    if not is_int(max_tokens):
+        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__} {max_tokens!r}")
+    if max_tokens == 0 or max_tokens < -1:
+        raise ValueError(f"max_tokens must be positive (or -1 for no limit), got {max_tokens}")
+    return int(max_tokens)
+
+
+def check_positive(name: str, value: Any) -> int:
+    """A positive int (e.g. ``prefill_step_size``)."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)

@@ -1,0 +1,143 @@
+"""Where a request lands and where its prefill stops: the trie-level restore rules.
+
+KV layers reach any token the trie or the live cache holds (node after node, each KV
+snapshot extending the prefix below it); rotating layers reach a node end holding their
+window, or any point while the window never wrapped; recurrent layers reach only a node
+end holding their state. A request lands on the deepest offset every layer reaches
+(`plan_restore`), and schedules a branch-point snapshot where it fell short (`stops`).
+The per-class rules these build on are each cache class's ``restore`` (docs/design.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+from ..caches.kv import KVCache
+from ..caches.rotating import RotatingKVCache, RotatingSnapshot
+from .live import LiveSet
+from .node import TrieNode
+
+
+@dataclass
+class Plan:
+    """Where a request landed and where its prefill must stop."""
+
+    prompt_tokens: int
+    matched: int
+    restored: int
+    reason: Optional[str]
+    #: Offsets (ascending, in ``(restored, prompt_tokens - 1]``) where prefill must stop
+    #: so the caches can be snapshotted there.
+    stops: List[int] = field(default_factory=list)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def reach_table(leaves, path: List[TrieNode], live_common: int, top: int):
+    """Per layer, what it can reach at or below ``top`` (computed once per request).
+
+    Returns, per layer, either ``("kv", limit)`` — every offset up to ``limit`` — or
+    ``("points", ends, any_below)`` — exactly the offsets in ``ends``, plus any offset up
+    to ``any_below`` (an unwrapped window).
+    """
+    table = []
+    for i, c in enumerate(leaves):
+        if isinstance(c, KVCache):
+            limit = live_common
+            for n in path:  # the trie pages in node after node above the live prefix
+                if n.end <= limit:
+                    continue
+                if n.start > limit or not n.has_state(i):
+                    break
+                limit = min(n.end, top)
+            table.append(("kv", max(limit, live_common)))
+            continue
+        ends = {0}
+        any_below = 0
+        if c.offset <= live_common:
+            ends.add(c.offset)
+            if isinstance(c, RotatingKVCache) and not c.wrapped:
+                any_below = c.offset
+        for n in path:
+            if not n.has_state(i):
+                continue
+            s = n.snapshots[i]
+            ends.add(n.end)
+            if isinstance(s, RotatingSnapshot) and not s.wrapped:
+                any_below = max(any_below, min(n.end, top))
+        table.append(("points", ends, any_below))
+    return table
+
+
+def reachable(entry, t: int) -> bool:
+    if entry[0] == "kv":
+        return t <= entry[1]
+    return t in entry[1] or t <= entry[2]
+
+
+def restore_layer(c, i: int, t: int, path: List[TrieNode], live_common: int) -> bool:
+    """Bring layer cache ``c`` (layer ``i``) to ``t`` from its live state and the path."""
+    if t == 0:
+        c.free()
+        return True
+    if t <= live_common and c.restore(None, t):
+        return True
+    if isinstance(c, KVCache):
+        if not c.restore(None, min(live_common, t)):
+            return False
+        for n in path:
+            if n.end <= c.offset:
+                continue
+            if n.start >= t or not c.restore(n.snapshots[i], min(n.end, t)):
+                break
+        return c.offset == t
+    for n in reversed(path):
+        if n.has_state(i) and c.restore(n.snapshots[i], t):
+            return True
+    return False
+
+
+def choose_target(live: LiveSet, tokens: List[int], path: List[TrieNode],
+                  matched: int) -> Tuple[int, int, int, Optional[str]]:
+    """``(target, top, live_common, reason)``: the deepest offset every layer reaches."""
+    n = len(tokens)
+    live_common = min(common_prefix(live.tokens, tokens), n - 1)
+    if not live.consistent(len(live.tokens)):
+        live_common = 0
+    top = max(matched, live_common)
+    cands = {top, 0, live_common}
+    cands.update(nd.end for nd in path if nd.end <= top)
+    table = reach_table(live.leaves, path, live_common, top)
+    reason = None
+    for t in sorted(cands, reverse=True):
+        blocked = next((i for i, e in enumerate(table) if not reachable(e, t)), None)
+        if blocked is None:
+            return t, top, live_common, (None if t >= top else reason)
+        if t == top:
+            c = live.leaves[blocked]
+            reason = (f"layer {blocked} ({type(c).__name__}) has no state at offset {top}; "
+                      f"restored to the deepest offset every layer reaches")
+    return 0, top, live_common, reason  # pragma: no cover - 0 is always reachable
+
+
+def stops(n: int, restored: int, matched: int, *, whole_state: bool, pre_end_margin: int,
+          snapshot_interval: int, extra: Sequence[int] = ()) -> List[int]:
+    """Prefill offsets to snapshot at: a branch point where the restore fell short, a few
+    tokens before the prompt's end, every ``snapshot_interval`` tokens (hybrid and
+    sliding-window models only: KV layers reach any token from the end snapshot), and
+    ``extra`` (e.g. chat message boundaries) on every model."""
+    out = {s for s in extra if restored < s <= n - 1}
+    if whole_state:
+        out |= {n - 1, n - pre_end_margin}
+        if restored < matched:
+            out.add(matched)  # branch point: the next divergence here restores exactly
+        if snapshot_interval > 0:
+            out.update(range(snapshot_interval, n - 1, snapshot_interval))
+    return sorted(s for s in out if restored < s <= n - 1)

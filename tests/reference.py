@@ -1,0 +1,87 @@
+"""Shared by the PrefixCache tests: cold mlx-lm reference runs, log-prob comparison, and a
+checker that every snapshot a cache made is either in its trie or closed."""
+
+import gc
+import itertools
+import weakref
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
+
+import mlx_kvcache as mk
+from mlx_kvcache.caches.snapshot import Snapshot
+from fake_tokenizer import FakeTokenizer
+from models import build
+
+TOK = FakeTokenizer()
+MARGIN = 4
+MODELS = {}
+
+
+def model(name):
+    if name not in MODELS:
+        MODELS[name] = build(name)
+    return MODELS[name]
+
+
+# -- snapshot leak checker -------------------------------------------------------------------
+_ALL_SNAPSHOTS: "weakref.WeakSet[Snapshot]" = weakref.WeakSet()
+_COUNTER = itertools.count()
+_orig_init = Snapshot.__init__
+
+
+def _tracking_init(self, *a, **k):
+    _orig_init(self, *a, **k)
+    self._test_seq = next(_COUNTER)
+    _ALL_SNAPSHOTS.add(self)
+
+
+@pytest.fixture(autouse=True)
+def track_snapshots(monkeypatch):
+    monkeypatch.setattr(Snapshot, "__init__", _tracking_init)
+    yield
+
+
+def new_cache(m, **kw):
+    pc = mk.PrefixCache(m, **kw)
+    pc._test_seq = next(_COUNTER)  # snapshots created from here on belong to pc
+    return pc
+
+
+def check_no_leaks(pc):
+    """Trie invariants hold, and every open snapshot pc made that is still alive is in its trie."""
+    trie = pc.manager.trie
+    trie.check_invariants()
+    gc.collect()
+    held = {id(s) for n in trie.nodes() for s in n.snapshots if s is not None}
+    leaked = [
+        s for s in list(_ALL_SNAPSHOTS)
+        if not s.closed and id(s) not in held and getattr(s, "_test_seq", -1) >= pc._test_seq
+    ]
+    assert not leaked, leaked
+    assert trie.nbytes == sum(n.nbytes for n in trie.nodes())
+
+
+# -- reference ---------------------------------------------------------------------------------
+def cold(m, prompt, max_tokens):
+    """Greedy tokens and log-probs from mlx-lm's own generate_step on fresh caches."""
+    out = []
+    gen = generate_step(mx.array(prompt), m, prompt_cache=mlx_make_prompt_cache(m), max_tokens=max_tokens)
+    for (t, lp), _ in zip(gen, range(max_tokens)):
+        out.append((int(t), lp))
+    return out
+
+
+def run(pc, prompt, max_tokens, **kw):
+    rs = list(pc.stream_generate(TOK, prompt, max_tokens, **kw))
+    return [(r.token, r.logprobs) for r in rs], rs[-1].cache
+
+
+def assert_same(ref, got):
+    assert [t for t, _ in ref] == [t for t, _ in got]
+    diff = max(mx.abs(a - b).max().item() for (_, a), (_, b) in zip(ref, got))
+    assert diff < 1e-4, diff
+
+
