@@ -68,14 +68,22 @@ def test_budget_holds_during_a_request():
 
 def test_live_caches_are_counted_and_reported():
     m = model("llama")
-    pc = new_cache(m)
     p = list(range(1, 100))
-    run(pc, p, 3)
+    pc = new_cache(m)
+    g = pc.stream_generate(TOK, p, 3)
+    next(g)  # a request in flight: its caches are live bytes
     st = pc.stats
+    assert st.live_bytes > 0 and st.bytes_held == st.live_bytes + st.snapshot_bytes == pc.nbytes
+    list(g)
+    st = pc.stats  # finished: only the trie holds its tokens
+    assert st.live_bytes == 0 and st.snapshot_bytes > 0 and st.bytes_held == pc.nbytes
+    # Kept for a copy-free next turn, the idle set counts too, and goes first when tight.
+    keep = new_cache(m, keep_live=True)
+    run(keep, p, 3)
+    st = keep.stats
     assert st.live_bytes > 0 and st.snapshot_bytes > 0
-    assert st.bytes_held == st.live_bytes + st.snapshot_bytes == pc.nbytes
-    # The idle live set is the first thing to go when the budget is tight.
-    small = new_cache(m, max_bytes=st.snapshot_bytes + 1024)
+    assert st.bytes_held == st.live_bytes + st.snapshot_bytes == keep.nbytes
+    small = new_cache(m, keep_live=True, max_bytes=st.snapshot_bytes + 1024)
     got, s = run(small, p, 3)
     assert_same(cold(m, p, 3), got)
     assert small.stats.live_bytes == 0 and small.nbytes <= small.stats.max_bytes

@@ -282,3 +282,31 @@ def test_from_arrays_rejects_bad_input():
         Snapshot.from_arrays("rotating", {"keys": k, "values": k}, {"from_offset": 0, "to_offset": 3})
     with pytest.raises(CacheError, match="missing"):
         Snapshot.from_arrays("recurrent", {"0": k}, {"from_offset": 0})
+
+
+def test_restore_chain_is_one_copy_of_adjacent_snapshots():
+    c = K.KVCache()
+    k, v = rand((1, 2, 700, 8), 3), rand((1, 2, 700, 8), 4)
+    c.update(k, v)
+    snaps = [c.snapshot(0)]
+    snaps[0], b = K.KVCache().split(snaps[0], 300)
+    mid, tail = K.KVCache().split(b, 550)
+    chain = [snaps[0], mid, tail]
+    before = [np.array(s.keys) for s in chain]
+    r = K.KVCache()
+    assert r.restore_chain(chain, 640)
+    assert r.offset == 640 and r.keys.shape[2] % 256 == 0 and r.keys.shape[2] > 640
+    assert np.array_equal(np.array(r.keys[..., :640, :]), np.array(k[..., :640, :]))
+    r.update(rand((1, 2, 5, 8), 5), rand((1, 2, 5, 8), 6))  # writes in place, never into a snapshot
+    assert all(np.array_equal(np.array(s.keys), b) for s, b in zip(chain, before))
+    # a live prefix below the first snapshot is kept
+    r2 = K.KVCache()
+    r2.update(k[..., :300, :], v[..., :300, :])
+    assert r2.restore_chain([mid, tail], 700)
+    assert np.array_equal(np.array(r2.keys[..., :700, :]), np.array(k))
+    # unreachable: beyond the last snapshot, or a gap below the first; nothing changes
+    r3 = K.KVCache()
+    assert not r3.restore_chain([mid, tail], 700) and r3.offset == 0 and r3.keys is None
+    assert not r.restore_chain(chain, 701) and r.offset == 645
+    with pytest.raises(CacheError, match="not adjacent"):
+        K.KVCache().restore_chain([snaps[0], tail], 700)

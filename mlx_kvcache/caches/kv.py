@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
@@ -142,6 +142,51 @@ class KVCache:
         self.offset = snapshot.from_offset
         self._write(k, v)
         self.offset = min(target, snapshot.to_offset)
+        return True
+
+    def restore_chain(self, snapshots: Sequence[KVSnapshot], target: int) -> bool:
+        """`restore` through adjacent snapshots ``[a, b), [b, c), ...`` in one copy.
+
+        The first must start at or below ``offset`` and ``target`` must be at most the
+        last one's end. The buffer is rebuilt once — live rows below the first snapshot,
+        then each snapshot's rows, then room to grow — instead of growing (and copying
+        everything so far) once per snapshot. False, changing nothing, when unreachable.
+        """
+        target = check_target(target)
+        if target is None:
+            return False
+        if not snapshots:
+            return self.restore(None, target)
+        for s in snapshots:
+            check_snapshot(s, KVSnapshot, "KVCache.restore_chain")
+        for a, b in zip(snapshots, snapshots[1:]):
+            if a.to_offset != b.from_offset:
+                raise CacheError(f"snapshots [{a.from_offset}, {a.to_offset}) and "
+                                 f"[{b.from_offset}, {b.to_offset}) are not adjacent")
+        like_k, like_v = (self.keys, self.values) if self.keys is not None else (
+            snapshots[0].keys, snapshots[0].values)
+        for s in snapshots:
+            check_kv(s.keys, s.values, like_k, like_v)
+        start = snapshots[0].from_offset
+        if self.offset < start or target > snapshots[-1].to_offset:
+            return False
+        if target <= start:
+            return self.restore(None, target)
+        ks = [self.keys[..., :start, :]] if start else []
+        vs = [self.values[..., :start, :]] if start else []
+        for s in snapshots:
+            if s.from_offset >= target:
+                break
+            hi = min(s.to_offset, target) - s.from_offset
+            ks.append(s.keys[..., :hi, :])
+            vs.append(s.values[..., :hi, :])
+        B, H, _, dk = like_k.shape
+        pad = self.step - target % self.step  # room to grow, and never a bare snapshot array
+        ks.append(mx.zeros((B, H, pad, dk), like_k.dtype))
+        vs.append(mx.zeros((B, H, pad, like_v.shape[3]), like_v.dtype))
+        self.keys = mx.concatenate(ks, axis=2)
+        self.values = mx.concatenate(vs, axis=2)
+        self.offset = target
         return True
 
     def merge(self, parent: KVSnapshot, child: KVSnapshot) -> KVSnapshot:

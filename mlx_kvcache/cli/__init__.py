@@ -1,7 +1,8 @@
 """``mlx-kvcache``: the command-line front ends, one module per command.
 
 ``chat`` (a terminal chat that reuses the conversation prefix, its conversation logic in
-``session``); ``common`` holds what the commands share.
+``session``), ``serve`` (mlx-lm's server with the prefix cache); ``common`` holds what the
+commands share.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import os
 import sys
 from typing import List, Optional
 
-from . import chat
+from . import chat, serve
 from .common import human_bytes, parse_bytes
 from .session import ChatSession
 
 __all__ = ["main", "ChatSession", "parse_bytes", "human_bytes"]
 
-_COMMANDS = {"chat": chat}
+_COMMANDS = {"chat": chat, "serve": serve}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +36,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .common import format_warning
 
     warnings.formatwarning = format_warning  # one clean line, no source excerpt
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # every mlx_lm.server option passes through untouched
+        return serve.run_argv(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:

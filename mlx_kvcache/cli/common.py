@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 from pathlib import Path
+
+from ..prefix.stats import human_bytes
 
 __all__ = ["parse_bytes", "human_bytes", "default_cache_dir", "format_warning", "temperature",
            "probability"]
@@ -24,17 +25,11 @@ def parse_bytes(s: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
-
-
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlx_kvcache"
+    """The cache root the commands use by default (see `mlx_kvcache.store.default_root`)."""
+    from ..store.format import default_root
+
+    return default_root()
 
 
 

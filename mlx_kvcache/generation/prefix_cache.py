@@ -28,7 +28,7 @@ from ..caches import CacheError, layer_signature, make_prompt_cache
 from ..prefix.manager import PrefixManager, default_max_bytes
 from ..prefix.stats import CacheStats, RequestStats
 from . import request, validation
-from .autosave import Autosaver
+from ..store.autosave import Autosaver
 from .engine import default_engine, materialize
 from .request import CachedGenerationResponse
 
@@ -67,6 +67,8 @@ class PrefixCache:
             512 on MLX's CPU build, where attention over smaller chunks is ~1.5x faster).
         pre_end_margin, snapshot_interval: where hybrid / sliding-window models take
             extra snapshots (see `PrefixManager`).
+        keep_live: keep the last request's caches for a copy-free next turn (see
+            `PrefixManager`; costs that conversation's cache memory, within ``max_bytes``).
         cache_dir: persist the trie under this directory (`mlx_kvcache.store`): load it
             now, save it in the background after every request, and on `close()`.
         max_disk_bytes: disk budget for this model's persisted cache (None: no limit).
@@ -83,6 +85,7 @@ class PrefixCache:
         prefill_step_size: Optional[int] = None,
         pre_end_margin: int = 4,
         snapshot_interval: int = 2048,
+        keep_live: bool = False,
         cache_dir: Optional[str] = None,
         max_disk_bytes: Optional[int] = None,
         tokenizer: Any = None,
@@ -104,7 +107,8 @@ class PrefixCache:
             make_prompt_cache(model)
             self.manager: Optional[PrefixManager] = PrefixManager(
                 lambda: make_prompt_cache(model), max_bytes=budget, pre_end_margin=pre_end_margin,
-                snapshot_interval=snapshot_interval, executor=self._engine.run)
+                snapshot_interval=snapshot_interval, keep_live=keep_live,
+                executor=self._engine.run)
             self.unsupported: Optional[str] = None
         except CacheError as e:
             self.manager = None

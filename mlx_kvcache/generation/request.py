@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, List, Optional, Sequence
+from typing import Callable, Generator, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse

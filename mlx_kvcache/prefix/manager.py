@@ -67,6 +67,10 @@ class PrefixManager:
             sliding-window models), bounding the recompute after any divergence.
         merge_below: a plain node shorter than this is merged into its single new child
             (cheap, avoids a chain of tiny nodes); longer ones stay until eviction.
+        keep_live: keep a finished request's live set, so a request continuing it starts
+            without a restore copy. The trie holds the same tokens, so this trades memory
+            (the whole conversation's caches, counted in the budget) for a copy that is
+            small next to any prefill; off by default.
         executor: runs a callable on the thread that may do this model's MLX work and
             returns its result (`PrefixCache` passes its engine; None runs inline, for
             callers that are that thread already, like mlx-lm's server thread).
@@ -74,7 +78,7 @@ class PrefixManager:
 
     def __init__(self, make_caches: Callable[[], List[Any]], *, max_bytes: int,
                  pre_end_margin: int = 4, snapshot_interval: int = 2048,
-                 merge_below: int = 256,
+                 merge_below: int = 256, keep_live: bool = False,
                  executor: Optional[Callable[..., Any]] = None) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
@@ -86,6 +90,7 @@ class PrefixManager:
         self.pre_end_margin = int(pre_end_margin)
         self.snapshot_interval = int(snapshot_interval)
         self.merge_below = int(merge_below)
+        self.keep_live = bool(keep_live)
         #: Whether some layer can only come back from a snapshot at a node end.
         self.whole_state = any(not isinstance(c, KVCache) for c in self.ops)
         #: Nodes that are deliberate restore points (never merged away except by eviction).
@@ -197,8 +202,33 @@ class PrefixManager:
             raise ValueError("the prompt is empty")
         return self.run(self._checkout, tokens, list(extra_stops))
 
-    def _checkout(self, tokens: List[int], extra_stops: List[int]) -> Tuple[LiveSet, Plan]:
+    def preview(self, tokens: Sequence[int], extra_stops: Sequence[int] = ()) -> Plan:
+        """The plan `checkout` would make for ``tokens`` on fresh caches; changes nothing
+        and runs no MLX (any thread)."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        return self.peek(self._plan, LiveSet(self.make_caches()), tokens, list(extra_stops))
+
+    def _plan(self, live: LiveSet, tokens: List[int], extra_stops: List[int]) -> Plan:
+        return self._target(live, tokens, extra_stops)[0]
+
+    def _target(self, live: LiveSet, tokens: List[int], extra_stops: List[int]):
+        """``(plan, path, live_common)`` for ``tokens`` on ``live``."""
         n = len(tokens)
+        path, matched = self.trie.find(tokens)
+        if matched >= n:  # full hit: hold back the last token so it produces logits
+            path, matched = self.trie.find(tokens[: n - 1])
+        target, top, live_common, reason = planner.choose_target(live, tokens, path, matched)
+        stops = self._stops(n, target, top, extra_stops)
+        return Plan(n, max(matched, target), target, reason, stops), path, live_common
+
+    def _stops(self, n: int, restored: int, matched: int, extra: Sequence[int]) -> List[int]:
+        return planner.stops(n, restored, matched, whole_state=self.whole_state,
+                             pre_end_margin=self.pre_end_margin,
+                             snapshot_interval=self.snapshot_interval, extra=extra)
+
+    def _checkout(self, tokens: List[int], extra_stops: List[int]) -> Tuple[LiveSet, Plan]:
         live = self._idle
         if live is not None and planner.common_prefix(live.tokens, tokens) > 0:
             self._idle = None
@@ -208,26 +238,22 @@ class PrefixManager:
         self._lent.add(live)
         if self.verify is not None:
             self.verify(tokens)
-        path, matched = self.trie.find(tokens)
-        if matched >= n:  # full hit: hold back the last token so it produces logits
-            path, matched = self.trie.find(tokens[: n - 1])
-        target, top, live_common, reason = planner.choose_target(live, tokens, path, matched)
+        plan, path, live_common = self._target(live, tokens, extra_stops)
+        target = plan.restored
         ok = all(planner.restore_layer(c, i, target, path, live_common)
                  for i, c in enumerate(live.leaves))
         if not ok or not live.consistent(target):
             log.warning("restore to offset %d failed; recomputing the prompt from scratch", target)
-            reason = f"restore to offset {target} failed unexpectedly; recomputed from 0"
             live.reset()
-            target = 0
+            plan.reason = f"restore to offset {target} failed unexpectedly; recomputed from 0"
+            plan.restored = target = 0
+            plan.stops = self._stops(len(tokens), 0, plan.matched, extra_stops)
         live.tokens = tokens[:target]
         for nd in path:
             if nd.end <= target:
                 self.trie.touch(nd)
         self._enforce()
-        stops = planner.stops(n, target, top, whole_state=self.whole_state,
-                              pre_end_margin=self.pre_end_margin,
-                              snapshot_interval=self.snapshot_interval, extra=extra_stops)
-        return live, Plan(n, max(matched, target), target, reason, stops)
+        return live, plan
 
     # -- recording ------------------------------------------------------------------------
     def checkpoint(self, live: LiveSet, tokens: Sequence[int]) -> bool:
@@ -325,7 +351,7 @@ class PrefixManager:
             if not usable and seq:
                 log.info("discarding an interrupted live state at %s", [c.offset for c in live.leaves])
         recorded = usable and self._record(live, seq) is not None
-        if usable:  # the next turn of this conversation continues from it
+        if usable and self.keep_live:  # the next turn of this conversation continues from it
             if self._idle is not None and self._idle is not live:
                 self._idle.reset()
             self._idle = live
@@ -334,6 +360,21 @@ class PrefixManager:
         self._enforce()
         if on_done is not None:
             on_done(recorded)
+
+    def record(self, caches: List[Any], tokens: Sequence[int]) -> Optional[TrieNode]:
+        """Record a cache list computed elsewhere (it holds exactly ``tokens``; it is read,
+        never kept or written), then enforce the budget. None when nothing was recorded."""
+        tokens = list(tokens)
+
+        def section() -> Optional[TrieNode]:
+            node = self._record(LiveSet(caches, self._epoch), tokens)
+            self._enforce()
+            return node
+        return self.run(section)
+
+    def forget(self, live: LiveSet) -> None:
+        """Stop counting a lent live set whose caches were handed to someone else."""
+        self.run(self._lent.discard, live)
 
     # -- reset --------------------------------------------------------------------------------
     def reset_live(self) -> None:

@@ -32,7 +32,7 @@ class TrieNode:
 
     __slots__ = (
         "tokens", "end", "parent", "children", "last_used", "snapshots", "in_use",
-        "detached", "_acct",
+        "detached", "_acct", "__weakref__",
     )
 
     def __init__(

@@ -92,12 +92,16 @@ def restore_layer(c, i: int, t: int, path: List[TrieNode], live_common: int) -> 
     if isinstance(c, KVCache):
         if not c.restore(None, min(live_common, t)):
             return False
+        chain = []  # the path's KV deltas from the live prefix up to t, restored in one copy
         for n in path:
             if n.end <= c.offset:
                 continue
-            if n.start >= t or not c.restore(n.snapshots[i], min(n.end, t)):
+            if n.start >= t or not n.has_state(i):
                 break
-        return c.offset == t
+            chain.append(n.snapshots[i])
+            if n.end >= t:
+                break
+        return c.restore_chain(chain, t) and c.offset == t
     for n in reversed(path):
         if n.has_state(i) and c.restore(n.snapshots[i], t):
             return True

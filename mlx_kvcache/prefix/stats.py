@@ -76,3 +76,12 @@ class CacheStats:
         self.generated_tokens += r.generated_tokens
         self.snapshots_taken += r.snapshots_taken
         self.snapshots_skipped += r.snapshots_skipped
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'`` (for status lines and logs)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover

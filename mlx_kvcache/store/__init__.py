@@ -2,12 +2,13 @@
 
 ``format`` (files, index, layout), ``fingerprint`` (model identity), ``lazy`` (verified
 loading on first use), ``save`` (capture then write, freeing space first), ``store``
-(`PersistentStore`). Depends on the cache classes and the trie, never on generation
+(`PersistentStore`), ``autosave`` (writing captures in the background). Depends on the cache classes and the trie, never on generation
 (docs/design.md, "Persistence").
 """
 
-from .fingerprint import model_fingerprint
-from .format import FORMAT_VERSION, disk_usage
+from .fingerprint import directory_fingerprint, model_fingerprint
+from .format import FORMAT_VERSION, default_root, disk_usage
 from .store import PersistentStore
 
-__all__ = ["FORMAT_VERSION", "PersistentStore", "disk_usage", "model_fingerprint"]
+__all__ = ["FORMAT_VERSION", "PersistentStore", "default_root", "directory_fingerprint", "disk_usage",
+           "model_fingerprint"]

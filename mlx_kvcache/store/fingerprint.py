@@ -19,7 +19,7 @@ import numpy as np
 
 from .format import RAW
 
-__all__ = ["model_fingerprint"]
+__all__ = ["model_fingerprint", "directory_fingerprint"]
 
 
 def _jsonable(v: Any) -> Any:
@@ -149,3 +149,40 @@ def model_fingerprint(model, tokenizer=None) -> str:
         h.update(json.dumps(_tokenizer_identity(tokenizer), sort_keys=True, default=str).encode())
     return h.hexdigest()
 
+
+
+_SAMPLES = 64  # strided samples per weight file
+_SAMPLE = 4096  # bytes per sample
+
+
+def directory_fingerprint(model_dir, adapter_dir=None) -> str:
+    """A hex SHA-256 naming a model directory without reading all of its weights.
+
+    Hashes every small file in full (``config.json``, tokenizer files, chat template,
+    the safetensors index) and, per weight file, its size, its header and 64 strided
+    4 KiB samples of its data: a fine-tune or merged adapter changes the bytes nearly
+    everywhere, so a sample catches it, and opening an 8B model costs ~1 MB of reads
+    instead of a pass over 16 GB. ``adapter_dir`` (LoRA adapters) is included the same
+    way. Files are visited in sorted order, so the result is the same on every machine
+    (and every rank of a sharded model) that has the same files.
+    """
+    from pathlib import Path
+
+    h = hashlib.sha256(b"mlx_kvcache-directory-fingerprint-v1\n")
+    for root in (model_dir, adapter_dir):
+        if root is None:
+            continue
+        base = Path(root)
+        for p in sorted(q for q in base.rglob("*") if q.is_file() and not q.name.startswith(".")):
+            size = p.stat().st_size
+            h.update(f"{p.relative_to(base)}\t{size}\n".encode())
+            with open(p, "rb") as f:
+                if not p.name.endswith((".safetensors", ".bin", ".gguf", ".npz")):
+                    h.update(f.read())
+                    continue
+                h.update(f.read(min(size, 1 << 16)))  # header (and small files whole)
+                step = max(size // _SAMPLES, _SAMPLE)
+                for off in range(0, size, step):
+                    f.seek(off)
+                    h.update(f.read(_SAMPLE))
+    return h.hexdigest()

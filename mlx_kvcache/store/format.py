@@ -63,6 +63,13 @@ class FormatError(ValueError):
     """A file or index that cannot be used; the message says what is wrong with it."""
 
 
+def default_root() -> Path:
+    """Where caches live unless told otherwise: ``$XDG_CACHE_HOME/mlx_kvcache`` (or
+    ``~/.cache/mlx_kvcache``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mlx_kvcache"
+
+
 def version_dir(root: Path) -> Path:
     return Path(root) / f"v{FORMAT_VERSION}"
 

@@ -31,7 +31,7 @@ from ..prefix.trie import PrefixTrie
 from . import save as _save
 from .format import (
     FORMAT_VERSION, INDEX, MAGIC, NAME_DTYPE, DirLock, FormatError, decode_index,
-    disk_usage, prefix_digest, version_dir,
+    disk_usage, fsync_dir, prefix_digest, snapshot_files, version_dir,
 )
 from .lazy import GuardedOps, Origin, Verifier, warn
 
@@ -264,6 +264,19 @@ class PersistentStore:
             raise OSError(f"could not write {len(problems)} snapshot file(s) to {d} "
                           f"(first: {problems[0]}); those prefixes are not saved")
         return size
+
+    def clear_disk(self) -> None:
+        """Delete this model's saved cache: the index first (so a crash leaves an empty
+        cache, never one with missing files), then the snapshot files."""
+        d = self.directory()
+        if d in self._foreign or not d.is_dir():
+            return
+        with self._io, DirLock(d):
+            (d / INDEX).unlink(missing_ok=True)
+            fsync_dir(d)
+            for name in snapshot_files(d):
+                (d / name).unlink(missing_ok=True)
+                self.verifier.forget_file((d, name))
 
     def save(self, root=None) -> int:
         """`capture` then `write`; the caller holds the trie's lock for the whole call."""

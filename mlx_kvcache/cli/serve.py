@@ -1,0 +1,93 @@
+"""``mlx-kvcache serve``: mlx-lm's OpenAI-compatible server with our prefix cache.
+
+    mlx-kvcache serve                                   # the embedded SmolLM2, port 8080
+    mlx-kvcache serve --model mlx-community/Qwen3-4B-4bit --port 8000
+    mlx-kvcache serve --model path/to/dir --prompt-cache-bytes 4G --checkpoint-interval 1024
+
+Every ``mlx_lm.server`` option is accepted unchanged (``mlx-kvcache serve --help`` lists
+them with ours); the work is in `mlx_kvcache.serving`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import List, Optional, TextIO
+
+__all__ = ["add_parser", "run", "run_argv"]
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Register ``serve``; its arguments are mlx-lm's server's, parsed there."""
+    s = sub.add_parser("serve", add_help=False,
+                       help="mlx-lm's OpenAI-compatible server with the prefix cache",
+                       description=__doc__)
+    s.add_argument("args", nargs=argparse.REMAINDER)
+    return s
+
+
+def run_argv(argv: List[str]) -> int:
+    from ..serving import seam
+    from ..serving.app import main
+
+    try:
+        seam.check()  # before exporting a model: one line if mlx-lm's seam changed
+    except seam.SeamError:
+        return main(argv)  # says so
+    argv = _resolve_model(list(argv))
+    if argv is None:
+        return 2
+    return main(argv)
+
+
+def _resolve_model(argv) -> Optional[list]:
+    """Give mlx-lm a model directory: the embedded model (no ``--model``) and ``.gguf``
+    files are exported once under the cache directory's ``models/``."""
+    from ..models import ModelLoadError
+    from ..models.default import INSTALL_HINT, default_model_path
+    from ..models.export import export_gguf
+    from ..store import default_root
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model")
+    p.add_argument("--cache-dir")
+    p.add_argument("--dequantize", action="store_true", default=None)
+    p.add_argument("-h", "--help", action="store_true")
+    known, _ = p.parse_known_args(argv)
+    if known.help:
+        return argv
+    source = known.model
+    if source is None:
+        source = default_model_path()
+        if source is None:
+            sys.stderr.write(f"error: no --model given and the embedded default model is not "
+                             f"installed ({INSTALL_HINT})\n")
+            return None
+    elif not str(source).lower().endswith(".gguf"):
+        return argv
+    root = os.path.join(os.path.expanduser(known.cache_dir or str(default_root())), "models")
+    try:
+        d = export_gguf(source, root, dequantize=known.dequantize)
+    except (ModelLoadError, OSError) as e:
+        sys.stderr.write(f"error: {e}\n")
+        return None
+    logging.getLogger("mlx_kvcache").info("serving %s from the mlx-lm directory %s", source, d)
+    out, skip = [], False
+    for a in argv:  # drop the original --model
+        if skip:
+            skip = False
+            continue
+        if a == "--model":
+            skip = True
+            continue
+        if a.startswith("--model="):
+            continue
+        out.append(a)
+    return ["--model", str(d), *out]
+
+
+
+def run(args, out: TextIO, err: TextIO) -> int:
+    return run_argv(list(args.args))

@@ -1,0 +1,89 @@
+"""Where `mlx-kvcache serve` meets mlx-lm's server, and the check that the seam is there.
+
+mlx-lm's server has no plug-in hook for its prompt cache: ``run()`` builds an
+``LRUPromptCache`` and hands it to ``ResponseGenerator``. We reuse everything else
+unchanged and replace only that, through module attributes ``main()`` looks up when it
+runs: its ``argparse`` (so our options join the server's own parser, ``--help`` included)
+and its ``run`` (so our prompt cache, response generator and HTTP handler are used).
+Nothing of mlx-lm's code is copied. Before touching anything the seam is probed; a
+version whose seam changed gets one clear line instead of a server that misbehaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from contextlib import contextmanager
+from typing import Callable, Iterator, List, Optional
+
+#: mlx-lm versions this seam was written and tested against.
+SUPPORTED = ((0, 32, 0), (0, 33, 0))  # >= first, < second
+
+
+class SeamError(RuntimeError):
+    """mlx-lm's server does not offer the seam `mlx-kvcache serve` plugs into."""
+
+
+def _version(v: str):
+    parts = []
+    for p in v.split(".")[:3]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def check() -> Optional[str]:
+    """Raise `SeamError` if mlx-lm's server lacks what we use; return a note when the
+    version is outside the tested range but the seam is intact."""
+    import mlx_lm
+    from mlx_lm import server as S
+
+    missing = [name for name in ("main", "run", "argparse", "ResponseGenerator", "APIHandler",
+                                 "ModelProvider", "LRUPromptCache", "ThreadingHTTPServer",
+                                 "get_system_fingerprint", "_parse_size")
+               if not hasattr(S, name)]
+    if missing:
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server has no "
+                        f"{', '.join(missing)}")
+    params = list(inspect.signature(S.ResponseGenerator.__init__).parameters)
+    if params[1:3] != ["model_provider", "prompt_cache"]:
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: ResponseGenerator takes {params[1:]}, "
+                        f"not (model_provider, prompt_cache)")
+    tok = getattr(S.ResponseGenerator, "_tokenize", None)
+    if tok is None or list(inspect.signature(tok).parameters) != ["self", "tokenizer", "request", "args"]:
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: ResponseGenerator._tokenize changed")
+    src = inspect.getsource(S.main)
+    if "argparse.ArgumentParser(" not in src or "run(" not in src:
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server.main no longer builds "
+                        f"its parser and calls run() the way this build expects")
+    lo, hi = SUPPORTED
+    if not lo <= _version(mlx_lm.__version__) < hi:
+        return (f"mlx_lm {mlx_lm.__version__} is outside the tested range "
+                f"{'.'.join(map(str, lo))} <= v < {'.'.join(map(str, hi))}; its server seam "
+                f"looks intact, going on")
+    return None
+
+
+@contextmanager
+def patched(add_options: Callable[[argparse.ArgumentParser], None],
+            run: Callable, argv: List[str]) -> Iterator[None]:
+    """While inside: ``mlx_lm.server.main()`` parses ``argv`` with our options added and
+    calls ``run`` instead of its own; everything is put back afterwards."""
+    import sys
+
+    from mlx_lm import server as S
+
+    class Parser(argparse.ArgumentParser):
+        def parse_args(self, args=None, namespace=None):
+            add_options(self)
+            return super().parse_args(args, namespace)
+
+    saved = (S.argparse, S.run, sys.argv)
+    shim = argparse.Namespace(**{k: getattr(argparse, k) for k in dir(argparse)
+                                 if not k.startswith("_")})
+    shim.ArgumentParser = Parser
+    S.argparse, S.run, sys.argv = shim, run, argv
+    try:
+        yield
+    finally:
+        S.argparse, S.run, sys.argv = saved

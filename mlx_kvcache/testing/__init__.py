@@ -1,0 +1,11 @@
+"""Support for tests, demos and benchmarks: tiny random models and a token-id tokenizer
+(``models``), offline mlx-lm model directories (``dirs``), server processes on loopback
+(``servers``)."""
+
+from .dirs import (
+    CHAT_TEMPLATE, DIR_CONFIGS, DIR_VOCAB, SPECIALS, write_model_dir, write_tokenizer_dir,
+)
+from .models import MODELS, V, TokenIdTokenizer, build
+
+__all__ = ["MODELS", "V", "TokenIdTokenizer", "build", "CHAT_TEMPLATE", "DIR_CONFIGS",
+           "DIR_VOCAB", "SPECIALS", "write_model_dir", "write_tokenizer_dir"]

@@ -1,0 +1,273 @@
+#!/usr/bin/env python
+"""Benchmark: stock ``mlx_lm.server`` vs ``mlx-kvcache serve`` on the same replayed agent
+workloads (a benchmark, not a test).
+
+Both servers run at once on loopback, each on its own port; the workload advances one
+round (every session's next turn, sent concurrently) at a time, to one server and then
+the other, in alternating order, so background load hits them alike and only one is busy
+at a time. Each session's history is rebuilt from that server's own answers (greedy, so
+they agree when the caches are right). Stock is ``scripts/stock_server.py``: the unchanged
+server whose ``LRUPromptCache`` logs its exact byte count.
+
+Workloads:
+  a. agent sessions on the embedded SmolLM2-135M: a long shared system prompt (tool
+     documentation, ~4.7k tokens), 4 concurrent sessions (the first round staggered, as
+     sessions that start independently are), each turn appending the answer and a tool's
+     output.
+  b. the same shape on a small hybrid model (qwen3_next: gated-delta-net + attention,
+     random weights, one character per token) whose client, like many agent frameworks,
+     strips the answer's reasoning from the history and rewrites a status line inside the
+     long first message every turn — so every prompt diverges inside earlier messages.
+
+Reported per contender: time to first token p50 / p95, prompt tokens computed (prompt
+minus cached), cached-token ratio, bytes held by the prompt cache at the end, the server's
+peak RSS, and the time to first token of the first request after a restart (ours reloads
+its cache from disk; stock starts cold). Ratios are ours / stock.
+
+    python scripts/bench_server.py              # both workloads, ~6 min on 2 CPU cores
+    python scripts/bench_server.py --quick      # ~2 min
+    python scripts/bench_server.py --only b
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import mlx_kvcache  # noqa: F401  (before mlx: preloads a fast BLAS)
+
+from mlx_kvcache.testing import write_model_dir  # noqa: E402
+from mlx_kvcache.testing.servers import Server  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("alpha beta gamma delta river stone cloud metric vector buffer kernel socket "
+         "render commit branch merge deploy cache token window state layer").split()
+
+
+def text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+# -- workloads ---------------------------------------------------------------------------------
+class Session:
+    """One agent conversation. ``messages()`` is the next request; ``answered(text)``
+    appends the answer (as the client keeps it) and the tool's output.
+
+    With ``edits`` (workload b) the client behaves like many agent frameworks: the answer's
+    reasoning (its first half here) is stripped before it goes back into the history, and
+    a status line near the end of the long first message (the task) is rewritten every
+    turn — so every prompt diverges inside earlier messages."""
+
+    def __init__(self, idx, system, rng, task_words, tool_words, edits=False):
+        self.idx, self.rng, self.tool_words, self.edits = idx, rng, tool_words, edits
+        self.turn = 0
+        self.task = f"Task {idx}: " + text(rng, task_words)
+        self.history = [{"role": "system", "content": system},
+                        {"role": "user", "content": self._task()}]
+
+    def _task(self) -> str:
+        if not self.edits:
+            return self.task
+        return f"{self.task}\nStatus: step {self.turn} done.\nConstraints: {text(random.Random(self.idx), 25)}"
+
+    def messages(self):
+        return [dict(m) for m in self.history]
+
+    def answered(self, answer: str) -> None:
+        self.turn += 1
+        if self.edits:
+            answer = answer[len(answer) // 2:]  # the reasoning never goes back to the model
+            self.history[1]["content"] = self._task()  # the status line, rewritten in place
+        self.history.append({"role": "assistant", "content": answer})
+        self.history.append({"role": "user", "content": "Tool output:\n" + text(self.rng, self.tool_words)})
+
+
+def make_sessions(kind, n, system_words, seed=0):
+    rng = random.Random(seed)
+    if kind == "a":
+        system = "You are an agent. Tools:\n" + "\n".join(
+            f"tool_{k}(path, query): {text(rng, 14)}" for k in range(system_words // 15))
+        return [Session(i, system, random.Random(seed * 100 + i), 20, 30) for i in range(n)]
+    system = "You are an agent. Tools:\n" + "\n".join(
+        f"tool_{k}(x): {text(rng, 6)}" for k in range(30))
+    return [Session(i, system, random.Random(seed * 100 + i), 250, 40, edits=True)
+            for i in range(n)]
+
+
+# -- one request --------------------------------------------------------------------------------
+def ask(server: Server, messages, max_tokens, first_token=None):
+    t0 = time.perf_counter()
+    ttft, parts, usage = None, [], {}
+    for chunk in server.stream_chat(messages, max_tokens=max_tokens, timeout=600):
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for c in chunk.get("choices") or []:
+            piece = (c.get("delta") or {}).get("content")
+            if piece and ttft is None:
+                ttft = time.perf_counter() - t0
+                if first_token is not None:
+                    first_token.set()
+            parts.append(piece or "")
+    if first_token is not None:
+        first_token.set()
+    if ttft is None:
+        ttft = time.perf_counter() - t0
+    prompt = usage.get("prompt_tokens", 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"ttft": ttft, "text": "".join(parts), "prompt": prompt, "cached": cached}
+
+
+def round_of(server, sessions, max_tokens, staggered=False):
+    """Every session's next request, sent concurrently — or, ``staggered`` (the first
+    round), each session starting once the one before has its first token, as sessions
+    that start independently do (a prefix still being computed cannot be reused by anyone)."""
+    out = [None] * len(sessions)
+    started = [threading.Event() for _ in sessions]
+
+    def one(i):
+        if staggered and i:
+            started[i - 1].wait(timeout=900)
+        out[i] = ask(server, sessions[i].messages(), max_tokens, started[i])
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(sessions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=900)
+    return out
+
+
+def peak_rss(pid) -> int:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def stock_bytes(log: Path) -> int:
+    found = re.findall(r"BENCH_CACHE_BYTES (\d+)", log.read_text(errors="replace"))
+    return int(found[-1]) if found else 0
+
+
+# -- one workload -------------------------------------------------------------------------------
+def run(kind, model_args, sessions_n, turns, max_tokens, ours_extra, work, system_words):
+    home = work / f"home_{kind}"
+    stock_cmd = [sys.executable, str(ROOT / "scripts" / "stock_server.py"), *model_args]
+    ours_cmd = [sys.executable, "-m", "mlx_kvcache.cli", "serve", *model_args,
+                "--cache-dir", str(work / f"cache_{kind}"), *ours_extra]
+    servers = {"stock": Server(stock_cmd, work / f"stock_{kind}.log", home),
+               "ours": Server(ours_cmd, work / f"ours_{kind}.log", home)}
+    sessions = {k: make_sessions(kind, sessions_n, system_words) for k in servers}
+    res = {k: [] for k in servers}
+    agree = 0
+    try:
+        for turn in range(turns):
+            order = ["stock", "ours"] if turn % 2 == 0 else ["ours", "stock"]
+            got = {}
+            for name in order:
+                got[name] = round_of(servers[name], sessions[name], max_tokens, staggered=turn == 0)
+                res[name].extend(got[name])
+                for s, r in zip(sessions[name], got[name]):
+                    s.answered(r["text"])
+            agree += sum(a["text"] == b["text"] for a, b in zip(got["stock"], got["ours"]))
+            print(f"  {kind} turn {turn + 1}/{turns}: median TTFT stock "
+                  f"{statistics.median(r['ttft'] for r in got['stock']):.3f} s, ours "
+                  f"{statistics.median(r['ttft'] for r in got['ours']):.3f} s; cached stock "
+                  f"{sum(r['cached'] for r in got['stock'])} / ours "
+                  f"{sum(r['cached'] for r in got['ours'])} of "
+                  f"{sum(r['prompt'] for r in got['ours'])} tokens", flush=True)
+        held = {"stock": stock_bytes(servers["stock"].log),
+                "ours": servers["ours"].cache()["bytes_held"]}
+        rss = {k: peak_rss(s.proc.pid) for k, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.stop()
+    # After a restart: the first session's first request again (stock has nothing).
+    first = make_sessions(kind, 1, system_words)[0].messages()
+    restart = {}
+    for name, cmd in (("stock", stock_cmd), ("ours", ours_cmd)):
+        with Server(cmd, work / f"{name}_{kind}_restart.log", home) as s:
+            restart[name] = ask(s, first, max_tokens)
+    return res, held, rss, restart, agree
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def report(kind, res, held, rss, restart, agree, goals):
+    rows = {}
+    for name, rs in res.items():
+        prompt = sum(r["prompt"] for r in rs)
+        cached = sum(r["cached"] for r in rs)
+        rows[name] = dict(p50=pct([r["ttft"] for r in rs], 0.5), p95=pct([r["ttft"] for r in rs], 0.95),
+                          computed=prompt - cached, ratio=cached / prompt if prompt else 0,
+                          held=held[name], rss=rss[name], restart=restart[name]["ttft"],
+                          restart_cached=restart[name]["cached"])
+    s, o = rows["stock"], rows["ours"]
+    print(f"\n  workload {kind}: {len(res['ours'])} requests per contender; same answer text "
+          f"{agree}/{len(res['ours'])}")
+    print(f"  {'':<28}{'stock':>12}{'ours':>12}{'ours/stock':>12}  goal")
+    lines = [("TTFT p50 (s)", "p50", "{:.3f}"), ("TTFT p95 (s)", "p95", "{:.3f}"),
+             ("prompt tokens computed", "computed", "{:d}"), ("cached-token ratio", "ratio", "{:.2f}"),
+             ("bytes held by prompt cache", "held", "{:,d}"), ("peak RSS (bytes)", "rss", "{:,d}"),
+             ("TTFT after restart (s)", "restart", "{:.3f}")]
+    for label, key, fmt in lines:
+        r = o[key] / s[key] if s[key] else float("nan")
+        print(f"  {label:<28}{fmt.format(s[key]):>12}{fmt.format(o[key]):>12}{r:>12.3f}  "
+              f"{goals.get(key, '')}")
+    print(f"  (after the restart: cached tokens stock {s['restart_cached']}, ours "
+          f"{o['restart_cached']})")
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer turns and sessions")
+    ap.add_argument("--only", choices=("a", "b"))
+    ap.add_argument("--sessions", type=int, default=None, help="concurrent sessions (4)")
+    ap.add_argument("--turns", type=int, default=None, help="turns per session (4; quick 3)")
+    ap.add_argument("--system-words", type=int, default=None,
+                    help="a: words of tool documentation in the shared system prompt (3600, "
+                    "~4.7k tokens; quick 1500)")
+    args = ap.parse_args(argv)
+    n = args.sessions or 4
+    turns = args.turns or (3 if args.quick else 4)
+    print(f"command: python scripts/bench_server.py {shlex.join(argv or sys.argv[1:])}")
+    work = Path(tempfile.mkdtemp(prefix="bench_server_"))
+    print(f"logs and caches under {work}")
+    if args.only in (None, "a"):
+        from mlx_kvcache.models.default import default_model_path
+        from mlx_kvcache.models.export import export_gguf
+
+        gguf = default_model_path()
+        if gguf is None:
+            print("workload a skipped: the embedded SmolLM2 is not installed")
+        else:
+            d = export_gguf(gguf, work / "models")
+            words = args.system_words or (1500 if args.quick else 3600)
+            out = run("a", ["--model", str(d)], n, turns, 16, [], work, words)
+            report("a", *out, goals={"p50": "<= 1.0", "held": "<= 0.3", "restart": "<= 0.05 (of cold)"})
+    if args.only in (None, "b"):
+        d = write_model_dir(work / "hybrid", "qwen3_next", hidden_size=256, num_hidden_layers=8,
+                            intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                            head_dim=32, linear_num_value_heads=8, linear_num_key_heads=4,
+                            linear_key_head_dim=32, linear_value_head_dim=32,
+                            moe_intermediate_size=128, shared_expert_intermediate_size=128)
+        out = run("b", ["--model", str(d)], n, turns, 16, ["--checkpoint-interval", "128"], work, 0)
+        report("b", *out, goals={"p50": "<= 0.5", "computed": "<= 0.5"})
+
+
+if __name__ == "__main__":
+    main()
