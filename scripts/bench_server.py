@@ -19,6 +19,10 @@ Workloads:
      strips the answer's reasoning from the history and rewrites a status line inside the
      long first message every turn — so every prompt diverges inside earlier messages.
 
+  2. workload b's shape served by two ranks on loopback (``mlx.launch -n 2 --backend
+     ring``, pipeline parallel; a 5-layer hybrid split 3/2, so ranks hold different layers
+     and bytes): stock and ours under the same launch command, one after the other.
+
 Reported per contender: time to first token p50 / p95, prompt tokens computed (prompt
 minus cached), cached-token ratio, bytes held by the prompt cache at the end, the server's
 peak RSS, and the time to first token of the first request after a restart (ours reloads
@@ -27,6 +31,7 @@ its cache from disk; stock starts cold). Ratios are ours / stock.
     python scripts/bench_server.py              # both workloads, ~6 min on 2 CPU cores
     python scripts/bench_server.py --quick      # ~2 min
     python scripts/bench_server.py --only b
+    python scripts/bench_server.py --only 2     # two ranks under mlx.launch (~3 min)
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from pathlib import Path
 
 import mlx_kvcache  # noqa: F401  (before mlx: preloads a fast BLAS)
 
-from mlx_kvcache.testing import write_model_dir  # noqa: E402
+from mlx_kvcache.testing import DIR_CONFIGS, write_model_dir  # noqa: E402
 from mlx_kvcache.testing.servers import Server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,6 +206,45 @@ def run(kind, model_args, sessions_n, turns, max_tokens, ours_extra, work, syste
     return res, held, rss, restart, agree
 
 
+def run_two_ranks(work, sessions_n, turns, quick):
+    """Stock and ours each under ``mlx.launch -n 2 --backend ring`` (pipeline parallel, a
+    hybrid model split unevenly over the ranks), one after the other, workload b's shape."""
+    from mlx_kvcache.testing.launch import LaunchedServer
+
+    d = write_model_dir(work / "hybrid2", "qwen3_5", text_config=dict(
+        DIR_CONFIGS["qwen3_5"]["text_config"], hidden_size=192, intermediate_size=384,
+        num_hidden_layers=5, num_attention_heads=6, num_key_value_heads=2, head_dim=32,
+        linear_num_value_heads=6, linear_num_key_heads=2, linear_key_head_dim=32,
+        linear_value_head_dim=32))
+    res, agree, lines = {}, 0, {}
+    answers = {}
+    for name, extra in (("stock", []), ("ours", ["--checkpoint-interval", "128", "--no-persist"])):
+        sessions = make_sessions("b", sessions_n, 0)
+        with LaunchedServer(d, "--pipeline", *extra, stock=name == "stock",
+                            home=work / f"home_2r_{name}") as s:
+            res[name] = []
+            for turn in range(turns):
+                got = round_of(s, sessions, 16, staggered=turn == 0)
+                res[name].extend(got)
+                for sess, r in zip(sessions, got):
+                    sess.answered(r["text"])
+            if name == "ours":
+                lines = s.wait_for_lines(len(res[name]))
+        answers[name] = [r["text"] for r in res[name]]
+    agree = sum(a == b for a, b in zip(answers["stock"], answers["ours"]))
+    print(f"\n  two ranks (mlx.launch -n 2 --backend ring, --pipeline, qwen3_5 hybrid, 5 layers "
+          f"split 3/2): {len(res['ours'])} requests per contender; same answer text "
+          f"{agree}/{len(res['ours'])}; ours' ranks reprocessed identical tokens: "
+          f"{bool(lines) and lines.get(0) == lines.get(1)}")
+    print(f"  {'':<28}{'stock':>12}{'ours':>12}{'ours/stock':>12}")
+    for label, f in (("TTFT p50 (s)", lambda rs: pct([r["ttft"] for r in rs], 0.5)),
+                     ("TTFT p95 (s)", lambda rs: pct([r["ttft"] for r in rs], 0.95)),
+                     ("prompt tokens computed", lambda rs: sum(r["prompt"] - r["cached"] for r in rs)),
+                     ("cached-token ratio", lambda rs: sum(r["cached"] for r in rs) / max(1, sum(r["prompt"] for r in rs)))):
+        a, b = f(res["stock"]), f(res["ours"])
+        print(f"  {label:<28}{a:>12.3f}{b:>12.3f}{(b / a if a else float('nan')):>12.3f}")
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -235,7 +279,7 @@ def report(kind, res, held, rss, restart, agree, goals):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer turns and sessions")
-    ap.add_argument("--only", choices=("a", "b"))
+    ap.add_argument("--only", choices=("a", "b", "2"), help="one workload (2: two ranks)")
     ap.add_argument("--sessions", type=int, default=None, help="concurrent sessions (4)")
     ap.add_argument("--turns", type=int, default=None, help="turns per session (4; quick 3)")
     ap.add_argument("--system-words", type=int, default=None,
@@ -267,6 +311,8 @@ def main(argv=None):
                             moe_intermediate_size=128, shared_expert_intermediate_size=128)
         out = run("b", ["--model", str(d)], n, turns, 16, ["--checkpoint-interval", "128"], work, 0)
         report("b", *out, goals={"p50": "<= 0.5", "computed": "<= 0.5"})
+    if args.only in (None, "2"):
+        run_two_ranks(work, 2 if args.quick else 3, turns, args.quick)
 
 
 if __name__ == "__main__":

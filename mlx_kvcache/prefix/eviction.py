@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, List, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from .node import TrieNode
 
@@ -63,4 +63,24 @@ def evict(trie: "PrefixTrie", max_bytes: int) -> int:
         else:
             trie.remove(n)
             push(parent)
+    return before - trie.nbytes
+
+
+def _invariant_key(node: TrieNode) -> Tuple[int, int, int, int]:
+    # Only what every rank of a sharded model agrees on (never bytes, which differ).
+    return (node.last_used, -node.end, -len(node.tokens), node.tokens[0] if node.tokens else -1)
+
+
+def evict_one(trie: "PrefixTrie") -> Optional[int]:
+    """One eviction step on the least recently used candidate, chosen from structure and
+    use alone (the same node on every rank of a sharded model); the bytes it freed, or
+    None when nothing is evictable."""
+    victim = min((n for n in trie.nodes() if evictable(trie, n)), key=_invariant_key, default=None)
+    if victim is None:
+        return None
+    before = trie.nbytes
+    if victim.children:
+        trie.merge_with_child(victim)
+    else:
+        trie.remove(victim)
     return before - trie.nbytes

@@ -8,7 +8,8 @@ live sets, so any number may run at once, from any threads or event loops; the t
 the budget and the pool of live sets change only inside critical sections (`run`), which never
 span a generator step (docs/design.md, "Concurrency").
 
-The restore rules are in `planner`. The byte budget counts everything the manager holds:
+The restore rules are in `planner`, the budget in `budget`. The byte budget counts
+everything the manager holds:
 the trie's snapshots and every live set (lent or idle). It is enforced whenever that
 grows: after a restore, before each snapshot (a snapshot that cannot fit is skipped and
 counted) and at a request's end.
@@ -29,6 +30,8 @@ import mlx.core as mx
 from ..caches.factory import leaf_caches
 from ..caches.kv import KVCache
 from . import planner
+from .agreement import SOLO, Agreement, every
+from .budget import Budget
 from .live import LiveSet
 from .planner import Plan
 from .trie import PrefixTrie, TrieNode
@@ -54,7 +57,7 @@ def default_max_bytes(fraction: float = 0.2) -> int:
     return int(total * fraction)
 
 
-class PrefixManager:
+class PrefixManager(Budget):
     """Trie + live sets for one model.
 
     Args:
@@ -99,6 +102,9 @@ class PrefixManager:
         #: (the store checks lazily loaded snapshot files there).
         self.verify: Optional[Callable[[Sequence[int]], None]] = None
         self.evicted_bytes = 0
+        #: The ranks of a sharded model decide together (see `agreement`); one process
+        #: decides alone.
+        self.agree: Agreement = SOLO
         self._lock = threading.Lock()
         self._exec = executor or (lambda fn, *a: fn(*a))
         self._inside = threading.local()  # per thread: critical sections entered, not left
@@ -141,55 +147,6 @@ class PrefixManager:
         with self._held(drain=False):
             return fn(*args)
 
-    # -- bytes --------------------------------------------------------------------------------
-    @property
-    def snapshot_bytes(self) -> int:
-        """Bytes of the trie's snapshots."""
-        return self.trie.nbytes
-
-    @property
-    def live_bytes(self) -> int:
-        """Bytes of every live set, lent to a request or idle."""
-        sets = set(self._lent)
-        if self._idle is not None:
-            sets.add(self._idle)
-        return sum(s.nbytes for s in sets)
-
-    @property
-    def nbytes(self) -> int:
-        """Everything the manager holds: snapshots and live caches."""
-        return self.snapshot_bytes + self.live_bytes
-
-    def _evict(self, target: int) -> None:
-        freed = self.trie.evict(max(target, 0))
-        if freed:
-            self.evicted_bytes += freed
-            self.keep.difference_update([n for n in self.keep if n.detached])
-
-    def enforce_budget(self) -> None:
-        """Fit ``max_bytes``: drop the idle live set first (the trie holds its tokens too),
-        then evict least recently used snapshots. Lent live sets cannot be dropped."""
-        self.run(self._enforce)
-
-    def _enforce(self) -> None:
-        if self.nbytes <= self.max_bytes:
-            return
-        if self._idle is not None:
-            self._idle.reset()
-            self._idle = None
-        self._evict(self.max_bytes - self.live_bytes)
-
-    def _make_room(self, need: int) -> bool:
-        """Evict so ``need`` more bytes fit; False when they cannot."""
-        budget = self.max_bytes - self.live_bytes
-        if self.trie.nbytes + need > budget and self._idle is not None:
-            self._idle.reset()
-            self._idle = None
-            budget = self.max_bytes - self.live_bytes
-        if self.trie.nbytes + need > budget:
-            self._evict(budget - need)
-        return self.trie.nbytes + need <= budget
-
     # -- checkout: restore ----------------------------------------------------------------
     def checkout(self, tokens: Sequence[int], extra_stops: Sequence[int] = ()) -> Tuple[LiveSet, Plan]:
         """A live set of the caller's own, restored for ``tokens``, and its prefill plan.
@@ -219,7 +176,8 @@ class PrefixManager:
         path, matched = self.trie.find(tokens)
         if matched >= n:  # full hit: hold back the last token so it produces logits
             path, matched = self.trie.find(tokens[: n - 1])
-        target, top, live_common, reason = planner.choose_target(live, tokens, path, matched)
+        target, top, live_common, reason = planner.choose_target(live, tokens, path, matched,
+                                                                 self.agree)
         stops = self._stops(n, target, top, extra_stops)
         return Plan(n, max(matched, target), target, reason, stops), path, live_common
 
@@ -242,7 +200,7 @@ class PrefixManager:
         target = plan.restored
         ok = all(planner.restore_layer(c, i, target, path, live_common)
                  for i, c in enumerate(live.leaves))
-        if not ok or not live.consistent(target):
+        if not every(self.agree, ok and live.consistent(target)):
             log.warning("restore to offset %d failed; recomputing the prompt from scratch", target)
             live.reset()
             plan.reason = f"restore to offset {target} failed unexpectedly; recomputed from 0"
@@ -264,20 +222,6 @@ class PrefixManager:
         """
         return self.run(lambda: live.epoch == self._epoch
                         and self._record(live, list(tokens)) is not None)
-
-    def _need(self, live: LiveSet, path: List[TrieNode], m: int, o: int) -> int:
-        """Bytes the snapshots of a record at ``o`` (trie match ``m``) will add."""
-        if m < o:
-            return sum(c.snapshot_nbytes(m) for c in live.leaves)
-        node = path[-1]  # holds ``o`` inside or at the end of its edge
-        need = 0
-        for i, c in enumerate(live.leaves):
-            kv = isinstance(c, KVCache)
-            if not node.has_state(i):
-                need += c.snapshot_nbytes(node.start if kv else 0)
-            elif node.end != o and not kv:  # the split's upper half needs a whole state
-                need += c.snapshot_nbytes(0)
-        return need
 
     def _record(self, live: LiveSet, seq: List[int], keep: bool = True) -> Optional[TrieNode]:
         """Record the live state (which holds exactly ``seq``) as a trie node end.

@@ -10,13 +10,19 @@ The per-class rules these build on are each cache class's ``restore`` (docs/desi
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..caches.kv import KVCache
 from ..caches.rotating import RotatingKVCache, RotatingSnapshot
+from .agreement import SOLO, Agreement
 from .live import LiveSet
 from .node import TrieNode
+
+log = logging.getLogger("mlx_kvcache")
 
 
 @dataclass
@@ -108,9 +114,10 @@ def restore_layer(c, i: int, t: int, path: List[TrieNode], live_common: int) -> 
     return False
 
 
-def choose_target(live: LiveSet, tokens: List[int], path: List[TrieNode],
-                  matched: int) -> Tuple[int, int, int, Optional[str]]:
-    """``(target, top, live_common, reason)``: the deepest offset every layer reaches."""
+def choose_target(live: LiveSet, tokens: List[int], path: List[TrieNode], matched: int,
+                  agree: Agreement = SOLO) -> Tuple[int, int, int, Optional[str]]:
+    """``(target, top, live_common, reason)``: the deepest offset every layer reaches —
+    on every rank, when the layers are spread over several (``agree``)."""
     n = len(tokens)
     live_common = min(common_prefix(live.tokens, tokens), n - 1)
     if not live.consistent(len(live.tokens)):
@@ -118,17 +125,31 @@ def choose_target(live: LiveSet, tokens: List[int], path: List[TrieNode],
     top = max(matched, live_common)
     cands = {top, 0, live_common}
     cands.update(nd.end for nd in path if nd.end <= top)
+    ordered = sorted(cands, reverse=True)
     table = reach_table(live.leaves, path, live_common, top)
+    blocked = [next((i for i, e in enumerate(table) if not reachable(e, t)), None) for t in ordered]
+    ok = [int(b is None) for b in blocked]
+    if agree.size > 1:
+        ok = _agreed(agree, ordered, ok)
     reason = None
-    for t in sorted(cands, reverse=True):
-        blocked = next((i for i, e in enumerate(table) if not reachable(e, t)), None)
-        if blocked is None:
-            return t, top, live_common, (None if t >= top else reason)
-        if t == top:
-            c = live.leaves[blocked]
-            reason = (f"layer {blocked} ({type(c).__name__}) has no state at offset {top}; "
-                      f"restored to the deepest offset every layer reaches")
-    return 0, top, live_common, reason  # pragma: no cover - 0 is always reachable
+    if not ok[0]:
+        i = blocked[0]
+        reason = (f"layer {i} ({type(live.leaves[i]).__name__}) has no state at offset {top}"
+                  if i is not None else f"another rank has no state at offset {top}")
+        reason += "; restored to the deepest offset every layer reaches"
+    t = next(t for t, good in zip(ordered, ok) if good)  # 0 is always reachable
+    return t, top, live_common, (None if t >= top else reason)
+
+
+def _agreed(agree: Agreement, ordered: List[int], ok: List[int]) -> List[int]:
+    """The candidates every rank reaches. Ranks with identical tries list identical
+    candidates; if they ever do not, all fall back to offset 0 (never a mismatch)."""
+    mine = np.asarray(ordered + ok, dtype=np.int64).tobytes()
+    views = [np.frombuffer(b, dtype=np.int64) for b in agree.all_gather(mine)]
+    if any(len(v) != 2 * len(ordered) or list(v[: len(ordered)]) != ordered for v in views):
+        log.error("mlx_kvcache: ranks disagree on the prefix trie; recomputing from offset 0")
+        return [int(t == 0) for t in ordered]
+    return [int(min(v[len(ordered) + j] for v in views)) for j in range(len(ordered))]
 
 
 def stops(n: int, restored: int, matched: int, *, whole_state: bool, pre_end_margin: int,

@@ -71,6 +71,11 @@ class PrefixTrie:
         self._clock += 1
         return self._clock
 
+    def set_clock(self, value: int) -> None:
+        """Move the logical clock forward to ``value`` (ranks of a sharded model align
+        theirs after loading)."""
+        self._clock = max(self._clock, int(value))
+
     def touch(self, node: TrieNode) -> None:
         """Mark ``node`` as used now."""
         node.last_used = self.tick()

@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -60,11 +61,11 @@ def add_options(parser) -> None:
 
 def run(host: str, port: int, model_provider, server_class=None, handler_class=None) -> None:
     """Stands in for ``mlx_lm.server.run``: same arguments, our cache and handler."""
-    import mlx.core as mx
     from mlx_lm.server import ThreadingHTTPServer
 
     from ..store import default_root
     from ..prefix.manager import default_max_bytes
+    from .distributed import agreement
     from .generator import CheckpointingResponseGenerator
     from .handler import CacheAPIHandler
     from .prompt_cache import TriePromptCache
@@ -72,9 +73,13 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     args = model_provider.cli_args
     cache_dir = None if args.no_persist else str(args.cache_dir or default_root())
     max_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else default_max_bytes()
+    agree = agreement()
+    sharding = (f"{'pipeline' if args.pipeline else 'tensor'}-{agree.size}-rank{agree.rank}"
+                if agree.size > 1 else "")
     cache = TriePromptCache(model_provider, max_bytes=max_bytes,
                             checkpoint_interval=args.checkpoint_interval, cache_dir=cache_dir,
-                            max_disk_bytes=args.max_disk_bytes, max_entries=args.prompt_cache_size)
+                            max_disk_bytes=args.max_disk_bytes, max_entries=args.prompt_cache_size,
+                            agree=agree, sharding=sharding)
     load_default = model_provider.load_default
 
     def load_then_open_cache():
@@ -85,12 +90,28 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
             cache.prepare(model_provider.model_key)
     model_provider.load_default = load_then_open_cache
     generator = CheckpointingResponseGenerator(model_provider, cache)
-    if mx.distributed.init().rank() != 0:
-        generator.join()
-        cache.close(timeout=60)
+    if agree.rank != 0:
+        _follow(generator, cache)
         return
     _serve(host, port, generator, cache, server_class or ThreadingHTTPServer,
            handler_class or CacheAPIHandler)
+
+
+def _follow(generator, cache) -> None:
+    """A rank other than 0: no HTTP; its generation thread follows rank 0's requests. On
+    SIGTERM / SIGINT (the launcher stops every rank) it flushes its cache writes and exits."""
+    def stop(signum, frame):
+        log.info("mlx_kvcache: rank stopping (signal %d): flushing cache writes", signum)
+        cache.close(timeout=60)
+        logging.shutdown()
+        os._exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while generator.generation_available():
+        time.sleep(0.5)
+    cache.close(timeout=60)
+    logging.shutdown()
+    os._exit(1)  # the generation thread ended without a signal: rank 0 is gone
 
 
 def _serve(host, port, generator, cache, server_class, handler_class) -> None:

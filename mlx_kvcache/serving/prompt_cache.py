@@ -14,31 +14,33 @@ n_bytes=)``, ``nbytes``, ``len()`` and ``stats_by_type()``. Here:
 * `checkpoints` tells the generation loop where else to stop during prefill (every
   ``checkpoint_interval`` tokens and at branch points, hybrid and sliding-window models);
 * one byte budget counts every snapshot and holds after every insert, on every path;
-* with a cache directory the trie persists: loaded when the model is first used, written
-  in the background after each insert, flushed by `close`.
+* with a cache directory the trie persists: loaded when the model loads, written in the
+  background after each insert, flushed by `close`.
 
-Statistics and `clear` may be called from the HTTP threads.
+On the ranks of a sharded model (``mlx.launch``) every decision is agreed between ranks
+(`mlx_kvcache.prefix.agreement`), so every rank restores, stores and evicts alike. The
+HTTP threads (rank 0) only read counters and ask for a `clear`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import weakref
+import struct
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..caches import CacheError, layer_signature, make_prompt_cache
-from ..store.autosave import Autosaver
-from ..prefix.manager import PrefixManager
+from ..prefix.agreement import SOLO, Agreement, any_rank, every
 from ..prefix.stats import human_bytes
-from ..store import PersistentStore, directory_fingerprint, disk_usage, model_fingerprint
+from ..store import disk_usage
+from .model_state import ModelState, open_model
 from .native import from_native, to_native
 
 __all__ = ["TriePromptCache"]
 
 log = logging.getLogger("mlx_kvcache")
+_STATS = struct.Struct("<qqqqqq")  # bytes held, nodes, disk bytes, evicted, requests, cached
 
 
 @dataclass
@@ -49,17 +51,6 @@ class _Fetch:
     matched: int
     cached: int
     reason: Optional[str]
-
-
-@dataclass
-class _Model:
-    """The trie (and its disk store) of the model the server has loaded."""
-
-    key: Any
-    manager: Optional[PrefixManager]
-    store: Optional[PersistentStore] = None
-    why_not: Optional[str] = None
-    types: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
 
 
 class TriePromptCache:
@@ -73,11 +64,14 @@ class TriePromptCache:
         cache_dir: persist under this directory (None: memory only).
         max_disk_bytes: disk budget for the model's persisted cache (None: no limit).
         max_entries: ``--prompt-cache-size``, honoured by ``trim_to(n_sequences=...)``.
+        agree: how the ranks of a sharded model agree (one process: `SOLO`).
+        sharding: names this rank's shard of the model (its persisted cache's directory).
     """
 
     def __init__(self, model_provider, *, max_bytes: int, checkpoint_interval: int = 2048,
                  cache_dir: Optional[str] = None, max_disk_bytes: Optional[int] = None,
-                 max_entries: Optional[int] = None, pre_end_margin: int = 4) -> None:
+                 max_entries: Optional[int] = None, pre_end_margin: int = 4,
+                 agree: Agreement = SOLO, sharding: str = "") -> None:
         self.provider = model_provider
         self.max_bytes = int(max_bytes)
         self.checkpoint_interval = int(checkpoint_interval)
@@ -85,94 +79,78 @@ class TriePromptCache:
         self.cache_dir = cache_dir
         self.max_disk_bytes = max_disk_bytes
         self.max_entries = max_entries
+        self.agree = agree
+        self.sharding = sharding
         self.requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
-        self._model: Optional[_Model] = None
+        self._model: Optional[ModelState] = None
         self._fetches: "OrderedDict[int, _Fetch]" = OrderedDict()
         self._seq = 0
         self._told: List[str] = []
-        self._autosaver: Optional[Autosaver] = None
+        self._clear_asked = False
+        self._ranks: List[Tuple[int, ...]] = []  # every rank's counters, as last shared
 
-    # -- the model's trie, made on first use (in the generation thread) ------------------
-    def _state(self, model_key) -> _Model:
+    # -- the model's trie, made when the model loads (in the generation thread) ----------
+    def _state(self, model_key) -> ModelState:
         if self._model is not None and self._model.key == model_key:
             return self._model
         self.close()
-        model = self.provider.model
-        draft = getattr(self.provider, "draft_model", None)
-        if draft is not None:
-            self._model = _Model(model_key, None, why_not="a draft model is loaded "
-                                 "(speculative decoding caches two models)")
-        else:
-            try:
-                self._model = _Model(model_key, PrefixManager(
-                    lambda: make_prompt_cache(model), max_bytes=self.max_bytes,
-                    pre_end_margin=self.pre_end_margin,
-                    snapshot_interval=self.checkpoint_interval))
-            except CacheError as e:
-                self._model = _Model(model_key, None, why_not=str(e))
-        if self._model.manager is None:
-            log.warning("mlx_kvcache: prompt caching is off for this model: %s", self._model.why_not)
-        elif self.cache_dir is not None:
-            self._open_store(model_key)
+        self._model = open_model(
+            self.provider, model_key, self.agree, max_bytes=self.max_bytes,
+            checkpoint_interval=self.checkpoint_interval, pre_end_margin=self.pre_end_margin,
+            cache_dir=self.cache_dir, max_disk_bytes=self.max_disk_bytes, sharding=self.sharding)
+        self._share_stats()
         return self._model
 
-    def _open_store(self, model_key) -> None:
-        st, mgr = self._model, self._model.manager
-        path = model_key[0] if isinstance(model_key, tuple) else model_key
-        adapter = model_key[1] if isinstance(model_key, tuple) and len(model_key) > 1 else None
-        try:
-            if path and os.path.isdir(str(path)):
-                fp = directory_fingerprint(path, adapter)
-            else:  # a hub id: the loaded weights themselves
-                fp = model_fingerprint(self.provider.model, self.provider.tokenizer)
-            st.store = PersistentStore(mgr.trie, layer_signature(mgr.ops), self.cache_dir, fp,
-                                       self.max_disk_bytes, keep=mgr.keep)
-            mgr.verify = st.store.before_request
-
-            def load():
-                n = st.store.load()
-                mgr._enforce()
-                st.store.purge_bad()
-                return n
-            n = mgr.run(load)
-            self._autosaver = Autosaver(st.store.write)
-            log.info("mlx_kvcache: loaded %d cached tokens (%s) from %s", n,
-                     human_bytes(mgr.snapshot_bytes), st.store.directory())
-        except Exception as e:  # fail-open: the server runs without a disk tier
-            log.warning("mlx_kvcache: the prompt cache will not persist: %s", e)
-            st.store = None
-
     def prepare(self, model_key) -> None:
-        """Open the trie of the model just loaded (in the generation thread), so the first
-        request does not pay for it. Never raises."""
-        try:
-            self._state(model_key)
-        except Exception:
-            log.exception("mlx_kvcache: opening the prompt cache failed")
+        """Open the trie of the model just loaded, so the first request does not pay for it."""
+        self._guard("opening the prompt cache", lambda: self._state(model_key), None)
 
     # -- the protocol mlx-lm's server calls ---------------------------------------------
-    # Nothing here may raise into the server: an exception in its generation thread ends
-    # it (every later request fails). A cache problem costs reuse, never the server.
-    def fetch_nearest_cache(self, model_key, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:
+    def _guard(self, what: str, fn, fallback):
+        # Nothing here may raise into the server: an exception in its generation thread
+        # ends it. One process: log, and the request goes on without reuse. A rank of a
+        # sharded model must not go on out of step with the others (the next collective
+        # would hang them all): it exits, and the launcher stops the rest.
         try:
-            return self._fetch(model_key, list(tokens))
+            return fn()
         except Exception:
-            log.exception("mlx_kvcache: prompt cache fetch failed; serving without reuse")
-            return None, list(tokens)
+            log.exception("mlx_kvcache: %s failed", what)
+            if self.agree.size > 1:
+                logging.shutdown()
+                os._exit(70)
+            return fallback
+
+    def fetch_nearest_cache(self, model_key, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:
+        tokens = list(tokens)
+        return self._guard("a prompt cache fetch", lambda: self._fetch(model_key, tokens),
+                           (None, tokens))
 
     def insert_cache(self, model_key, tokens: Sequence[int], prompt_cache: List[Any],
                      *, cache_type: str = "assistant") -> None:
-        try:
-            self._insert(model_key, list(tokens), prompt_cache, cache_type)
-        except Exception:
-            log.exception("mlx_kvcache: prompt cache insert failed; those tokens are not cached")
+        tokens = list(tokens)
+        self._guard("a prompt cache insert",
+                    lambda: self._insert(model_key, tokens, prompt_cache, cache_type), None)
+
+    def checkpoints(self, model_key, tokens: Sequence[int]) -> List[int]:
+        """Prompt offsets where prefill should stop so the caches can be stored there:
+        every ``checkpoint_interval`` tokens, a few tokens before the end and at the branch
+        point where a restore will land short (hybrid and sliding-window models; KV layers
+        reach any token from the final insert anyway). Changes nothing."""
+        def plan():
+            st = self._state(model_key)
+            if st.manager is None or not st.manager.whole_state or len(tokens) < 2:
+                return []
+            return st.manager.preview(tokens).stops
+        return self._guard("planning checkpoints", plan, [])
 
     def _fetch(self, model_key, tokens: List[int]) -> Tuple[Optional[List[Any]], List[int]]:
         st = self._state(model_key)
         if st.manager is None or not tokens:
             return None, tokens
+        if any_rank(self.agree, self._clear_asked):  # DELETE /v1/cache, applied everywhere at once
+            self._clear(st)
         live, plan = st.manager.checkout(tokens)
         st.manager.forget(live)  # the server owns these caches from here on
         self.requests += 1
@@ -198,32 +176,20 @@ class TriePromptCache:
                 log.warning("mlx_kvcache: not caching: a %s cache list does not hold exactly "
                             "the tokens it is stored under, or cannot be snapshotted (e.g. "
                             "--kv-bits quantized caches)", "/".join(kinds))
+        if not every(self.agree, caches is not None):
             return
         node = st.manager.record(caches, tokens)
         if node is not None:
             st.types[node] = cache_type
+        self._share_stats()
         self._log_request(st, tokens)
-        if st.store is not None and self._autosaver is not None:
+        if st.writer is not None:
             try:
                 plan = st.manager.run(st.store.capture)
             except Exception as e:  # never break the server
-                self._autosaver.failed(e)
+                st.writer.failed(e)
             else:
-                self._autosaver.submit(plan)
-
-    def checkpoints(self, model_key, tokens: Sequence[int]) -> List[int]:
-        """Prompt offsets where prefill should stop so the caches can be stored there:
-        every ``checkpoint_interval`` tokens, a few tokens before the end and at the branch
-        point where a restore will land short (hybrid and sliding-window models; KV layers
-        reach any token from the final insert anyway). Changes nothing."""
-        try:
-            st = self._state(model_key)
-            if st.manager is None or not st.manager.whole_state or len(tokens) < 2:
-                return []
-            return st.manager.preview(tokens).stops
-        except Exception:
-            log.exception("mlx_kvcache: planning checkpoints failed; none for this prompt")
-            return []
+                st.writer.submit(plan)
 
     def trim_to(self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None) -> None:
         st = self._model
@@ -235,16 +201,8 @@ class TriePromptCache:
             if n_bytes is not None:
                 mgr._evict(max(int(n_bytes), 0))
             if n_sequences is not None:
-                target = max(int(n_sequences), 0)
-                while sum(1 for _ in mgr.trie.nodes()) > target:
-                    before = sum(1 for _ in mgr.trie.nodes())
-                    mgr._evict(mgr.trie.nbytes - 1)
-                    if sum(1 for _ in mgr.trie.nodes()) >= before:
-                        break
-        try:
-            mgr.run(trim)
-        except Exception:
-            log.exception("mlx_kvcache: trimming the prompt cache failed")
+                mgr._evict_to_count(int(n_sequences))
+        self._guard("trimming the prompt cache", lambda: mgr.run(trim), None)
 
     @property
     def nbytes(self) -> int:
@@ -275,55 +233,76 @@ class TriePromptCache:
         return out
 
     # -- our own endpoints and lifecycle --------------------------------------------------
+    def _local(self) -> Tuple[int, ...]:
+        st = self._model
+        if st is None or st.manager is None:
+            return (0, 0, 0, 0, self.requests, self.cached_tokens)
+        mgr = st.manager
+        held, nodes, evicted = mgr.peek(lambda: (mgr.trie.nbytes, sum(1 for _ in mgr.trie.nodes()),
+                                                 mgr.evicted_bytes))
+        disk = disk_usage(st.store.directory()) if st.store is not None else 0
+        return (held, nodes, disk, evicted, self.requests, self.cached_tokens)
+
+    def _share_stats(self) -> None:
+        """Every rank's counters, for rank 0's ``GET /v1/cache`` (one small gather)."""
+        if self.agree.size > 1:
+            self._ranks = [_STATS.unpack(b) for b in self.agree.all_gather(_STATS.pack(*self._local()))]
+
     def report(self) -> Dict[str, Any]:
-        """What ``GET /v1/cache`` returns."""
+        """What ``GET /v1/cache`` returns (on a sharded model: this rank's view, and every
+        rank's counters as of its last insert under ``ranks``)."""
+        held, nodes, disk, evicted, _, _ = self._local()
         st = self._model
         out: Dict[str, Any] = {
-            "bytes_held": 0, "max_bytes": self.max_bytes, "disk_bytes": 0, "nodes": 0,
+            "bytes_held": held, "max_bytes": self.max_bytes, "disk_bytes": disk, "nodes": nodes,
             "requests": self.requests, "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "evicted_bytes": 0, "checkpoint_interval": self.checkpoint_interval,
-            "cache_dir": None, "enabled": bool(st and st.manager),
+            "evicted_bytes": evicted, "checkpoint_interval": self.checkpoint_interval,
+            "cache_dir": str(st.store.directory()) if st and st.store else None,
+            "enabled": bool(st and st.manager),
         }
-        if st is not None and st.manager is not None:
-            mgr = st.manager
-
-            def read():
-                out["bytes_held"] = mgr.trie.nbytes
-                out["nodes"] = sum(1 for _ in mgr.trie.nodes())
-                out["evicted_bytes"] = mgr.evicted_bytes
-            mgr.peek(read)
-            if st.store is not None:
-                out["cache_dir"] = str(st.store.directory())
-                out["disk_bytes"] = disk_usage(st.store.directory())
-        elif st is not None:
+        if st is not None and st.manager is None:
             out["disabled_because"] = st.why_not
+        if self.agree.size > 1:
+            out["rank"], out["world_size"] = self.agree.rank, self.agree.size
+            out["ranks"] = [dict(zip(("bytes_held", "nodes", "disk_bytes", "evicted_bytes",
+                                      "requests", "cached_tokens"), r), rank=i)
+                            for i, r in enumerate(self._ranks)]
+            out["clear_pending"] = self._clear_asked
         return out
 
     def clear(self) -> None:
-        """Drop every snapshot, in memory and on disk (``DELETE /v1/cache``)."""
-        st = self._model
-        if st is None or st.manager is None:
+        """Drop every snapshot, in memory and on disk (``DELETE /v1/cache``). On a sharded
+        model the ranks clear together, before the next request."""
+        if self.agree.size > 1:
+            self._clear_asked = True
             return
+        st = self._model
+        if st is not None and st.manager is not None:
+            self._clear(st)
+
+    def _clear(self, st: ModelState) -> None:
+        self._clear_asked = False
         st.manager.clear()
         if st.store is not None:
-            if self._autosaver is not None:
-                self._autosaver.flush(timeout=60)
+            if st.writer is not None:
+                st.writer.flush(timeout=60)
             st.store.clear_disk()
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait for the background writes submitted so far."""
-        return True if self._autosaver is None else self._autosaver.flush(timeout)
+        st = self._model
+        return True if st is None or st.writer is None else st.writer.flush(timeout)
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Finish the background writes of the current model (on model switch and stop)."""
-        if self._autosaver is not None:
-            self._autosaver.close(timeout)
-            self._autosaver = None
+        st = self._model
+        if st is not None and st.writer is not None:
+            st.writer.close(timeout)
 
     # -- the request log line -------------------------------------------------------------
-    def _log_request(self, st: _Model, tokens: List[int]) -> None:
+    def _log_request(self, st: ModelState, tokens: List[int]) -> None:
         """One line per request, at its final insert (prompt plus answer)."""
         hit = None
         for key, f in reversed(self._fetches.items()):
@@ -335,7 +314,8 @@ class TriePromptCache:
         f = self._fetches.pop(hit)
         mgr = st.manager
         held = mgr.peek(lambda: mgr.trie.nbytes)
-        line = (f"[cache] prompt {len(f.prompt)} tok | cached {f.cached} | prefilled "
+        where = f"rank {self.agree.rank} | " if self.agree.size > 1 else ""
+        line = (f"[cache] {where}prompt {len(f.prompt)} tok | cached {f.cached} | prefilled "
                 f"{len(f.prompt) - f.cached} | answer {len(tokens) - len(f.prompt)} tok | "
                 f"held {human_bytes(held)} of {human_bytes(self.max_bytes)}")
         if f.matched > f.cached + 1 and f.reason:

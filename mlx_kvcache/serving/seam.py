@@ -45,6 +45,10 @@ def check() -> Optional[str]:
     if missing:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server has no "
                         f"{', '.join(missing)}")
+    gone = [m for m in ("generation_available", "stop_and_join", "join")
+            if not callable(getattr(S.ResponseGenerator, m, None))]
+    if gone:
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: ResponseGenerator has no {', '.join(gone)}")
     params = list(inspect.signature(S.ResponseGenerator.__init__).parameters)
     if params[1:3] != ["model_provider", "prompt_cache"]:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: ResponseGenerator takes {params[1:]}, "

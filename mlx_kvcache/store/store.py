@@ -26,9 +26,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..caches.snapshot import Snapshot
+from ..prefix.agreement import SOLO, Agreement
 from ..prefix.node import TrieNode
 from ..prefix.trie import PrefixTrie
 from . import save as _save
+from .agreed import agree_loaded
 from .format import (
     FORMAT_VERSION, INDEX, MAGIC, NAME_DTYPE, DirLock, FormatError, decode_index,
     disk_usage, fsync_dir, prefix_digest, snapshot_files, version_dir,
@@ -50,16 +52,19 @@ class PersistentStore:
         max_disk_bytes: budget for this model's directory (files + index); the least
             recently used leaves are left out of a save until it fits. ``None``: no limit.
         keep: the manager's set of deliberate restore points (saved as a flag per node).
+        agree: the ranks of a sharded model load and drop nodes together (`agreed`).
     """
 
     def __init__(self, trie: PrefixTrie, signature: List[Any], root, fingerprint: str,
-                 max_disk_bytes: Optional[int] = None, keep: Optional[set] = None):
+                 max_disk_bytes: Optional[int] = None, keep: Optional[set] = None,
+                 agree: Agreement = SOLO):
         self.trie = trie
         self.signature = signature
         self.fingerprint = fingerprint
         self.root = Path(root).expanduser()
         self.max_disk_bytes = None if max_disk_bytes is None else int(max_disk_bytes)
         self.keep = keep if keep is not None else set()
+        self.agree = agree
         self.verifier = Verifier()
         self._io = threading.Lock()  # one save at a time from this process
         self._foreign: set = set()  # directories holding a format this build must not touch
@@ -76,15 +81,19 @@ class PersistentStore:
         """Check the files of the nodes a restore for ``tokens`` may read; drop bad ones.
 
         Call with the trie's lock held, right before restoring."""
+        path: List[TrieNode] = []
+        bad = 0
         try:
             path, _ = self.trie.find(tokens)
-            for n in path:
-                ok = all([self.verifier.ensure(s) for s in n.snapshots])
-                if not ok:
-                    self._drop_subtree(n)
-                    break
+            bad = next((i for i, n in enumerate(path)
+                        if not all([self.verifier.ensure(s) for s in n.snapshots])), len(path))
         except Exception as e:  # never break a request
             warn(f"prefix cache check failed ({type(e).__name__}: {e}); continuing")
+            bad = 0
+        if self.agree.size > 1:  # a file bad on any rank is bad on all of them
+            bad = self.agree.all_min([bad])[0]
+        if bad < len(path):
+            self._drop_subtree(path[bad])
 
     def _drop_subtree(self, node: TrieNode) -> None:
         if node.detached:
@@ -123,7 +132,13 @@ class PersistentStore:
         Call with the trie's lock held; afterwards enforce the memory budget and
         `purge_bad`."""
         self._legacy_note()
-        d = self.directory(root)
+        self._saved: Dict[int, int] = {}
+        n = self._load_local(self.directory(root))
+        if self.agree.size > 1:  # every rank, whatever its own load gave
+            n = agree_loaded(self, self.agree, self._saved)
+        return n
+
+    def _load_local(self, d: Path) -> int:
         try:
             raw = (d / INDEX).read_bytes()
         except FileNotFoundError:
@@ -203,6 +218,7 @@ class PersistentStore:
                 self.verifier.register(s, o)
             by_id[nid], prefix[nid] = node, full
             added.append((node, int(e.get("last_used", 0))))
+            self._saved[id(node)] = added[-1][1]
             if e.get("keep"):
                 self.keep.add(node)
             loaded += len(toks)

@@ -44,6 +44,15 @@ DIR_CONFIGS = {
                         topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
                         n_group=1, topk_group=1, num_experts_per_tok=2, moe_layer_freq=1,
                         first_k_dense_replace=1, rms_norm_eps=1e-6, attention_bias=False),
+    # a hybrid whose layers pipeline ranks split unevenly: [gated delta net, attention,
+    # gated delta net] (the config nests the text model, as Qwen3.5's does)
+    "qwen3_5": {"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": dict(
+        _TINY, model_type="qwen3_5_text", num_hidden_layers=3, num_key_value_heads=2,
+        head_dim=16, rms_norm_eps=1e-6, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        full_attention_interval=2, tie_word_embeddings=True,
+        rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "rope_type": "default"})},
 }
 
 

@@ -24,55 +24,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    """One server process (its own process group), logging to ``log``."""
+class Client:
+    """HTTP to a server on 127.0.0.1:``port`` (standard library only)."""
 
-    def __init__(self, argv: List[str], log: Path, home: Path, port: Optional[int] = None,
-                 start_timeout: float = 120.0):
-        self.port = port or free_port()
-        self.log = log
-        env = dict(os.environ, XDG_CACHE_HOME=str(home), PYTHONUNBUFFERED="1",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        if os.path.exists(BLAS) and "LD_PRELOAD" not in env:
-            env["LD_PRELOAD"] = BLAS  # stock mlx_lm gets the same fast BLAS we preload
-        self._out = open(log, "ab")
-        self.proc = subprocess.Popen(
-            [*argv, "--host", "127.0.0.1", "--port", str(self.port)], stdin=subprocess.DEVNULL,
-            stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
-            start_new_session=True)
-        deadline = time.monotonic() + start_timeout
+    port: int
+
+    def wait_healthy(self, timeout: float, alive=lambda: True, tail=lambda: "") -> None:
+        deadline = time.monotonic() + timeout
         while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            if not alive():
+                raise RuntimeError(f"server exited:\n{tail()}")
             try:
                 if self.request("GET", "/health", timeout=2)[0] == 200:
-                    break
+                    return
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"server did not start:\n{self.tail()}")
+                raise TimeoutError(f"server did not start:\n{tail()}")
             time.sleep(0.2)
 
-    @classmethod
-    def ours(cls, model_dir, log, home, *extra, **kw) -> "Server":
-        argv = [sys.executable, "-m", "mlx_kvcache.cli", "serve"]
-        if model_dir is not None:
-            argv += ["--model", str(model_dir)]
-        return cls([*argv, *extra], log, home, **kw)
-
-    @classmethod
-    def stock(cls, model_dir, log, home, *extra, **kw) -> "Server":
-        return cls([sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), *extra],
-                   log, home, **kw)
-
-    def tail(self, n: int = 4000) -> str:
-        try:
-            return Path(self.log).read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    # -- HTTP ------------------------------------------------------------------------------
     def request(self, method: str, path: str, body: Any = None, timeout: float = 120.0,
                 raw: Optional[bytes] = None):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -133,6 +103,48 @@ class Server:
         status, r = self.request("GET", "/v1/cache")
         assert status == 200, (status, r)
         return r
+
+
+
+class Server(Client):
+    """One server process (its own process group), logging to ``log``."""
+
+    def __init__(self, argv: List[str], log: Path, home: Path, port: Optional[int] = None,
+                 start_timeout: float = 120.0):
+        self.port = port or free_port()
+        self.log = log
+        env = dict(os.environ, XDG_CACHE_HOME=str(home), PYTHONUNBUFFERED="1",
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        if os.path.exists(BLAS) and "LD_PRELOAD" not in env:
+            env["LD_PRELOAD"] = BLAS  # stock mlx_lm gets the same fast BLAS we preload
+        self._out = open(log, "ab")
+        self.proc = subprocess.Popen(
+            [*argv, "--host", "127.0.0.1", "--port", str(self.port)], stdin=subprocess.DEVNULL,
+            stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
+            start_new_session=True)
+        try:
+            self.wait_healthy(start_timeout, lambda: self.proc.poll() is None, self.tail)
+        except Exception:
+            self.stop()
+            raise
+
+    @classmethod
+    def ours(cls, model_dir, log, home, *extra, **kw) -> "Server":
+        argv = [sys.executable, "-m", "mlx_kvcache.cli", "serve"]
+        if model_dir is not None:
+            argv += ["--model", str(model_dir)]
+        return cls([*argv, *extra], log, home, **kw)
+
+    @classmethod
+    def stock(cls, model_dir, log, home, *extra, **kw) -> "Server":
+        return cls([sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), *extra],
+                   log, home, **kw)
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            return Path(self.log).read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
 
     # -- lifecycle ----------------------------------------------------------------------------
     def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:

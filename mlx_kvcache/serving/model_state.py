@@ -1,0 +1,100 @@
+"""The trie (and disk store) of the model mlx-lm's server has loaded.
+
+Made in the generation thread when the model loads. On the ranks of a sharded model every
+choice here is agreed (`mlx_kvcache.prefix.agreement`): whether caching is on at all,
+whether checkpoints are planned (a pipeline rank may hold only attention layers while
+another holds recurrent ones), and what is loaded from disk. Each rank persists its own
+shard under a directory named by the model, the sharding mode, the world size and the
+rank, so no rank ever reads another plan's files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..caches import CacheError, layer_signature, make_prompt_cache
+from ..prefix.agreement import Agreement, any_rank, every
+from ..prefix.manager import PrefixManager
+from ..prefix.stats import human_bytes
+from ..store import PersistentStore, directory_fingerprint, model_fingerprint
+from ..store.autosave import Autosaver
+
+log = logging.getLogger("mlx_kvcache")
+
+
+@dataclass
+class ModelState:
+    key: Any
+    manager: Optional[PrefixManager]
+    store: Optional[PersistentStore] = None
+    writer: Optional[Autosaver] = None
+    why_not: Optional[str] = None
+    #: The server's segment type of each recorded node (``stats_by_type``).
+    types: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+
+
+def open_model(provider, key, agree: Agreement, *, max_bytes: int, checkpoint_interval: int,
+               pre_end_margin: int, cache_dir: Optional[str], max_disk_bytes: Optional[int],
+               sharding: str = "") -> ModelState:
+    """The state for the model ``provider`` just loaded under ``key``."""
+    model = provider.model
+    manager, why_not = None, None
+    if getattr(provider, "draft_model", None) is not None:
+        why_not = "a draft model is loaded (speculative decoding caches two models)"
+    else:
+        try:
+            manager = PrefixManager(lambda: make_prompt_cache(model), max_bytes=max_bytes,
+                                    pre_end_margin=pre_end_margin,
+                                    snapshot_interval=checkpoint_interval)
+        except CacheError as e:
+            why_not = str(e)
+    if not every(agree, manager is not None):  # a rank that cannot cache turns it off for all
+        manager, why_not = None, why_not or "another rank cannot snapshot its layers"
+    st = ModelState(key, manager, why_not=why_not)
+    if manager is None:
+        log.warning("mlx_kvcache: prompt caching is off for this model: %s", why_not)
+        return st
+    manager.agree = agree
+    # Checkpoints are planned where any rank has a layer that needs them.
+    manager.whole_state = any_rank(agree, manager.whole_state)
+    if cache_dir is not None:
+        _open_store(st, provider, key, agree, cache_dir, max_disk_bytes, sharding)
+    return st
+
+
+def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes, sharding) -> None:
+    mgr = st.manager
+    path = key[0] if isinstance(key, tuple) else key
+    adapter = key[1] if isinstance(key, tuple) and len(key) > 1 else None
+    try:
+        if path and os.path.isdir(str(path)):
+            fp = directory_fingerprint(path, adapter)
+        else:  # a hub id: the loaded weights themselves
+            fp = model_fingerprint(provider.model, provider.tokenizer)
+        if agree.size > 1:  # this rank's shard of this plan: its own directory
+            fp = hashlib.sha256(f"{fp}|{sharding}".encode()).hexdigest()
+        st.store = PersistentStore(mgr.trie, layer_signature(mgr.ops), cache_dir, fp,
+                                   max_disk_bytes, keep=mgr.keep, agree=agree)
+    except Exception as e:  # fail-open: the server runs without a disk tier
+        log.warning("mlx_kvcache: the prompt cache will not persist: %s", e)
+        st.store = None
+    if agree.size > 1 and not every(agree, st.store is not None):
+        st.store = None  # all ranks persist, or none do
+    if st.store is None:
+        return
+    mgr.verify = st.store.before_request
+
+    def load():
+        n = st.store.load()
+        mgr._enforce()
+        st.store.purge_bad()
+        return n
+    n = mgr.run(load)
+    st.writer = Autosaver(st.store.write)
+    log.info("mlx_kvcache: loaded %d cached tokens (%s) from %s", n,
+             human_bytes(mgr.snapshot_bytes), st.store.directory())

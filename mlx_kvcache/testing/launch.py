@@ -1,0 +1,168 @@
+"""``mlx.launch`` jobs on loopback for tests and benchmarks: one process group, bounded
+waits, nothing left behind.
+
+The launcher starts every rank as its child; signalled alone it dies and leaves the ranks
+running, so a job is its own process group (``start_new_session``) and is stopped with
+SIGTERM to the whole group (SIGKILL after a grace period), then checked through
+``/proc`` until no member is left. The ring backend needs one free port per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from .servers import BLAS, ROOT, Client, free_port
+
+
+def free_port_block(n: int, lo: int = 20000, hi: int = 60000) -> int:
+    """The first of ``n`` consecutive free loopback ports."""
+    start = random.randrange(lo, hi - n)
+    for base in list(range(start, hi - n)) + list(range(lo, start)):
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free block of ports")
+
+
+class Launch:
+    """``mlx.launch -n N --backend ring -- COMMAND`` as one process group."""
+
+    def __init__(self, command: Sequence[str], n: int = 2, env: Optional[Dict[str, str]] = None,
+                 grace: float = 10.0):
+        self.n, self.grace = n, grace
+        self.tmp = Path(tempfile.mkdtemp(prefix="mlxlaunch-"))
+        self.log = self.tmp / "ranks.log"
+        e = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp), **(env or {}))
+        if os.path.exists(BLAS):
+            e.setdefault("LD_PRELOAD", BLAS)
+        launcher = str(Path(sys.executable).with_name("mlx.launch"))
+        argv = [launcher, "-n", str(n), "--backend", "ring",
+                "--starting-port", str(free_port_block(n)), "--", *command]
+        self._out = open(self.log, "wb")
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._out,
+                                     stderr=subprocess.STDOUT, env=e, cwd=str(ROOT),
+                                     start_new_session=True)
+        self.pgid = self.proc.pid
+
+    def output(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def members(self) -> List[int]:
+        """Live (non-zombie) processes of the job's group."""
+        pids = []
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(rest[2]) == self.pgid and rest[0] != "Z":
+                pids.append(int(d))
+        return pids
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        """Signal the whole group; SIGKILL what is left after the grace period."""
+        for s, wait in ((sig, self.grace), (signal.SIGKILL, 5.0)):
+            if not self.members():
+                break
+            try:
+                os.killpg(self.pgid, s)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while self.members() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
+        self._out.close()
+        if self.members():  # pragma: no cover
+            raise RuntimeError(f"process group {self.pgid} survived SIGKILL")
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> "Launch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.stop()
+        finally:
+            self.cleanup()
+
+
+class LaunchedServer(Client):
+    """``mlx-kvcache serve`` (or ``mlx_lm server``) on ``n`` ranks; rank 0 speaks HTTP."""
+
+    def __init__(self, model_dir, *extra: str, n: int = 2, stock: bool = False,
+                 home: Optional[Path] = None, start_timeout: float = 180.0):
+        self.port = free_port()
+        cmd = ([sys.executable, "-m", "mlx_lm", "server"] if stock
+               else [sys.executable, "-m", "mlx_kvcache.cli", "serve"])
+        cmd += ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port), *extra]
+        env = {"XDG_CACHE_HOME": str(home)} if home is not None else {}
+        self.job = Launch(cmd, n=n, env=env)
+        try:
+            self.wait_healthy(start_timeout, lambda: bool(self.job.members()), self.job.output)
+        except Exception:
+            self.job.stop()
+            raise
+
+    def cache_lines(self) -> Dict[int, List[Dict[str, int]]]:
+        """Each rank's per-request log lines: prompt, cached and prefilled tokens."""
+        out: Dict[int, List[Dict[str, int]]] = {}
+        for m in re.finditer(r"\[cache\] rank (\d+) \| prompt (\d+) tok \| cached (\d+) \| "
+                             r"prefilled (\d+)", self.job.output()):
+            out.setdefault(int(m.group(1)), []).append(
+                {"prompt": int(m.group(2)), "cached": int(m.group(3)), "prefilled": int(m.group(4))})
+        return out
+
+    def wait_for_lines(self, count: int, timeout: float = 60.0) -> Dict[int, List[Dict[str, int]]]:
+        """`cache_lines` once every rank has logged ``count`` requests (a request's line is
+        written at its final insert, just after its answer went out)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = self.cache_lines()
+            if (len(lines) == self.job.n and all(len(v) >= count for v in lines.values())) \
+                    or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.1)
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        self.job.stop(sig)
+
+    def __enter__(self) -> "LaunchedServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.job.stop()
+        finally:
+            self.job.cleanup()
