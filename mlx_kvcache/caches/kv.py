@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
+from .buffers import KVBuffers
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .snapshot import CacheError, Snapshot, compact
 
@@ -42,7 +43,7 @@ class KVSnapshot(Snapshot):
         return cls(a, b, {"keys": k, "values": v})
 
 
-class KVCache:
+class KVCache(KVBuffers):
     """Growable KV cache for one attention layer, drop-in for mlx-lm's ``KVCache``.
 
     Keys and values live in buffers grown in steps of 256 positions (as mlx-lm does,
@@ -87,12 +88,6 @@ class KVCache:
 
     update_and_fetch = update
 
-    def keys_and_values(self) -> Tuple[mx.array, mx.array]:
-        """Views of the ``offset`` valid positions."""
-        if self.offset < self.keys.shape[2]:
-            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
-        return self.keys, self.values
-
     def free(self) -> None:
         """Drop all state; ``offset`` becomes 0."""
         self.keys = self.values = None
@@ -113,9 +108,7 @@ class KVCache:
         """Bytes ``snapshot(from_offset)`` would hold (nothing is copied)."""
         if self.keys is None or from_offset >= self.offset:
             return 0
-        B, H, _, dk = self.keys.shape
-        row = dk * self.keys.dtype.size + self.values.shape[3] * self.values.dtype.size
-        return B * H * (self.offset - max(from_offset, 0)) * row
+        return (self.offset - max(from_offset, 0)) * self._row_bytes()
 
     def restore(self, snapshot: Optional[KVSnapshot], target: int) -> bool:
         """Bring the cache to ``target`` tokens.
@@ -270,16 +263,6 @@ class KVCache:
 
     def size(self) -> int:
         return self.offset
-
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the live buffers (including the growth padding they really hold)."""
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
 
     def __repr__(self) -> str:
         return f"KVCache(offset={self.offset})"

@@ -13,6 +13,7 @@ from typing import Any, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
+from .buffers import KVBuffers
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .snapshot import CacheError, Snapshot, compact
 
@@ -57,7 +58,7 @@ class RotatingSnapshot(Snapshot):
             raise CacheError(f"rotating snapshot is missing {e}") from None
 
 
-class RotatingKVCache:
+class RotatingKVCache(KVBuffers):
     """Sliding-window KV cache holding at most ``max_size`` positions (plus ``keep``
     attention-sink rows that are never evicted), drop-in for mlx-lm's class.
 
@@ -147,11 +148,6 @@ class RotatingKVCache:
 
     update_and_fetch = update
 
-    def keys_and_values(self) -> Tuple[mx.array, mx.array]:
-        if self.offset < self.keys.shape[2]:
-            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
-        return self.keys, self.values
-
     def free(self) -> None:
         """Drop all state; ``offset`` becomes 0."""
         self.keys = self.values = None
@@ -188,9 +184,7 @@ class RotatingKVCache:
         """Bytes ``snapshot(from_offset)`` would hold: the window (nothing is copied)."""
         if self.keys is None or from_offset >= self.offset:
             return 0
-        B, H, _, dk = self.keys.shape
-        rows = self.max_size if self.wrapped else self.offset
-        return B * H * rows * (dk * self.keys.dtype.size + self.values.shape[3] * self.values.dtype.size)
+        return (self.max_size if self.wrapped else self.offset) * self._row_bytes()
 
     def restore(self, snapshot: Optional[RotatingSnapshot], target: int) -> bool:
         """Bring the cache to ``target`` tokens.
@@ -298,15 +292,6 @@ class RotatingKVCache:
 
     def size(self) -> int:
         return min(self.offset, self.max_size)
-
-    def empty(self) -> bool:
-        return self.keys is None
-
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
 
     def __repr__(self) -> str:
         return f"RotatingKVCache(max_size={self.max_size}, keep={self.keep}, offset={self.offset})"
