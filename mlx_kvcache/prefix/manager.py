@@ -263,9 +263,9 @@ class PrefixManager(Budget):
 
     def checkin(self, live: LiveSet, tokens: Sequence[int], pending: Sequence[int] = (),
                 on_done: Optional[Callable[[bool], None]] = None) -> None:
-        """End a request whose caches absorbed ``tokens``: record them, keep ``live`` as
-        the idle live set, enforce the budget, then call ``on_done(recorded)`` (inside the
-        critical section).
+        """End a request whose caches absorbed ``tokens``: record them, free ``live`` (or,
+        with ``keep_live``, keep it as the idle set), enforce the budget, then call
+        ``on_done(recorded)`` (inside the critical section).
 
         ``pending`` are tokens of a forward pass that an interruption may or may not have
         let every layer absorb. A live state that cannot be made consistent (a recurrent
