@@ -27,7 +27,6 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from ..caches.factory import leaf_caches
 from ..caches.kv import KVCache
 from . import planner
 from .agreement import SOLO, Agreement, every
@@ -86,8 +85,10 @@ class PrefixManager(Budget):
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.make_caches = make_caches
-        # A cache list that never holds state: its classes split and merge snapshots.
-        self.ops = leaf_caches(make_caches())
+        # A cache list that never holds state: its classes split and merge snapshots, and
+        # `preview` plans on it (it is only ever read).
+        self._blank = LiveSet(make_caches())
+        self.ops = self._blank.leaves
         self.trie = PrefixTrie(self.ops)
         self.max_bytes = int(max_bytes)
         self.pre_end_margin = int(pre_end_margin)
@@ -165,7 +166,7 @@ class PrefixManager(Budget):
         tokens = list(tokens)
         if not tokens:
             raise ValueError("the prompt is empty")
-        return self.peek(self._plan, LiveSet(self.make_caches()), tokens, list(extra_stops))
+        return self.peek(self._plan, self._blank, tokens, list(extra_stops))
 
     def _plan(self, live: LiveSet, tokens: List[int], extra_stops: List[int]) -> Plan:
         return self._target(live, tokens, extra_stops)[0]
