@@ -87,6 +87,7 @@ def capture(trie, keep: set, verifier: Verifier, d: Path) -> List[NodePlan]:
     ids = {id(trie.root): 0}
     digests = {id(trie.root): hashlib.sha256()}
     plans: List[NodePlan] = []
+    on_disk = set(snapshot_files(d))  # one directory listing, not a stat per snapshot
     for n in trie.nodes():  # parents before children
         ids[id(n)] = len(ids)
         h = digests[id(n.parent)].copy()
@@ -100,7 +101,7 @@ def capture(trie, keep: set, verifier: Verifier, d: Path) -> List[NodePlan]:
                 continue
             o = verifier.origin(s)
             lp = LayerPlan(s.kind, s.meta(), _shapes(s), snap=weakref.ref(s))
-            if o is not None and o.dir == d and (d / o.file).exists():
+            if o is not None and o.dir == d and o.file in on_disk:
                 lp.file, lp.keys = o.file, dict(o.keys)
             elif o is not None and not o.verified and not verifier.ensure(s):
                 lp = None  # unreadable elsewhere: leave this layer out
