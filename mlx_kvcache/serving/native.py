@@ -14,7 +14,7 @@ from typing import Any, List, Optional
 
 from mlx_lm.models import cache as mlc
 
-from ..caches import CacheError, KVCache, RecurrentCache, RotatingKVCache, convert
+from ..caches import CacheError, KVCache, RecurrentCache, RotatingKVCache, convert, leaf_caches
 
 
 def to_native(caches: List[Any]) -> List[Any]:
@@ -23,7 +23,7 @@ def to_native(caches: List[Any]) -> List[Any]:
 
 
 def _native(c: Any) -> Any:
-    if isinstance(c, mlc.CacheList) and not isinstance(c, (KVCache, RotatingKVCache)):
+    if isinstance(c, mlc.CacheList):
         return mlc.CacheList(*(_native(x) for x in c.caches))
     if isinstance(c, KVCache):
         n = mlc.KVCache()
@@ -51,13 +51,8 @@ def from_native(caches: List[Any], length: int) -> Optional[List[Any]]:
         ours = [convert(c) for c in caches]
     except CacheError:
         return None
-    stack = list(ours)
-    while stack:
-        c = stack.pop()
-        if isinstance(c, mlc.CacheList) and not isinstance(c, (KVCache, RotatingKVCache,
-                                                                 RecurrentCache)):
-            stack.extend(c.caches)
-        elif isinstance(c, RecurrentCache):
+    for c in leaf_caches(ours):
+        if isinstance(c, RecurrentCache):
             if c.empty() or c.lengths is not None or c.left_padding is not None:
                 return None  # a batch row's padding bookkeeping: not a single sequence
             c.offset = length  # recurrent state has no positions: the caller's count
