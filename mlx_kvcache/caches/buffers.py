@@ -1,4 +1,5 @@
-"""What the two attention caches share: keys and values in ``[B, H, rows, D]`` buffers."""
+"""What the two attention caches (and their snapshots) share: keys and values in
+``[B, H, rows, D]`` buffers."""
 
 from __future__ import annotations
 
@@ -34,3 +35,15 @@ class KVBuffers:
         if self.keys is None:
             return 0
         return self.keys.nbytes + self.values.nbytes
+
+
+class SnapshotKV:
+    """The ``keys`` / ``values`` arrays of an attention cache's `Snapshot` (raises once closed)."""
+
+    @property
+    def keys(self) -> mx.array:
+        return self._get("keys")
+
+    @property
+    def values(self) -> mx.array:
+        return self._get("values")

@@ -7,12 +7,12 @@ from typing import Any, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
-from .buffers import KVBuffers
+from .buffers import KVBuffers, SnapshotKV
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .snapshot import CacheError, Snapshot, compact
 
 
-class KVSnapshot(Snapshot):
+class KVSnapshot(SnapshotKV, Snapshot):
     """Keys/values of the tokens ``[from_offset, to_offset)``, in their own compact buffers.
 
     A delta: restoring it needs the cache to already hold everything below ``from_offset``.
@@ -20,14 +20,6 @@ class KVSnapshot(Snapshot):
 
     kind = "kv"
     needs_base = True
-
-    @property
-    def keys(self) -> mx.array:
-        return self._get("keys")
-
-    @property
-    def values(self) -> mx.array:
-        return self._get("values")
 
     @classmethod
     def _from_arrays(cls, arrays, meta):

@@ -13,24 +13,16 @@ from typing import Any, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from .buffers import KVBuffers
+from .buffers import KVBuffers, SnapshotKV
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .snapshot import CacheError, Snapshot, compact
 
 
-class RotatingSnapshot(Snapshot):
+class RotatingSnapshot(SnapshotKV, Snapshot):
     """The whole window at ``to_offset``: buffer rows, write cursor, and window settings."""
 
     kind = "rotating"
     needs_base = False
-
-    @property
-    def keys(self) -> mx.array:
-        return self._get("keys")
-
-    @property
-    def values(self) -> mx.array:
-        return self._get("values")
 
     def __init__(self, from_offset, to_offset, arrays, idx: int, max_size: int, keep: int):
         super().__init__(from_offset, to_offset, arrays)
