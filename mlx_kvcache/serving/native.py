@@ -15,16 +15,18 @@ from typing import Any, List, Optional
 from mlx_lm.models import cache as mlc
 
 from ..caches import CacheError, KVCache, RecurrentCache, RotatingKVCache, convert, leaf_caches
+from .padding import TrackedArraysCache
 
 
-def to_native(caches: List[Any]) -> List[Any]:
-    """mlx-lm cache objects holding the same state as ``caches`` (ours)."""
-    return [_native(c) for c in caches]
+def to_native(caches: List[Any], track_padding: bool = False) -> List[Any]:
+    """mlx-lm cache objects holding the same state as ``caches`` (ours); with
+    ``track_padding`` recurrent layers are `TrackedArraysCache` (remembers batch padding)."""
+    return [_native(c, track_padding) for c in caches]
 
 
-def _native(c: Any) -> Any:
+def _native(c: Any, track: bool = False) -> Any:
     if isinstance(c, mlc.CacheList):
-        return mlc.CacheList(*(_native(x) for x in c.caches))
+        return mlc.CacheList(*(_native(x, track) for x in c.caches))
     if isinstance(c, KVCache):
         n = mlc.KVCache()
         if c.keys is not None and c.offset:
@@ -37,7 +39,7 @@ def _native(c: Any) -> Any:
             n.keys, n.values, n.offset, n._idx = c.keys, c.values, c.offset, c._idx
         return n
     if isinstance(c, RecurrentCache):
-        n = mlc.ArraysCache(len(c.cache))
+        n = (TrackedArraysCache if track else mlc.ArraysCache)(len(c.cache))
         n.cache = list(c.cache)
         return n
     raise CacheError(f"cannot hand a {type(c).__name__} to mlx-lm's server")
@@ -48,7 +50,7 @@ def from_native(caches: List[Any], length: int) -> Optional[List[Any]]:
     tokens; None when a layer cannot be snapshotted or does not hold exactly ``length``
     tokens (then nothing must be stored from it)."""
     try:
-        ours = [convert(c) for c in caches]
+        ours = [convert(_untracked(c)) for c in caches]
     except CacheError:
         return None
     for c in leaf_caches(ours):
@@ -59,3 +61,14 @@ def from_native(caches: List[Any], length: int) -> Optional[List[Any]]:
         elif c.offset != length or c.keys is None:
             return None
     return ours
+
+
+def _untracked(c: Any) -> Any:
+    """A `TrackedArraysCache` as mlx-lm's plain class (same arrays), for `convert`."""
+    if isinstance(c, mlc.CacheList):
+        return mlc.CacheList(*(_untracked(x) for x in c.caches))
+    if isinstance(c, TrackedArraysCache):
+        plain = mlc.ArraysCache(len(c.cache))
+        plain.cache, plain.left_padding, plain.lengths = c.cache, c.left_padding, c.lengths
+        return plain
+    return c
