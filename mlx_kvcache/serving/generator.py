@@ -159,9 +159,19 @@ class ServerResponseGenerator(ResponseGenerator):
     def generate(self, request, generation_args, progress_callback=None):
         ticket = Ticket()
         set_ticket(ticket)
+        if self.lifecycle.cut.is_set():
+            self._refuse(ticket)
         ctx, response = super().generate(request, generation_args, progress_callback)
+        if self.lifecycle.cut.is_set():  # it started just as the stop cut everything
+            ctx.stop()
+            self._refuse(ticket)
         ticket.started = True
         return ctx, response
+
+    @staticmethod
+    def _refuse(ticket: Ticket) -> None:
+        ticket.refused = True
+        raise ServerStopping("the server is stopping; this request was not started")
 
     def _await_response(self, response_queue):
         ticket = current_ticket()
@@ -170,8 +180,7 @@ class ServerResponseGenerator(ResponseGenerator):
                 if ticket.started:  # the answer ends here: mlx-lm's handler sends its end
                     ticket.cut = True
                     return None
-                ticket.refused = True
-                raise ServerStopping("the server is stopping; this request was not started")
+                self._refuse(ticket)
             try:
                 return response_queue.get(timeout=0.1)
             except Empty:

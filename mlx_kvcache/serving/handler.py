@@ -138,7 +138,12 @@ class CacheAPIHandler(APIHandler):
             return self._send_admin(503, {"error": "the prompt cache is not available"})
         if method == "GET":
             report = cache.report()
+            # Requests not yet taken by the generation thread, and requests open (this one
+            # aside): what an operator waits on before a stop.
             report["queued_requests"] = self.response_generator.requests.qsize()
+            life = getattr(self.response_generator, "lifecycle", None)
+            if life is not None:
+                report["open_requests"] = max(life.inflight - 1, 0)
             return self._send_admin(200, report)
         try:
             result = self.response_generator.command("clear")

@@ -58,22 +58,33 @@ class Client:
                 raw: Optional[bytes] = None, headers: Optional[Dict[str, str]] = None):
         """(status, JSON body or raw bytes). ``timeout``: a plain socket timeout instead of
         a wait bounded by progress."""
+        status, _, payload = self.exchange(method, path, body, timeout, raw, headers)
+        return status, payload
+
+    def exchange(self, method: str, path: str, body: Any = None, timeout: Optional[float] = None,
+                 raw: Optional[bytes] = None, headers: Optional[Dict[str, str]] = None):
+        """(status, response headers (lower-case names), JSON body or raw bytes)."""
         wait = None if timeout is not None else self._wait(f"{method} {path}")
         conn = http.client.HTTPConnection(
             "127.0.0.1", self.port, timeout=timeout if timeout is not None or wait else 120)
 
-        def exchange():
+        held: List[socket.socket] = []  # http.client drops conn.sock once a response reads
+
+        def go():
             data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+            conn.connect()
+            held.append(conn.sock)
             conn.request(method, path, body=data,
                          headers={"Content-Type": "application/json", **(headers or {})})
             r = conn.getresponse()
             payload = r.read()
+            head = {k.lower(): v for k, v in r.getheaders()}
             try:
-                return r.status, json.loads(payload)
+                return r.status, head, json.loads(payload)
             except ValueError:
-                return r.status, payload
+                return r.status, head, payload
         try:
-            return call(exchange, wait, lambda: conn.sock)
+            return call(go, wait, lambda: held[0] if held else None)
         finally:
             conn.close()
 
@@ -107,9 +118,12 @@ class Client:
         conn = http.client.HTTPConnection(
             "127.0.0.1", self.port, timeout=timeout if timeout is not None or wait else 120)
         events: "queue.Queue" = queue.Queue()
+        held: List[socket.socket] = []  # http.client drops conn.sock once a response reads
 
         def read():
             try:
+                conn.connect()
+                held.append(conn.sock)
                 conn.request("POST", path, body=json.dumps(body).encode(),
                              headers={"Content-Type": "application/json"})
                 r = conn.getresponse()
@@ -152,9 +166,9 @@ class Client:
                 if stop_after is not None and n >= stop_after:
                     return
         finally:
-            if conn.sock is not None:
+            for sock in held:  # hang up, even while the reader waits for more
                 try:
-                    conn.sock.shutdown(socket.SHUT_RDWR)
+                    sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
             conn.close()
