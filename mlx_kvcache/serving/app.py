@@ -164,7 +164,9 @@ def _follow(generator, cache, life) -> None:
             log.error("mlx_kvcache: rank 0 did not stop this rank in time")
             break
     cache.close(timeout=60)
-    _exit(0 if life.stopped.is_set() else 1)
+    code = 0 if life.stopped.is_set() else 1
+    log.info("mlx_kvcache: rank %d stopped (exit %d)", generator._rank, code)
+    _exit(code)
 
 
 def _serve(host, port, generator, cache, server_class, handler_class, life) -> None:
@@ -181,7 +183,9 @@ def _serve(host, port, generator, cache, server_class, handler_class, life) -> N
     log.info("Starting httpd at %s on port %d...", host, port)
     while not life.asked:
         time.sleep(0.1)
-    _exit(_stop(httpd, generator, cache, life))
+    code = _stop(httpd, generator, cache, life)
+    log.info("mlx_kvcache: %sstopped (exit %d)", "rank 0 " if generator._is_distributed else "", code)
+    _exit(code)
 
 
 def _stop(httpd, generator, cache, life) -> int:

@@ -149,8 +149,11 @@ class CacheAPIHandler(APIHandler):
             result = self.response_generator.command("clear")
         except RuntimeError as e:
             return self._send_admin(503, {"error": f"the cache was not cleared: {e}"})
-        status = 500 if result.get("error") else 200
-        self._send_admin(status, {**result, **cache.report()} if status == 200 else result)
+        body = {**cache.report(), **result}
+        if "ranks" in result:  # each rank's counters and what its clear did
+            counters = {r.get("rank"): r for r in cache.report().get("ranks", [])}
+            body["ranks"] = [{**counters.get(r["rank"], {}), **r} for r in result["ranks"]]
+        self._send_admin(500 if result.get("error") else 200, body)
 
     def do_GET(self):
         if self._refused_while_stopping():

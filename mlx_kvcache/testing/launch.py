@@ -63,7 +63,7 @@ class Launch:
                                      stderr=subprocess.STDOUT, env=e, cwd=str(ROOT),
                                      start_new_session=True)
         self.pgid = self.proc.pid
-        self.watch = Watch(self.pgid, self.log, self.output)
+        self.watch = Watch(self.pgid, self.log, self.output, cpu_counts=False)  # ranks spin
 
     def output(self) -> str:
         try:

@@ -23,6 +23,8 @@ CAP = float(os.environ.get("MLX_KVCACHE_TEST_CAP", "1800"))
 #: CPU use (seconds per second over a window) that counts as working; an idle server
 #: polls at about 0.001.
 MIN_CPU_SHARE = 0.05
+#: Bytes read or written per window that count as working (a hung collective moves none).
+MIN_IO = 1024
 _WINDOW = 5.0
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -47,24 +49,34 @@ def group_members(pgid: int) -> List[int]:
     return pids
 
 
-def group_cpu(pgid: int) -> float:
-    """CPU seconds used so far by the live members of ``pgid``."""
-    total = 0
+def group_usage(pgid: int):
+    """(CPU seconds, bytes read and written) used so far by the live members of ``pgid``."""
+    ticks = io = 0
     for pid in group_members(pgid):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 rest = f.read().rsplit(")", 1)[1].split()
-            total += int(rest[11]) + int(rest[12])
-        except (OSError, IndexError, ValueError):
+            ticks += int(rest[11]) + int(rest[12])
+            with open(f"/proc/{pid}/io") as f:
+                fields = dict(line.split(": ", 1) for line in f.read().splitlines())
+            io += int(fields["rchar"]) + int(fields["wchar"])
+        except (OSError, IndexError, KeyError, ValueError):
             continue
-    return total / _TICK
+    return ticks / _TICK, io
 
 
 class Watch:
-    """A server's signs of life: its process group and its log."""
+    """A server's signs of life: its process group and its log.
 
-    def __init__(self, pgid: int, log: Path, tail: Callable[[], str]) -> None:
-        self.pgid, self.log, self.tail = pgid, Path(log), tail
+    Args:
+        pgid: the server's process group.
+        log: its log file.
+        tail: the end of its output, for error messages.
+        cpu_counts: CPU use counts as progress (not for ``mlx.launch`` ranks, which spin).
+    """
+
+    def __init__(self, pgid: int, log: Path, tail: Callable[[], str], cpu_counts: bool = True) -> None:
+        self.pgid, self.log, self.tail, self.cpu_counts = pgid, Path(log), tail, cpu_counts
 
     def alive(self) -> bool:
         return bool(group_members(self.pgid))
@@ -74,7 +86,8 @@ class Watch:
             size = self.log.stat().st_size
         except OSError:
             size = 0
-        return time.monotonic(), size, group_cpu(self.pgid)
+        cpu, io = group_usage(self.pgid)
+        return time.monotonic(), size, cpu, io
 
     def wait(self, what: str, stall: Optional[float] = None, cap: Optional[float] = None,
              need_alive: bool = True) -> "Wait":
@@ -88,22 +101,23 @@ class Wait:
     def __init__(self, watch: Watch, what: str, stall: float, cap: float, need_alive: bool):
         self.watch, self.what, self.stall, self.cap, self.need_alive = (
             watch, what, stall, cap, need_alive)
-        t, size, cpu = watch.sample()
+        t, size, cpu, io = watch.sample()
         self.start = self.progress_at = self.window_at = t
-        self.size, self.window_cpu = size, cpu
+        self.size, self.window_cpu, self.window_io = size, cpu, io
 
     def tick(self) -> None:
-        t, size, cpu = self.watch.sample()
+        t, size, cpu, io = self.watch.sample()
         if size > self.size:
             self.size, self.progress_at = size, t
         if t - self.window_at >= _WINDOW:
-            if cpu - self.window_cpu >= MIN_CPU_SHARE * (t - self.window_at):
+            busy = self.watch.cpu_counts and cpu - self.window_cpu >= MIN_CPU_SHARE * (t - self.window_at)
+            if busy or io - self.window_io >= MIN_IO:
                 self.progress_at = t
-            self.window_at, self.window_cpu = t, cpu
+            self.window_at, self.window_cpu, self.window_io = t, cpu, io
         if self.need_alive and not self.watch.alive():
             raise ServerGone(f"{self.what}: the server exited\n{self.watch.tail()}")
         if t - self.progress_at > self.stall:
-            raise TimeoutError(f"{self.what}: no progress (log or CPU) for {self.stall:g} s\n"
+            raise TimeoutError(f"{self.what}: no progress (log, I/O or CPU) for {self.stall:g} s\n"
                                f"{self.watch.tail()}")
         if t - self.start > self.cap:
             raise TimeoutError(f"{self.what}: still going after {self.cap:g} s\n{self.watch.tail()}")
