@@ -136,9 +136,7 @@ def test_concurrent_clients_and_a_disconnect(model_dirs, tmp_path):
         threads.append(threading.Thread(target=quitter))
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert not any(t.is_alive() for t in threads)
+        s.watch.wait("the clients").until(lambda: not any(t.is_alive() for t in threads))
         assert not errors, errors
         for i, ref in enumerate(refs):
             if i % 2:

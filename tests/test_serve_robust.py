@@ -272,8 +272,8 @@ def test_bursts_of_connections_are_served(dirs, tmp_path):
             threads = [threading.Thread(target=connect, args=(i,)) for i in range(n)]
             for t in threads:
                 t.start()
-            for t in threads:
-                t.join()
+            s.watch.wait(f"burst {burst} to connect").until(
+                lambda: not any(t.is_alive() for t in threads))
             answers = {}
             for i, c in enumerate(socks):
                 if c is not None:
