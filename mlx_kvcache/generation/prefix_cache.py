@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..caches import CacheError, layer_signature, make_prompt_cache
+from ..caches import CacheError, KVQuantization, layer_signature, make_prompt_cache
 from ..prefix.manager import PrefixManager, default_max_bytes
 from ..prefix.stats import CacheStats, RequestStats
 from . import request, validation
@@ -73,6 +73,13 @@ class PrefixCache:
             now, save it in the background after every request, and on `close()`.
         max_disk_bytes: disk budget for this model's persisted cache (None: no limit).
         tokenizer: included in the model fingerprint that keys the persisted cache.
+        kv_bits, kv_group_size, quantized_kv_start: quantized KV for full-attention layers,
+            as in mlx-lm's ``generate`` (None: off). The switch is canonical: rows before
+            ``quantized_kv_start`` are computed unquantized, the cache converts exactly when
+            it reaches that offset, every later row is quantized — so answers never depend
+            on chunking or on where a restore landed (`KVQuantization`). Fixed for the
+            instance: the trie holds one set of rows per node, and rows computed under one
+            schedule are not valid under another.
 
     Safe for concurrent use; see the module docstring.
     """
@@ -89,10 +96,15 @@ class PrefixCache:
         cache_dir: Optional[str] = None,
         max_disk_bytes: Optional[int] = None,
         tokenizer: Any = None,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
+        quantized_kv_start: int = 5000,
     ) -> None:
         if cache_dir is not None and not str(cache_dir).strip():
             raise ValueError("cache_dir is empty: pass a directory path, or None for no persistence")
         self.model = model
+        #: The ``kv_bits`` schedule (None: full precision); raises ValueError when invalid.
+        self.kv_quant = KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start)
         self.prefill_step_size = validation.check_positive(
             "prefill_step_size",
             default_prefill_step() if prefill_step_size is None else prefill_step_size)
@@ -108,7 +120,7 @@ class PrefixCache:
             self.manager: Optional[PrefixManager] = PrefixManager(
                 lambda: make_prompt_cache(model), max_bytes=budget, pre_end_margin=pre_end_margin,
                 snapshot_interval=snapshot_interval, keep_live=keep_live,
-                executor=self._engine.run)
+                executor=self._engine.run, kv_quant=self.kv_quant)
             self.unsupported: Optional[str] = None
         except CacheError as e:
             self.manager = None
@@ -192,6 +204,7 @@ class PrefixCache:
         step = kwargs.pop("prefill_step_size", None)
         chunk = self.prefill_step_size if step is None else validation.check_positive(
             "prefill_step_size", step)
+        self._check_kv_kwargs(kwargs)
         if kwargs:
             raise TypeError(f"unsupported arguments: {sorted(kwargs)}")
         max_tokens = validation.check_max_tokens(max_tokens)
@@ -205,6 +218,22 @@ class PrefixCache:
             stops.append(int(s))
         return request.run(self, tokenizer, tokens, max_tokens, sampler,
                            list(logits_processors or []), prompt_progress_callback, stops, chunk)
+
+    def _check_kv_kwargs(self, kwargs: dict) -> None:
+        """mlx-lm's per-call ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start`` are
+        accepted when they restate the instance's schedule (removed from ``kwargs``)."""
+        names = ("kv_bits", "kv_group_size", "quantized_kv_start")
+        if not any(k in kwargs for k in names):
+            return
+        q = self.kv_quant
+        mine = dict(zip(names, (None, 64, 5000) if q is None else (q.bits, q.group_size, q.start)))
+        asked = {k: kwargs.pop(k, mine[k]) for k in names}
+        if asked["kv_bits"] is None and q is None:
+            return
+        if asked != mine:
+            raise ValueError(f"this PrefixCache quantizes KV with {mine}; a request asked for "
+                             f"{asked}. The schedule is fixed per PrefixCache (its trie holds "
+                             f"rows of one schedule): construct one with those arguments")
 
     def generate(self, tokenizer, prompt, max_tokens: int = 256, **kwargs) -> str:
         """The whole generated text of `stream_generate`."""
@@ -236,7 +265,7 @@ class PrefixCache:
             if path is None:
                 raise ValueError("no cache directory: pass a path or construct with cache_dir")
             mgr = self.manager
-            self._store = PersistentStore(mgr.trie, layer_signature(mgr.ops), path,
+            self._store = PersistentStore(mgr.trie, layer_signature(mgr.ops, self.kv_quant), path,
                                           self.fingerprint(), self.max_disk_bytes, keep=mgr.keep)
             mgr.verify = self._store.before_request
         return self._store

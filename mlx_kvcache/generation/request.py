@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.models import cache as mlc
 
-from ..caches import settle
+from ..caches import cache_arrays, settle
 from ..prefix.stats import RequestStats
 
 
@@ -28,13 +28,7 @@ class CachedGenerationResponse(GenerationResponse):
 
 
 def _eval_caches(leaves) -> None:
-    arrays = []
-    for c in leaves:
-        if isinstance(c, mlc.ArraysCache):
-            arrays.extend(x for x in c.cache if x is not None)
-        elif c.keys is not None:
-            arrays.extend((c.keys, c.values))
-    mx.eval(arrays)
+    mx.eval(cache_arrays(leaves))
 
 
 class _Feed:
@@ -45,10 +39,12 @@ class _Feed:
     through ``pending``.
     """
 
-    def __init__(self, model, caches, fed: List[int]):
+    def __init__(self, model, caches, fed: List[int], before: Callable[[], None] = lambda: None):
         self.model, self.caches, self.fed, self.pending = model, caches, fed, []
+        self.before = before  # e.g. the kv_bits switch, exactly at its start offset
 
     def __call__(self, toks: List[int]) -> mx.array:
+        self.before()
         self.pending = toks
         logits = self.model(mx.array(toks)[None], cache=self.caches)
         settle(self.caches, len(toks))
@@ -80,14 +76,15 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
         stats.reason = plan.reason
         start, stops = plan.restored, plan.stops
     sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
-    feed = _Feed(pc.model, caches, list(tokens[:start]))
+    feed = _Feed(pc.model, caches, list(tokens[:start]),
+                 live.quantize_due if live is not None else (lambda: None))
     n = len(tokens)
     state = {"history": None, "next": None}
 
     def prefill(a: int, b: int) -> None:
         feed(tokens[a:b])
-        if leaves is not None:
-            _eval_caches(leaves)
+        if live is not None:
+            _eval_caches(live.leaves)  # the kv_bits switch may have replaced some
         else:
             mx.eval([c.state for c in caches])
         mx.clear_cache()
