@@ -56,6 +56,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help=f"where the cache persists between runs (default: {default_cache_dir()})")
     c.add_argument("--no-persist", action="store_true",
                    help="do not load or save the cache on disk")
+    c.add_argument("--kv-bits", type=int, default=None,
+                   help="store attention keys/values quantized to this many bits (as mlx-lm's "
+                   "--kv-bits; default: full precision)")
+    c.add_argument("--kv-group-size", type=int, default=64,
+                   help="group size for --kv-bits (default 64)")
+    c.add_argument("--quantized-kv-start", type=int, default=5000,
+                   help="with --kv-bits: quantize from this token on; earlier ones stay in full "
+                   "precision (default 5000)")
     return c
 
 
@@ -66,6 +74,9 @@ def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO):
     import inspect
 
     kw = {"max_bytes": args.max_cache_bytes}
+    if args.kv_bits is not None:
+        kw.update(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                  quantized_kv_start=args.quantized_kv_start)
     params = inspect.signature(PrefixCache.__init__).parameters
     if args.no_persist:
         return PrefixCache(model, **kw)
@@ -132,6 +143,13 @@ def run(args, out: TextIO, err: TextIO) -> int:
     interactive = sys.stdin.isatty()
     if args.max_tokens == 0 or args.max_tokens < -1:
         err.write("error: --max-tokens must be positive (or -1 for no limit)\n")
+        return 2
+    try:
+        from ..caches import KVQuantization
+
+        KVQuantization.of(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
+    except ValueError as e:
+        err.write(f"error: {e}\n")
         return 2
     t0 = time.perf_counter()
     try:

@@ -154,7 +154,8 @@ def choose_target(live: LiveSet, tokens: List[int], path: List[TrieNode], matche
     reason = None
     if not ok[0]:
         i = blocked[0]
-        reason = (f"layer {i} ({type(live.leaves[i]).__name__}) has no state at offset {top}"
+        name = getattr(live.leaves[i], "cls", type(live.leaves[i]).__name__) if i is not None else ""
+        reason = (f"layer {i} ({name}) has no state at offset {top}"
                   if i is not None else f"another rank has no state at offset {top}")
         reason += "; restored to the deepest offset every layer reaches"
     t = next(t for t, good in zip(ordered, ok) if good)  # 0 is always reachable
