@@ -145,6 +145,7 @@ def choose_target(live: LiveSet, tokens: List[int], path: List[TrieNode], matche
     top = max(matched, live_common)
     cands = {top, 0, live_common}
     cands.update(nd.end for nd in path if nd.end <= top)
+    cands.update(reach.candidates(live.leaves, top))
     ordered = sorted(cands, reverse=True)
     table = reach_table(live.leaves, path, live_common, top, live.quant)
     blocked = [next((i for i, e in enumerate(table) if not reachable(e, t)), None) for t in ordered]

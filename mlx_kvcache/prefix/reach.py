@@ -83,6 +83,13 @@ def chunked_entry(c: ChunkedKVCache, i: int, path: List[TrieNode], live_common: 
     return ("chunked", c.chunk_size, runs)
 
 
+def candidates(leaves, top: int) -> List[int]:
+    """Restore targets worth trying besides node ends: the last chunk boundary at or below
+    ``top`` (a chunked layer needs no rows there). Structural only, so every rank of a
+    sharded model lists the same."""
+    return sorted({top - top % c.chunk_size for c in leaves if isinstance(c, ChunkedKVCache)})
+
+
 def reachable(entry, t: int) -> Optional[bool]:
     """Whether an entry of this module's kinds reaches ``t`` (None: not one of them)."""
     kind = entry[0]

@@ -13,8 +13,10 @@ V = 128
 
 
 def build(name: str, seed: int = 1, **over):
-    """A tiny random-weight model: llama, gemma3_text (window 8), qwen3_next (hybrid, MoE) or mamba."""
-    from mlx_lm.models import gemma3_text, llama, mamba, qwen3_next
+    """A tiny random-weight model: llama, gemma3_text (window 8), qwen3_next (hybrid, MoE),
+    mamba, llama4 (chunked attention, chunk 8: three `ChunkedKVCache` layers and one
+    `KVCache`) or deepseek_v41 (its own ``LayerCache``: window 8, compressed groups of 4)."""
+    from mlx_lm.models import deepseek_v41, gemma3_text, llama, llama4, mamba, qwen3_next
 
     mx.random.seed(seed)
     if name == "llama":
@@ -43,6 +45,24 @@ def build(name: str, seed: int = 1, **over):
             model_type="mamba", vocab_size=V, hidden_size=32, intermediate_size=64,
             state_size=8, num_hidden_layers=2, conv_kernel=4, use_bias=False,
             use_conv_bias=True, time_step_rank=4, tie_word_embeddings=True, **over))
+    elif name == "llama4":
+        tc = dict(model_type="llama4_text", attention_bias=False, attention_chunk_size=8,
+                  head_dim=16, hidden_size=64, interleave_moe_layer_step=2, intermediate_size=64,
+                  intermediate_size_mlp=128, max_position_embeddings=512, num_attention_heads=4,
+                  num_experts_per_tok=1, num_hidden_layers=4, num_key_value_heads=2,
+                  num_local_experts=2, rms_norm_eps=1e-5, rope_scaling=None, rope_theta=10000.0,
+                  use_qk_norm=True, vocab_size=V, floor_scale=8)
+        tc.update(over)
+        m = llama4.Model(llama4.ModelArgs(text_config=tc, model_type="llama4"))
+    elif name == "deepseek_v41":
+        kw = dict(vocab_size=V, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  head_dim=32, q_lora_rank=32, qk_rope_head_dim=16, o_groups=2, o_lora_rank=16,
+                  moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                  sliding_window=8, compress_ratios=(0, 4, 4, 0), kv_source_layer_ids=(1, 2),
+                  index_source_layer_ids=(1, 2), index_n_heads=2, index_head_dim=32,
+                  index_topk=4, hc_mult=2, hc_sinkhorn_iters=3)
+        kw.update(over)
+        m = deepseek_v41.Model(deepseek_v41.ModelArgs(**kw))
     else:
         raise KeyError(name)
     mx.eval(m.parameters())
