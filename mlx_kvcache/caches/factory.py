@@ -14,10 +14,14 @@ from .kv import KVCache
 from .quantized import QuantizedKVCache
 from .recurrent import RecurrentCache
 from .rotating import RotatingKVCache
+from .snapshot import CacheError
 
 #: The cache classes with a snapshot kind of their own (anything else is adapted by
 #: `GenericCache`).
 LEAF_TYPES = (KVCache, RotatingKVCache, RecurrentCache, QuantizedKVCache, ChunkedKVCache)
+#: mlx-lm's classes that `convert` turns into one of those.
+_CONVERTIBLE = (mlc.KVCache, mlc.RotatingKVCache, mlc.ArraysCache, mlc.QuantizedKVCache,
+                mlc.ChunkedKVCache)
 
 
 def convert(c: Any) -> Any:
@@ -87,6 +91,9 @@ def leaf_caches(caches: Sequence[Any]) -> List[Any]:
             out.extend(leaf_caches(list(c.caches)))
         elif isinstance(c, LEAF_TYPES) or isinstance(c, GenericCache):
             out.append(c)
+        elif type(c) in _CONVERTIBLE:
+            raise CacheError(f"a {type(c).__name__} from mlx-lm: convert() it first (it has a "
+                             f"snapshot kind of its own)")
         else:
             out.append(adapt(c))
     return out
