@@ -49,9 +49,10 @@ def run_chat(args, stdin: str, env_home: Path, timeout=240, persist=False):
 
 
 # -- a tiny random llama as an offline mlx-lm model directory ----------------------------------
-def build_tiny_model_dir(d: Path) -> Path:
+def build_tiny_model_dir(d: Path, **over) -> Path:
     """Char-level tokenizer (plus one multi-char token, "ab") and a 2-layer random llama
-    whose end-of-sequence logit is pinned to 0, so answers always run to --max-tokens."""
+    whose end-of-sequence logit is pinned to 0, so answers always run to --max-tokens
+    (``over``: config overrides)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
@@ -69,7 +70,7 @@ def build_tiny_model_dir(d: Path) -> Path:
     hf.save_pretrained(str(d))
     cfg = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-               vocab_size=len(vocab), tie_word_embeddings=False)
+               vocab_size=len(vocab), tie_word_embeddings=False, **over)
     mx.random.seed(0)
     m = llama.Model(llama.ModelArgs(**cfg))
     w = m.lm_head.weight

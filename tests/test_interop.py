@@ -1,5 +1,5 @@
 """mlx-lm interop: save/load_prompt_cache on our caches, stream_generate with our caches,
-and a clear error for layer caches we cannot snapshot."""
+and every kind of layer cache accepted (converted, or adapted as the model's own object)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 from mlx_lm.models import cache as mlc
 
 import mlx_kvcache as K
-from mlx_kvcache import CacheError
 from mlx_kvcache.caches import layer_signature
 
 from models import MODELS, V, build

@@ -237,3 +237,19 @@ def test_persisted_quantized_rows_round_trip(tmp_path):
     assert st.restored_tokens == 0
     assert_same(canonical(m, q, 4, start + 1), got)
     pc3.close()
+
+
+def test_chat_cli_kv_bits(tmp_path):
+    """``mlx-kvcache chat --kv-bits`` passes the schedule to its PrefixCache: turns reuse
+    the conversation; a setting mlx cannot quantize with is a clear error (exit 2)."""
+    from test_cli import build_tiny_model_dir, run_chat, status_lines
+
+    d = build_tiny_model_dir(tmp_path / "model", head_dim=32)
+    args = ["--model", str(d), "--max-tokens", "6", "--kv-bits", "8", "--kv-group-size", "32",
+            "--quantized-kv-start", "12"]
+    rc, out, err = run_chat(args, "hello there\nsecond turn\n", tmp_path, timeout=120)
+    assert rc == 0 and "Traceback" not in out + err, err
+    t1, t2 = status_lines(out)
+    assert t2["reused"] >= t1["prompt"] + t1["answer"] - 1 > 12  # reused past the start
+    rc, out, err = run_chat(args[:2] + ["--kv-bits", "7"], "hi\n", tmp_path, timeout=120)
+    assert rc == 2 and "kv bits must be one of" in err and "Traceback" not in err

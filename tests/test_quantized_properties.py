@@ -289,3 +289,21 @@ def test_snapshot_owns_exactly_its_bytes():
     gc.collect()
     mx.clear_cache()
     assert mx.get_active_memory() - base <= 1 << 16
+
+
+def test_mlx_lm_generate_step_quantizes_our_caches_into_ours():
+    """mlx-lm's ``maybe_quantize_kv_cache`` calls ``to_quantized`` on our `KVCache`: the list
+    then holds our `QuantizedKVCache`, and the answer equals mlx-lm's own caches'."""
+    from mlx_lm.generate import generate_step
+
+    from models import build
+
+    m = build("llama", head_dim=32)
+    prompt = mx.array(list(range(3, 40)))
+    kw = dict(max_tokens=4, kv_bits=4, kv_group_size=G, quantized_kv_start=10, prefill_step_size=16)
+    ours = K.make_prompt_cache(m)
+    got = [lp for (_, lp), _ in zip(generate_step(prompt, m, prompt_cache=ours, **kw), range(4))]
+    ref = [lp for (_, lp), _ in zip(generate_step(prompt, m, prompt_cache=mlc.make_prompt_cache(m), **kw),
+                                    range(4))]
+    assert all(type(c) is K.QuantizedKVCache for c in ours)
+    assert max(mx.abs(a - b).max().item() for a, b in zip(got, ref)) < 1e-4
