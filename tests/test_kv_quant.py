@@ -127,13 +127,15 @@ def test_canonical_schedule_is_chunk_independent_and_mlx_lm_is_not():
     assert mx.abs(lps[0] - lps[1]).max().item() > 1e-4
 
 
-@pytest.mark.parametrize("start", [0, 9, 23, 1000])
-def test_parity_with_canonical_cold_runs(start):
+@pytest.mark.parametrize("start, keep_live", [(0, False), (9, False), (23, False), (1000, False),
+                                              (9, True), (23, True)])
+def test_parity_with_canonical_cold_runs(start, keep_live):
     """Repeats, extensions, divergences before and after the start, prompts shorter than
-    it (the switch then happens during decoding): each answer equals the cold run."""
+    it (the switch then happens during decoding): each answer equals the cold run. With
+    ``keep_live`` the idle caches (quantized or not) are reused or swapped as needed."""
     m, rng = model(), random.Random(start)
     pc = new_cache(m, kv_bits=BITS, kv_group_size=GROUP, quantized_kv_start=start,
-                   prefill_step_size=5, max_bytes=1 << 30)
+                   prefill_step_size=5, max_bytes=1 << 30, keep_live=keep_live)
     base = prompt_of(rng, 16)
     long = base + prompt_of(rng, 20)
     prompts = [
