@@ -22,6 +22,7 @@ from __future__ import annotations
 import random
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlc
@@ -255,3 +256,37 @@ def test_chat_cli_kv_bits(tmp_path):
     assert t2["reused"] >= t1["prompt"] + t1["answer"] - 1 > 12  # reused past the start
     rc, out, err = run_chat(args[:2] + ["--kv-bits", "7"], "hi\n", tmp_path, timeout=120)
     assert rc == 2 and "kv bits must be one of" in err and "Traceback" not in err
+
+
+class _ListWrapped(nn.Module):
+    """A llama whose first layer's cache sits inside a ``CacheList`` (as falcon_h1's and
+    deepseek_v32's do): mlx-lm's switch converts only top-level ``KVCache`` entries, so
+    that layer stays in full precision while the other one is quantized."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def layers(self):
+        return self.inner.layers
+
+    def make_cache(self):
+        return [mlc.CacheList(mlc.KVCache()), mlc.KVCache()]
+
+    def __call__(self, inputs, cache=None):
+        cache = cache or self.make_cache()
+        return self.inner(inputs, cache=[cache[0][0], cache[1]])
+
+
+def test_layers_inside_a_cache_list_stay_in_full_precision():
+    m, rng, start = _ListWrapped(model()), random.Random(11), 10
+    pc = new_cache(m, kv_bits=BITS, kv_group_size=GROUP, quantized_kv_start=start,
+                   prefill_step_size=6, max_bytes=1 << 30)
+    hist = History()
+    p = prompt_of(rng, 30)
+    ask(pc, hist, m, p, 4, start)
+    kinds_of = {type(s).__name__ for n in pc.manager.trie.nodes() for s in n.snapshots[:1] if s}
+    assert kinds_of == {"KVSnapshot"}  # the CacheList layer
+    got, st = ask(pc, hist, m, p[:25] + prompt_of(rng, 3), 4, start)
+    assert st.restored_tokens == 25  # past the start, both layers

@@ -12,6 +12,8 @@ from typing import Any, List, Optional
 
 from ..caches.factory import leaf_caches
 from ..caches.generic import GenericCache
+from ..caches.kv import KVCache
+from ..caches.quantized import QuantizedKVCache
 from ..caches.recurrent import RecurrentCache
 from ..caches.schedule import KVQuantization
 
@@ -31,6 +33,19 @@ class LiveSet:
         self.tokens: List[int] = []
         self.epoch = epoch
         self.quant = quant
+
+    def leaf_quant(self) -> List[Optional[KVQuantization]]:
+        """Per leaf, the schedule it follows: the top-level full-attention caches (the ones
+        the switch converts, as mlx-lm's) follow ``quant``; layers inside a ``CacheList``
+        and every other kind stay in full precision (None)."""
+        if self.quant is None:
+            return [None] * len(self.leaves)
+        out: List[Optional[KVQuantization]] = []
+        for c in self.caches:
+            n = len(leaf_caches([c]))
+            top = isinstance(c, (KVCache, QuantizedKVCache))
+            out.extend([self.quant if top else None] * n)
+        return out
 
     def quantize_due(self) -> None:
         """Switch the full-attention layers whose offset reached the schedule's start to

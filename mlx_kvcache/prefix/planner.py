@@ -52,16 +52,17 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def reach_table(leaves, path: List[TrieNode], live_common: int, top: int, quant=None):
+def reach_table(leaves, path: List[TrieNode], live_common: int, top: int, quants=None):
     """Per layer, what it can reach at or below ``top`` (computed once per request).
 
     Returns, per layer, either ``("kv", limit)`` — every offset up to ``limit`` — or
     ``("points", ends, any_below)`` — exactly the offsets in ``ends``, plus any offset up
     to ``any_below`` (an unwrapped window) — or one of `reach`'s entries (full attention
-    under the ``quant`` schedule, chunked attention).
+    under a ``kv_bits`` schedule, ``quants[i]``; chunked attention).
     """
     table = []
     for i, c in enumerate(leaves):
+        quant = quants[i] if quants is not None else None
         if isinstance(c, (KVCache, QuantizedKVCache)) and (quant is not None or not isinstance(c, KVCache)):
             table.append(reach.kv_entry(c, i, path, live_common, top, quant))
             continue
@@ -147,7 +148,7 @@ def choose_target(live: LiveSet, tokens: List[int], path: List[TrieNode], matche
     cands.update(nd.end for nd in path if nd.end <= top)
     cands.update(reach.candidates(live.leaves, top))
     ordered = sorted(cands, reverse=True)
-    table = reach_table(live.leaves, path, live_common, top, live.quant)
+    table = reach_table(live.leaves, path, live_common, top, live.leaf_quant())
     blocked = [next((i for i, e in enumerate(table) if not reachable(e, t)), None) for t in ordered]
     ok = [int(b is None) for b in blocked]
     if agree.size > 1:
