@@ -92,10 +92,11 @@ class History:
         return {p for p in range(restored) if self.single.get(tuple(prompt[: p + 1]))}
 
 
-def ask(pc, hist, m, prompt, max_tokens, start):
+def ask(pc, hist, m, prompt, max_tokens, start, chunk=None):
     """Run ``prompt``, check it against the canonical cold run, remember its history."""
     got, st = run(pc, prompt, max_tokens)
-    ref = canonical(m, prompt, max_tokens, start, singles=hist.singles(prompt, st.restored_tokens))
+    ref = canonical(m, prompt, max_tokens, start, chunk=chunk,
+                    singles=hist.singles(prompt, st.restored_tokens))
     assert_same(ref, got)
     hist.record(prompt, [t for t, _ in got], st.restored_tokens)
     return got, st
@@ -290,3 +291,34 @@ def test_layers_inside_a_cache_list_stay_in_full_precision():
     assert kinds_of == {"KVSnapshot"}  # the CacheList layer
     got, st = ask(pc, hist, m, p[:25] + prompt_of(rng, 3), 4, start)
     assert st.restored_tokens == 25  # past the start, both layers
+
+
+def test_sliding_window_model_quantizes_only_its_full_attention_layers():
+    """gemma3 (window 8 / full attention): mlx-lm's generate raises for rotating caches
+    with kv_bits; here the full-attention layers follow the schedule and the windows stay
+    in full precision (the reference converts only mlx-lm's ``KVCache`` entries).
+
+    A window's buffer layout depends on the prefill chunking, which moves its rows by
+    float noise (~1e-5) that quantization can round to a step: mlx-lm's own cold runs
+    with 5-token and whole-prompt chunks differ by 1.2e-4 here. The reference therefore
+    prefills in the cache's chunk size."""
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(2)
+    m = gemma3_text.Model(gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=2, head_dim=32, num_key_value_heads=1, vocab_size=V,
+        query_pre_attn_scalar=32, sliding_window=8, sliding_window_pattern=2))
+    mx.eval(m.parameters())
+    rng, start = random.Random(12), 14
+    pc = new_cache(m, kv_bits=BITS, kv_group_size=GROUP, quantized_kv_start=start,
+                   prefill_step_size=5, snapshot_interval=8, max_bytes=1 << 30)
+    hist = History()
+    conv = prompt_of(rng, 20)
+    for _ in range(3):
+        got, st = ask(pc, hist, m, conv, 4, start, chunk=5)
+        conv = conv + [t for t, _ in got][:3] + prompt_of(rng, 5)
+    assert st.restored_tokens > start
+    got, st = ask(pc, hist, m, conv[:17] + prompt_of(rng, 4), 4, start, chunk=5)
+    assert 8 < st.restored_tokens <= 17
+    check_no_leaks(pc)
