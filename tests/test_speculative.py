@@ -405,3 +405,42 @@ def test_draft_with_caches_the_trie_cannot_hold():
     got, rs = spec_run(pc, prompt, 20, logits_processors=procs)
     assert_same(cold_with(build("llama"), prompt, 20, procs), got)
     assert 0 < rs[-1].cache.accepted_tokens < rs[-1].cache.drafted_tokens
+
+
+# -- concurrency: speculative requests interleaved and closed from other threads --------------
+def test_interleaved_and_closed_on_other_threads():
+    import threading
+
+    name = "qwen3_next"
+    m = model(name)
+    pc = new_cache(m, draft_model=noisy_copy(name, 0.01), num_draft_tokens=3,
+                   pre_end_margin=MARGIN, snapshot_interval=8)
+    rng = random.Random(7)
+    head = [rng.randrange(V) for _ in range(6)]
+    ps = [head + [rng.randrange(V) for _ in range(k)] for k in (9, 14, 4)]
+    gens = [pc.stream_generate(TOK, p, 12) for p in ps]
+    outs = [[] for _ in ps]
+    for _ in range(5):  # alternate next() between the three on this thread
+        for g, o in zip(gens, outs):
+            r = next(g)
+            o.append((r.token, r.logprobs))
+    t = threading.Thread(target=gens[1].close)  # one closed from another thread
+    t.start()
+    t.join(30)
+    assert not t.is_alive()
+    for i in (0, 2):  # the others finish on a third thread
+        th = threading.Thread(target=lambda i=i: outs[i].extend((r.token, r.logprobs) for r in gens[i]))
+        th.start()
+        th.join(60)
+        assert not th.is_alive()
+    for i, p in enumerate(ps):
+        n = len(outs[i])
+        assert n == (5 if i == 1 else 12)
+        assert_same(cold(m, p, n), outs[i])
+    check_no_leaks(pc)
+    for p, o in zip(ps, outs):
+        follow = p + [t for t, _ in o] + [1]
+        got, _ = spec_run(pc, follow, 3)
+        assert_same(cold(m, follow, 3), got)
+        check_restored_state(pc, follow)
+    check_no_leaks(pc)
