@@ -202,10 +202,13 @@ class SpeculativeDecoder:
         self.sampler, self.processors, self.eos = sampler, list(processors), eos
         self.max_tokens, self.stats, self.vocab = max_tokens, stats, vocab
         self.generated = 0
+        self._hist: Optional[mx.array] = None
 
     # -- sampling --------------------------------------------------------------------------
     def _history(self, drafts: List[mx.array], i: int) -> mx.array:
-        return mx.concatenate([mx.array(self.seq, mx.uint32)] + [x.astype(mx.uint32) for x in drafts[:i]])
+        if self._hist is None or self._hist.size != len(self.seq):  # once per round
+            self._hist = mx.array(self.seq, mx.uint32)
+        return mx.concatenate([self._hist] + [x.astype(mx.uint32) for x in drafts[:i]])
 
     def _sample(self, logits: mx.array, drafts: List[mx.array], first: int):
         """Sample each row of ``logits`` ``[R, V]``; row ``i`` follows ``seq + drafts[:first + i]``
@@ -247,7 +250,8 @@ class SpeculativeDecoder:
         k = int(min(self.k, left - 1))
         drafts = self._draft(k)
         t.checkpoint(base - t.n + k)
-        ids = mx.concatenate([mx.array(seq[t.n:], mx.uint32)] + [x.astype(mx.uint32) for x in drafts])
+        ids = mx.concatenate([mx.array(seq[t.n:], mx.uint32)]
+                             + [x.astype(mx.uint32) for x in drafts])
         logits = t.forward(ids, base - t.n)[0, -(k + 1):, :]
         toks, logprobs = self._sample(logits, drafts, 0)
         mx.eval(toks, logprobs, drafts)
