@@ -444,3 +444,35 @@ def test_interleaved_and_closed_on_other_threads():
         assert_same(cold(m, follow, 3), got)
         check_restored_state(pc, follow)
     check_no_leaks(pc)
+
+
+@pytest.mark.parametrize("draft_vocab", [V - 28, V + 8])
+def test_draft_with_another_vocabulary_size(draft_vocab):
+    """A smaller draft vocabulary: ids it lacks (in the prompt, or emitted by the target)
+    reach it clamped, never as an out-of-range lookup; a larger one never proposes an id
+    the target lacks. Either way the output is the target's."""
+    m = model("llama")
+    draft = build("llama", seed=3, vocab_size=draft_vocab)
+    pc = new_cache(m, draft_model=draft, num_draft_tokens=3)
+
+    class Checking:  # records the largest id the draft is fed (MLX does not bound-check)
+        largest = 0
+
+        def __call__(self, x, cache=None):
+            Checking.largest = max(Checking.largest, mx.max(x).item())
+            return draft(x, cache=cache)
+
+    pc.draft_model = Checking()
+    prompt, procs, _ = case("llama")
+    prompt = prompt + [V - 1, V - 2, V - 3]  # ids past a smaller draft's vocabulary
+    widths = set()
+
+    def width(tokens, logits):  # processors index logits by history ids: the target's width
+        widths.add(logits.shape[-1])
+        return logits
+
+    got, rs = spec_run(pc, prompt, 30, logits_processors=procs + [width])
+    assert_same(cold_with(m, prompt, 30, procs), got)
+    assert rs[-1].cache.drafted_tokens > 0
+    assert Checking.largest < draft_vocab and widths == {V}
+    check_no_leaks(pc)

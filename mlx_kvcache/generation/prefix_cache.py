@@ -127,14 +127,15 @@ class PrefixCache:
         self._stats_lock = threading.Lock()
         self._stats = CacheStats(max_bytes=budget)
         self.last_request: Optional[RequestStats] = None
-        #: Ids the target takes; prompts are checked against ``vocab_size``, the ids both
-        #: models take.
-        self.target_vocab = validation.model_vocab_size(model)
-        self.vocab_size = self.target_vocab
+        self.vocab_size = validation.model_vocab_size(model)
+        #: The target's vocabulary (a wider draft never proposes past it), and the draft's
+        #: when it is smaller: ids the draft lacks are fed to it clamped (it only proposes;
+        #: MLX does not bound-check an embedding lookup).
+        self.target_vocab, self.draft_vocab = self.vocab_size, None
         if draft_model is not None:
             dv = validation.model_vocab_size(draft_model)
-            if dv is not None:
-                self.vocab_size = dv if self.vocab_size is None else min(self.vocab_size, dv)
+            if dv is not None and (self.vocab_size is None or dv < self.vocab_size):
+                self.draft_vocab = dv
         try:
             #: Top-level cache entries of the target: a live set holds them, then the draft's.
             self.target_entries = len(make_prompt_cache(model))

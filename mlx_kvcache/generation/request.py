@@ -19,7 +19,7 @@ from mlx_lm.models import cache as mlc
 
 from ..caches import settle
 from ..prefix.stats import RequestStats
-from .speculative import SpeculativeDecoder
+from .speculative import SpeculativeDecoder, clamp_ids
 
 
 @dataclass
@@ -47,9 +47,10 @@ class _Feed:
     through ``pending``. With a draft model, every prefill chunk feeds both models.
     """
 
-    def __init__(self, model, caches, fed: List[int], draft=None, draft_caches=None):
+    def __init__(self, model, caches, fed: List[int], draft=None, draft_caches=None,
+                 draft_vocab=None):
         self.model, self.caches, self.fed, self.pending = model, caches, fed, []
-        self.draft, self.draft_caches = draft, draft_caches
+        self.draft, self.draft_caches, self.draft_vocab = draft, draft_caches, draft_vocab
 
     def __call__(self, toks: List[int]) -> mx.array:
         self.pending = toks
@@ -57,7 +58,7 @@ class _Feed:
         logits = self.model(x, cache=self.caches)
         settle(self.caches, len(toks))
         if self.draft is not None:
-            self.draft(x, cache=self.draft_caches)
+            self.draft(clamp_ids(x, self.draft_vocab), cache=self.draft_caches)
             settle(self.draft_caches, len(toks))
         self.fed.extend(toks)
         self.pending = []
@@ -95,7 +96,7 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
         stats.reason = plan.reason
         start, stops = plan.restored, plan.stops
     sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
-    feed = _Feed(pc.model, caches, list(tokens[:start]), draft, dcaches)
+    feed = _Feed(pc.model, caches, list(tokens[:start]), draft, dcaches, pc.draft_vocab)
     n = len(tokens)
     state = {"history": None, "next": None}
 
@@ -184,7 +185,7 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
             spec = SpeculativeDecoder(
                 pc.model, caches, draft, dcaches, tokens, num_draft=num_draft, sampler=sampler,
                 processors=processors, eos=eos, max_tokens=max_tokens, stats=stats,
-                vocab=pc.target_vocab)
+                vocab=pc.target_vocab, draft_vocab=pc.draft_vocab)
             source = speculative()
         stats.prefilled_tokens += 1
         detok = tokenizer.detokenizer

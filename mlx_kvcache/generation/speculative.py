@@ -116,8 +116,9 @@ class _Side:
     """One model of a speculative request: its caches, the committed tokens they hold
     (``n``: ``seq[:n]``), drafted tokens held past those (``extra``) and its checkpoint."""
 
-    def __init__(self, model, caches: List[Any], n: int) -> None:
+    def __init__(self, model, caches: List[Any], n: int, vocab: Optional[int] = None) -> None:
         self.model, self.caches, self.leaves = model, caches, _flatten(caches)
+        self.vocab = vocab  # ids at or past it are fed as ``vocab - 1`` (see `clamp_ids`)
         self.n, self.extra = n, 0
         self.high = n  # most committed tokens ever held: feeding below it is a replay
         self.passes = self.replayed = 0
@@ -128,7 +129,7 @@ class _Side:
     def forward(self, ids: mx.array, committed: int) -> mx.array:
         """Feed ``ids``: their first ``committed`` continue ``seq[:n]``, the rest are drafts."""
         self.busy = True
-        logits = self.model(ids[None], cache=self.caches)
+        logits = self.model(clamp_ids(ids, self.vocab)[None], cache=self.caches)
         settle(self.caches, ids.size)
         self.busy = False
         self.passes += 1
@@ -172,6 +173,14 @@ class _Side:
         self.at = None
 
 
+def clamp_ids(ids: mx.array, vocab: Optional[int]) -> mx.array:
+    """``ids`` with those a model has no embedding for (``>= vocab``) replaced by its last
+    id. Only ever applied to the draft: the target may emit ids a smaller draft vocabulary
+    lacks, and MLX does not bound-check an embedding lookup. The draft only proposes, so
+    this can lower acceptance, never change the output."""
+    return ids if vocab is None else mx.minimum(ids, vocab - 1)
+
+
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
     i = 0
     while i < min(len(a), len(b)) and a[i] == b[i]:
@@ -187,17 +196,18 @@ class SpeculativeDecoder:
     the check-in and drops the checkpoints.
 
     Args:
-        vocab: the target's vocabulary size; a draft whose logits are wider never
-            proposes an id past it.
+        vocab: the target's vocabulary size (see `_target_width`).
+        draft_vocab: the draft's, when smaller than the target's (see `clamp_ids`).
     """
 
     def __init__(self, target, target_caches: List[Any], draft, draft_caches: List[Any],
                  tokens: Sequence[int], *, num_draft: int, sampler: Callable,
                  processors: Sequence[Callable], eos, max_tokens: int, stats: RequestStats,
-                 vocab: Optional[int] = None) -> None:
+                 vocab: Optional[int] = None, draft_vocab: Optional[int] = None) -> None:
         self.seq = list(tokens)
         n = len(self.seq) - 1
-        self.t, self.d = _Side(target, target_caches, n), _Side(draft, draft_caches, n)
+        self.t = _Side(target, target_caches, n)
+        self.d = _Side(draft, draft_caches, n, draft_vocab)
         self.k, self.max_carry = int(num_draft), 2 * (int(num_draft) + 1)
         self.sampler, self.processors, self.eos = sampler, list(processors), eos
         self.max_tokens, self.stats, self.vocab = max_tokens, stats, vocab
@@ -224,6 +234,18 @@ class SpeculativeDecoder:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return self.sampler(logprobs), logprobs
 
+    def _target_width(self, logits: mx.array) -> mx.array:
+        """The draft's logits over exactly the target's ids: a wider draft never proposes
+        an id the target lacks; a narrower one is padded with -inf (logits processors index
+        them by ids of the history, which may be past the draft's vocabulary)."""
+        width = logits.shape[-1]
+        if self.vocab is None or width == self.vocab:
+            return logits
+        if width > self.vocab:
+            return logits[:, : self.vocab]
+        pad = mx.full((logits.shape[0], self.vocab - width), -mx.inf, logits.dtype)
+        return mx.concatenate([logits, pad], axis=-1)
+
     # -- one round -------------------------------------------------------------------------
     def _draft(self, k: int) -> List[mx.array]:
         d, seq = self.d, self.seq
@@ -234,9 +256,7 @@ class SpeculativeDecoder:
         ids = mx.array(seq[d.n:], mx.uint32)
         for j in range(k):
             logits = d.forward(ids, ids.size if j == 0 else 0)[0, -1:, :]
-            if self.vocab is not None and logits.shape[-1] > self.vocab:
-                logits = logits[:, : self.vocab]
-            ids, _ = self._sample(logits, drafts, j)
+            ids, _ = self._sample(self._target_width(logits), drafts, j)
             mx.async_eval(ids)  # the next draft step is queued behind it, no sync
             drafts.append(ids)
         return drafts
