@@ -34,7 +34,7 @@ from mlx_lm.models import cache as mlc
 from ..caches import settle
 from ..prefix.stats import RequestStats
 
-__all__ = ["SpeculativeDecoder"]
+__all__ = ["SpeculativeDecoder", "clamp_ids"]
 
 #: One emitted token: id, the target's log-probs at its position, whether the draft proposed it.
 Emitted = Tuple[int, mx.array, bool]
