@@ -4,8 +4,10 @@
     mlx-kvcache chat --model path/to/model.gguf --system "Be brief."
     mlx-kvcache chat --model mlx-community/Qwen3-0.6B-4bit --temp 0.7 --top-p 0.9
     printf 'Hi\\nAnd again?\\n' | mlx-kvcache chat --max-tokens 32
+    mlx-kvcache chat --model big-model --draft-model small-model.gguf --num-draft-tokens 4
 
-After each answer one status line goes to stdout::
+After each answer one status line goes to stdout (with a draft model, also how many tokens
+it proposed and how many the model accepted)::
 
     [cache] prompt 57 tok | reused 41 | prefilled 16 | answer 24 tok | ttft 0.21 s | 38.2 tok/s | cache 3.1 MiB
 
@@ -43,6 +45,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "the CPU build, no with a GPU)")
     c.add_argument("--quantized", dest="dequantize", action="store_false",
                    help="same as --no-dequantize")
+    c.add_argument("--draft-model", default=None,
+                   help="a smaller model with the same tokenizer for speculative decoding "
+                   "(mlx-lm directory, Hugging Face repo id or .gguf file); works with "
+                   "hybrid and sliding-window models too, and the prefix cache keeps its "
+                   "caches alongside the model's")
+    c.add_argument("--num-draft-tokens", type=_non_negative, default=3,
+                   help="tokens the draft model proposes per step (default 3)")
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--max-tokens", type=int, default=256, help="answer length limit (default 256)")
     c.add_argument("--temp", type=temperature, default=0.0,
@@ -68,7 +77,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 
-def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO):
+def _non_negative(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO, draft=None):
     """A PrefixCache; persistent (loaded now, saved after every request and on close) unless
     ``--no-persist``. Prints how many cached tokens were loaded."""
     import inspect
@@ -77,6 +96,8 @@ def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO):
     if args.kv_bits is not None:
         kw.update(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                   quantized_kv_start=args.quantized_kv_start)
+    if draft is not None:
+        kw.update(draft_model=draft, num_draft_tokens=args.num_draft_tokens)
     params = inspect.signature(PrefixCache.__init__).parameters
     if args.no_persist:
         return PrefixCache(model, **kw)
@@ -160,6 +181,21 @@ def run(args, out: TextIO, err: TextIO) -> int:
     except (OSError, ValueError, KeyError) as e:
         err.write(f"error: cannot load model {args.model!r}: {type(e).__name__}: {e}\n")
         return 2
+    draft = None
+    if args.draft_model is not None:
+        try:
+            draft, draft_tokenizer = load_model(args.draft_model, dequantize=args.dequantize)
+        except ModelLoadError as e:
+            err.write(f"error: draft model: {e}\n")
+            return 2
+        except (OSError, ValueError, KeyError) as e:
+            err.write(f"error: cannot load draft model {args.draft_model!r}: "
+                      f"{type(e).__name__}: {e}\n")
+            return 2
+        sizes = [getattr(t, "vocab_size", None) for t in (tokenizer, draft_tokenizer)]
+        if None not in sizes and sizes[0] != sizes[1]:
+            err.write("warning: the draft model's tokenizer differs from the model's; its "
+                      "proposals will rarely be accepted\n")
 
     from mlx_lm.sample_utils import make_sampler
 
@@ -167,9 +203,15 @@ def run(args, out: TextIO, err: TextIO) -> int:
 
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
     name = args.model or "SmolLM2-135M-Instruct (embedded)"
+    if draft is not None:
+        name += f" with draft {args.draft_model}"
     err.write(f"loaded {name} in {time.perf_counter() - t0:.1f} s; /help for commands\n")
     err.flush()
-    cache = _make_cache(PrefixCache, model, tokenizer, args, out, err)
+    try:
+        cache = _make_cache(PrefixCache, model, tokenizer, args, out, err, draft)
+    except ValueError as e:  # e.g. the same model given as its own draft
+        err.write(f"error: {e}\n")
+        return 2
     if args.seed is not None:
         cache.seed(args.seed)  # sampling runs on the cache's engine thread
 

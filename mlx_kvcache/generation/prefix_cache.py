@@ -15,6 +15,7 @@ handed over and waited for, never across a ``yield``. A request abandoned mid-st
 from __future__ import annotations
 
 import atexit
+import hashlib
 import threading
 import warnings
 import weakref
@@ -49,6 +50,14 @@ def default_prefill_step() -> int:
 _OPEN: "weakref.WeakSet[PrefixCache]" = weakref.WeakSet()
 
 
+def _check_num_draft(n: Any) -> int:
+    if not validation.is_int(n):
+        raise TypeError(f"num_draft_tokens must be an int, got {type(n).__name__} {n!r}")
+    if n < 0:
+        raise ValueError(f"num_draft_tokens must be >= 0, got {n}")
+    return int(n)
+
+
 @atexit.register
 def _flush_all() -> None:  # pragma: no cover - runs at interpreter exit
     for pc in list(_OPEN):
@@ -80,6 +89,13 @@ class PrefixCache:
             on chunking or on where a restore landed (`KVQuantization`). Fixed for the
             instance: the trie holds one set of rows per node, and rows computed under one
             schedule are not valid under another.
+        draft_model: a draft model for speculative decoding (same tokenizer). It is bound
+            here because the trie holds its layers too: every node stores the target's
+            and the draft's snapshots together, so a hit skips prefill on both; the
+            budget counts both; the persisted cache is keyed on both fingerprints. Every
+            request is then speculative (``num_draft_tokens=0`` drafts nothing).
+        num_draft_tokens: tokens the draft proposes per round (default 3, as mlx-lm's
+            ``--num-draft-tokens``); a request may pass its own.
 
     Safe for concurrent use; see the module docstring.
     """
@@ -99,6 +115,8 @@ class PrefixCache:
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
         quantized_kv_start: int = 5000,
+        draft_model: Optional[nn.Module] = None,
+        num_draft_tokens: int = 3,
     ) -> None:
         if cache_dir is not None and not str(cache_dir).strip():
             raise ValueError("cache_dir is empty: pass a directory path, or None for no persistence")
@@ -109,16 +127,37 @@ class PrefixCache:
             "prefill_step_size",
             default_prefill_step() if prefill_step_size is None else prefill_step_size)
         budget = default_max_bytes() if max_bytes is None else int(max_bytes)
+        if draft_model is not None and draft_model is model:
+            raise ValueError("draft_model is the target model itself: pass a separate (smaller) "
+                             "model, or no draft model")
+        self.draft_model = draft_model
+        self.num_draft_tokens = _check_num_draft(num_draft_tokens)
         materialize(model)  # the engine thread cannot evaluate arrays left lazy here
+        if draft_model is not None:
+            materialize(draft_model)
         self._engine = default_engine()
         self._stats_lock = threading.Lock()
         self._stats = CacheStats(max_bytes=budget)
         self.last_request: Optional[RequestStats] = None
         self.vocab_size = validation.model_vocab_size(model)
+        #: The target's vocabulary (a wider draft never proposes past it), and the draft's
+        #: when it is smaller: ids the draft lacks are fed to it clamped (it only proposes;
+        #: MLX does not bound-check an embedding lookup).
+        self.target_vocab, self.draft_vocab = self.vocab_size, None
+        if draft_model is not None:
+            dv = validation.model_vocab_size(draft_model)
+            if dv is not None and (self.vocab_size is None or dv < self.vocab_size):
+                self.draft_vocab = dv
         try:
-            make_prompt_cache(model)
+            #: Top-level cache entries of the target: a live set holds them, then the draft's.
+            self.target_entries = len(make_prompt_cache(model))
+
+            def make_caches():
+                caches = make_prompt_cache(model)
+                return caches if draft_model is None else caches + make_prompt_cache(draft_model)
+            make_caches()
             self.manager: Optional[PrefixManager] = PrefixManager(
-                lambda: make_prompt_cache(model), max_bytes=budget, pre_end_margin=pre_end_margin,
+                make_caches, max_bytes=budget, pre_end_margin=pre_end_margin,
                 snapshot_interval=snapshot_interval, keep_live=keep_live,
                 executor=self._engine.run, kv_quant=self.kv_quant)
             self.unsupported: Optional[str] = None
@@ -187,6 +226,8 @@ class PrefixCache:
         logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
         prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
         snapshot_at: Sequence[int] = (),
+        draft_model: Optional[nn.Module] = None,
+        num_draft_tokens: Optional[int] = None,
         **kwargs,
     ) -> Iterator[CachedGenerationResponse]:
         """Like `mlx_lm.stream_generate`, reusing cached prefixes of ``prompt``.
@@ -194,8 +235,15 @@ class PrefixCache:
         Each response also carries ``cache``, the request's `RequestStats`.
         ``prompt_progress_callback(done, total)`` is called after each prefill chunk.
         ``snapshot_at`` adds prompt offsets to snapshot at (e.g. chat message boundaries),
-        so a later prompt that diverges there restores exactly on any model. Arguments
-        are checked here, before anything runs: bad ones raise ``TypeError`` /
+        so a later prompt that diverges there restores exactly on any model.
+
+        Speculative decoding uses the draft model given to the constructor (the trie holds
+        its layers); ``draft_model``, if passed, must be that model. ``num_draft_tokens``
+        overrides the instance's default for this request. Every cache kind works
+        (recurrent and sliding-window layers roll back from snapshots); greedy output is
+        the output without a draft; ``from_draft`` says which tokens the draft proposed.
+
+        Arguments are checked here, before anything runs: bad ones raise ``TypeError`` /
         ``ValueError`` naming the problem.
         """
         if kwargs.pop("prompt_cache", None) is not None:
@@ -207,6 +255,14 @@ class PrefixCache:
         self._check_kv_kwargs(kwargs)
         if kwargs:
             raise TypeError(f"unsupported arguments: {sorted(kwargs)}")
+        if draft_model is not None and draft_model is not self.draft_model:
+            raise ValueError(
+                "draft_model must be the draft model this PrefixCache was built with (its trie "
+                "holds that model's layers): construct PrefixCache(model, draft_model=...)"
+                if self.draft_model is None else
+                "draft_model is not the draft model this PrefixCache was built with (its trie "
+                "holds that model's layers); use another PrefixCache for another draft model")
+        k = self.num_draft_tokens if num_draft_tokens is None else _check_num_draft(num_draft_tokens)
         max_tokens = validation.check_max_tokens(max_tokens)
         if not isinstance(tokenizer, TokenizerWrapper):
             tokenizer = TokenizerWrapper(tokenizer)
@@ -217,7 +273,8 @@ class PrefixCache:
                 raise TypeError(f"snapshot_at offsets must be ints, got {type(s).__name__} {s!r}")
             stops.append(int(s))
         return request.run(self, tokenizer, tokens, max_tokens, sampler,
-                           list(logits_processors or []), prompt_progress_callback, stops, chunk)
+                           list(logits_processors or []), prompt_progress_callback, stops, chunk,
+                           num_draft=k)
 
     def _check_kv_kwargs(self, kwargs: dict) -> None:
         """mlx-lm's per-call ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start`` are
@@ -246,11 +303,16 @@ class PrefixCache:
 
     # -- persistence ----------------------------------------------------------------------
     def fingerprint(self) -> str:
-        """`mlx_kvcache.store.model_fingerprint` of the model (computed once)."""
+        """`mlx_kvcache.store.model_fingerprint` of the model (computed once); with a draft
+        model, a hash of both models' fingerprints."""
         if self._fingerprint is None:
             from ..store import model_fingerprint
 
-            self._fingerprint = model_fingerprint(self.model, self._tokenizer_for_fp)
+            fp = model_fingerprint(self.model, self._tokenizer_for_fp)
+            if self.draft_model is not None:  # nodes hold both models' layers
+                draft = model_fingerprint(self.draft_model)
+                fp = hashlib.sha256(f"target {fp}\ndraft {draft}\n".encode()).hexdigest()
+            self._fingerprint = fp
         return self._fingerprint
 
     @property
