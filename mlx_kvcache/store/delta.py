@@ -75,7 +75,7 @@ class Delta:
         self.cleared = False
         self.full = False
         self.rows: Dict[int, Row] = {}
-        self.touches: Dict[int, Tuple[int, "weakref.ref"]] = {}
+        self.touches: Dict[int, Tuple[int, bool, "weakref.ref"]] = {}
         self.deletes: Set[int] = set()
         self.files: Dict[str, NewFile] = {}
 
@@ -100,7 +100,7 @@ class Delta:
             self.deletes.discard(uid)
         for uid, t in newer.touches.items():
             if uid in self.rows:
-                self.rows[uid].last_used = t[0]
+                self.rows[uid].last_used, self.rows[uid].keep = t[0], t[1]
             else:
                 self.touches[uid] = t
         return self
@@ -161,7 +161,7 @@ class Capturer:
                 delta.touches.pop(node.uid, None)
                 continue
             if flag == TOUCH and node.uid not in delta.rows and self.on_disk(node, d):
-                delta.touches[node.uid] = (node.last_used, weakref.ref(node))
+                delta.touches[node.uid] = (node.last_used, node in self.keep, weakref.ref(node))
                 continue
             delta.touches.pop(node.uid, None)
             delta.deletes.discard(node.uid)

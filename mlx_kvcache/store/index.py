@@ -262,9 +262,10 @@ class Index:
         files = {ly["file"] for ly in layers if ly is not None}
         self.db.executemany("INSERT OR IGNORE INTO refs VALUES (?, ?)", [(f, uid) for f in files])
 
-    def touch(self, uid: int, last_used: int) -> bool:
-        """Move a node's use stamp; False when it has no row."""
-        cur = self.db.execute("UPDATE nodes SET last_used = ? WHERE uid = ?", (last_used, uid))
+    def touch(self, uid: int, last_used: int, keep: bool) -> bool:
+        """Move a node's use stamp (and restore-point flag); False when it has no row."""
+        cur = self.db.execute("UPDATE nodes SET last_used = ?, keep = ? WHERE uid = ?",
+                              (last_used, int(keep), uid))
         return cur.rowcount > 0
 
     def delete(self, uid: int, doomed: Set[str]) -> List[int]:

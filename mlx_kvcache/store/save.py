@@ -204,8 +204,8 @@ def _transaction(idx: Index, delta: Delta, written: Dict[str, Tuple[int, int]],
                 layers.append(ly)
             idx.upsert(row.uid, row.parent, row.tokens, row.end, row.last_used, row.keep,
                        layers, doomed)
-        for uid, (stamp, ref) in delta.touches.items():
-            if not idx.touch(uid, stamp):
+        for uid, (stamp, keep, ref) in delta.touches.items():
+            if not idx.touch(uid, stamp, keep):
                 out.resync.append(ref)
         for uid in delta.deletes:
             idx.delete(uid, doomed)

@@ -293,10 +293,12 @@ class PersistentStore:
                     return self._disk_bytes
             try:
                 out, size = self._apply(d, delta, own=delta.dir == self.directory())
-            except (OSError, sqlite3.Error) as e:
+            except BaseException as e:
                 if delta.dir == self.directory():
-                    self._requeue(delta)
-                raise OSError(f"cannot write the prefix cache at {d}: {e}") from e
+                    self._requeue(delta)  # retried with the next capture
+                if isinstance(e, (OSError, sqlite3.Error)):
+                    raise OSError(f"cannot write the prefix cache at {d}: {e}") from e
+                raise
         with self._qmu:
             for ref in out.resync:
                 n = ref()
