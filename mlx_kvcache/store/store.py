@@ -41,7 +41,9 @@ from ..prefix.trie import PrefixTrie
 from . import save as _save
 from .agreed import agree_loaded
 from .delta import Capturer, Delta
-from .format import FORMAT_VERSION, MAGIC, DirLock, FormatError, collectable, disk_usage, version_dir
+from .format import (
+    FORMAT_VERSION, MAGIC, DirLock, FormatError, collectable, disk_usage, fsync_dir, version_dir,
+)
 from .index import INDEX, Index, header_version
 from .lazy import GuardedOps, Verifier, warn
 from .load import install, new_holders
@@ -405,11 +407,17 @@ class PersistentStore:
                 idx = self._index_for(d, True)
                 if idx is None:
                     return
-                idx.wipe()
+                idx.wipe()  # durable from here on: a crash loads nothing
                 for name in collectable(d):
                     (d / name).unlink(missing_ok=True)
                     self.verifier.forget_file((d, name))
-                self._disk_bytes = idx.files_bytes() + idx.db_bytes()
+                # An empty index is still ~100 kB of SQLite files: remove them too.
+                idx.close()
+                self._index = None
+                for side in ("", "-wal", "-shm"):
+                    (d / (INDEX + side)).unlink(missing_ok=True)
+                fsync_dir(d)
+                self._disk_bytes = 0
         except (OSError, sqlite3.Error) as e:
             why = getattr(e, "strerror", None) or str(e)
             raise OSError(getattr(e, "errno", None), f"cannot clear the prompt cache at {d}: {why}") from e
