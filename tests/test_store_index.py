@@ -4,7 +4,6 @@ restart. Answers are compared with a cold run by log-probs."""
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 
 from mlx_kvcache import PrefixCache
 from mlx_kvcache.store import FORMAT_VERSION, save
+from mlx_kvcache.store.index import decode_layers
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -123,7 +123,7 @@ def test_a_split_keeps_referencing_the_file_it_cut(tmp_path):
     assert first < after and len(after) == 2, "the split rewrote the edge it cut"
     (f,) = first
     slices = {tuple(ly["slice"]) for (layers,) in query(d, "SELECT layers FROM nodes")
-              for ly in json.loads(layers) if ly and ly["file"] == f}
+              for ly in decode_layers(layers) if ly and ly["file"] == f}
     assert slices == {(0, 24), (24, len(a) + 3)}  # the prompt and 3 of the 4 answer tokens
     assert_mirrors(pc)
     pc.close()

@@ -271,8 +271,8 @@ def collectable(d: Path) -> List[str]:
         names = [e.name for e in os.scandir(d)]
     except OSError:
         return []
-    return [n for n in names if FILE_NAME.fullmatch(n)
-            or (n.endswith(".tmp") and FILE_NAME.fullmatch(n.split(".tmp")[0].rsplit(".", 2)[0]))]
+    return [n for n in names if FILE_NAME.fullmatch(n) or (n.endswith(".tmp") and (
+        FILE_NAME.fullmatch(n.split(".tmp")[0].rsplit(".", 2)[0]) or n.startswith("index.sqlite.")))]
 
 
 class DirLock:

@@ -8,9 +8,10 @@ opening it through SQLite)::
     nodes(uid, parent, tokens, end_, last_used, keep, nchildren, layers)
                           one row per trie node; ``uid`` is the node's persistent id
                           (0 is the root), ``tokens`` its edge as int64 LE bytes,
-                          ``layers`` a JSON list: per layer null or {kind, meta, file,
-                          shapes, slice?}; ``nchildren`` counts child rows, so the
-                          least recently used leaves are one index away
+                          ``layers`` per layer null or {kind, meta, file, shapes,
+                          slice?} (`encode_layers`: each distinct entry once);
+                          ``nchildren`` counts child rows, so the least recently used
+                          leaves are one index away
     files(name, size, crc32)  every snapshot file rows may reference
     refs(file, node)          which node references which file
 
@@ -26,13 +27,15 @@ import json
 import os
 import sqlite3
 import stat
+import uuid
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
-from .format import FORMAT_VERSION, MAGIC, FormatError
+from .format import FORMAT_VERSION, MAGIC, FormatError, fsync_dir
 
 INDEX = "index.sqlite"
 APP_ID = 0x6D6B7663  # "mkvc"
+PAGE = 1024
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
 _SCHEMA = """
@@ -50,6 +53,31 @@ CREATE INDEX refs_node ON refs(node);
 """
 
 
+def encode_layers(layers: List[Optional[dict]]) -> str:
+    """A node's layer entries as JSON ``[[distinct entries], [index or null per layer]]``:
+    the layers of a node usually share kind, offsets, file and shapes, so a 30-layer
+    model's row holds one entry and 30 small numbers instead of 30 copies."""
+    distinct: List[str] = []
+    at: Dict[str, int] = {}
+    refs: List[Optional[int]] = []
+    for ly in layers:
+        if ly is None:
+            refs.append(None)
+            continue
+        key = json.dumps(ly, sort_keys=True, separators=(",", ":"))
+        if key not in at:
+            at[key] = len(distinct)
+            distinct.append(key)
+        refs.append(at[key])
+    return f"[[{','.join(distinct)}],{json.dumps(refs, separators=(',', ':'))}]"
+
+
+def decode_layers(text: str) -> List[Optional[dict]]:
+    """Inverse of `encode_layers`; raises ``ValueError`` / ``KeyError`` when malformed."""
+    distinct, refs = json.loads(text)
+    return [None if r is None else dict(distinct[int(r)]) for r in refs]
+
+
 def header_version(path: Path) -> Optional[int]:
     """The format version in an index file's header, read without SQLite (None: no file).
     Raises `FormatError` when it is not an index of this package."""
@@ -59,6 +87,8 @@ def header_version(path: Path) -> Optional[int]:
         return None
     if not stat.S_ISREG(st.st_mode):
         raise FormatError("the index is not a regular file")
+    if st.st_size == 0:
+        return None  # created, never written (a crash at the first start)
     with open(path, "rb") as f:
         head = f.read(100)
     if len(head) < 100 or not head.startswith(_SQLITE_MAGIC):
@@ -114,26 +144,41 @@ class Index:
 
     @classmethod
     def create(cls, d: Path, header: Dict[str, Any]) -> "Index":
-        """A fresh, empty index in ``d`` (anything named like it is removed first)."""
+        """A fresh, empty index in ``d``, replacing anything named like it. Built under a
+        temporary name and renamed into place, so a crash leaves the old index or the new
+        one, never half of one."""
         path = d / INDEX
-        for side in ("", "-wal", "-shm", "-journal"):
-            try:
-                os.unlink(d / (INDEX + side))
-            except FileNotFoundError:
-                pass
-        db = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
+        tmp = d / f"{INDEX}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        db = sqlite3.connect(str(tmp), timeout=30, isolation_level=None)
         try:
-            # Header fields first, in rollback mode, so they are in the main file at once.
+            # Small pages: a request changes a handful of rows in as many B-tree pages,
+            # and each changed page is written whole to the log.
+            db.execute(f"PRAGMA page_size = {PAGE}")
             db.execute(f"PRAGMA application_id = {APP_ID}")
             db.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
+            db.execute("PRAGMA synchronous=FULL")
             db.executescript("BEGIN;" + _SCHEMA + "COMMIT;")
             db.executemany("INSERT INTO meta VALUES (?, ?)", [
                 ("format", MAGIC), ("version", str(FORMAT_VERSION)), ("bytes", "0"),
                 *((k, json.dumps(v)) for k, v in header.items())])
-            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA journal_mode=WAL")  # recorded in the header; no log yet
+            db.close()
+            for side in ("-wal", "-shm", "-journal"):
+                try:
+                    os.unlink(str(path) + side)
+                except FileNotFoundError:
+                    pass
+            os.replace(tmp, path)
+            fsync_dir(d)
         except BaseException:
             db.close()
+            for side in ("", "-wal", "-shm", "-journal"):
+                try:
+                    os.unlink(str(tmp) + side)
+                except FileNotFoundError:
+                    pass
             raise
+        db = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
         idx = cls(db, path, False)
         idx._pragmas()
         return idx
@@ -145,9 +190,9 @@ class Index:
     def tune(self, wal_bytes: int) -> None:
         """Checkpoint the write-ahead log at about ``wal_bytes`` (a small disk budget
         must hold it too)."""
-        pages = max(8, min(1000, wal_bytes // 4096))
+        pages = max(16, min(4000, wal_bytes // PAGE))
         self.db.execute(f"PRAGMA wal_autocheckpoint={pages}")
-        self.db.execute(f"PRAGMA journal_size_limit={pages * 4096}")
+        self.db.execute(f"PRAGMA journal_size_limit={pages * PAGE}")
 
     def checkpoint(self) -> None:
         """Fold the write-ahead log into the database and truncate it to nothing."""
@@ -248,13 +293,12 @@ class Index:
             kids = self.db.execute("SELECT COUNT(*) FROM nodes WHERE parent = ?", (uid,)).fetchone()[0]
             self.db.execute("INSERT INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                             (uid, parent, tokens, end, last_used, int(keep), kids,
-                             json.dumps(layers, separators=(",", ":"))))
+                             encode_layers(layers)))
             self._count(parent, 1)
         else:
             self.db.execute("UPDATE nodes SET parent = ?, tokens = ?, end_ = ?, last_used = ?, "
                             "keep = ?, layers = ? WHERE uid = ?",
-                            (parent, tokens, end, last_used, int(keep),
-                             json.dumps(layers, separators=(",", ":")), uid))
+                            (parent, tokens, end, last_used, int(keep), encode_layers(layers), uid))
             if old != parent:
                 self._count(old, -1)
                 self._count(parent, 1)

@@ -13,7 +13,6 @@ deletes them.
 from __future__ import annotations
 
 import hashlib
-import json
 import weakref
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
@@ -24,6 +23,7 @@ import numpy as np
 from ..caches.snapshot import Snapshot
 from ..prefix.node import TrieNode
 from .format import NAME_DTYPE, FormatError, check_name, regular_size
+from .index import decode_layers
 from .lazy import Origin, warn
 
 
@@ -84,7 +84,7 @@ def install(store, d: Path, files: Dict[str, Tuple[int, int]], rows, adopt: bool
                     by_uid[uid], states[uid] = there, state  # this very node is live
                     continue
                 raise LookupError  # the live trie already has this branch
-            snaps, origins = _placeholders(store, d, uid, json.loads(layers), files,
+            snaps, origins = _placeholders(store, d, uid, decode_layers(layers), files,
                                            bad_files, state)
             node = trie.add_child(node_parent, toks, snaps)
         except LookupError:

@@ -161,7 +161,10 @@ def write(idx: Index, delta: Delta, verifier: Verifier, max_disk_bytes: Optional
         verifier.set_file_info((d, name), size, crc)
         for ref, layer in new[name].snaps:
             s = ref()
-            if s is not None and not s.closed:
+            o = None if s is None else verifier.origin(s)
+            if s is not None and not s.closed and (o is None or verifier.location(s, o.dir) is None):
+                # (a copy written elsewhere, by a save to another directory, keeps the
+                # snapshot's home where it is)
                 verifier.register(s, Origin(d, name, layer, True))
     out.unlinked += _unlink(d, gone, verifier)
     if max_disk_bytes is not None:
