@@ -26,8 +26,6 @@ what one process deletes the other recomputes (never wrong output).
 
 from __future__ import annotations
 
-import errno
-import json
 import sqlite3
 import threading
 import weakref
@@ -41,16 +39,14 @@ from ..prefix.trie import PrefixTrie
 from . import save as _save
 from .agreed import agree_loaded
 from .delta import Capturer, Delta
-from .format import (
-    FORMAT_VERSION, MAGIC, DirLock, FormatError, collectable, disk_usage, fsync_dir, version_dir,
-)
-from .index import INDEX, Index, header_version
+from .format import DirLock, FormatError, collectable, fsync_dir, version_dir
+from .index import INDEX, Index
 from .lazy import GuardedOps, Verifier, warn
 from .load import install, new_holders
+from .opening import legacy_note, open_to_read, open_to_write
 
 __all__ = ["PersistentStore"]
 
-_TOLD_LEGACY: Set[Path] = set()
 _QUEUE_LIMIT = 1 << 16  # rows a failing disk may owe before the next save writes all
 
 
@@ -163,22 +159,12 @@ class PersistentStore:
                 self._drop_subtree(n)
 
     # -- load ---------------------------------------------------------------------
-    def _legacy_note(self) -> None:
-        if self.root in _TOLD_LEGACY:
-            return
-        for version, old in ((1, self.root / self.fingerprint[:16]), (2, version_dir(self.root, 2))):
-            if (old / "index.json").exists() or (version == 2 and old.is_dir() and any(old.iterdir())):
-                _TOLD_LEGACY.add(self.root)
-                size = disk_usage(old) if version == 1 else sum(disk_usage(p) for p in old.iterdir())
-                warn(f"ignoring a prefix cache written by an older mlx_kvcache (format "
-                     f"{version}) at {old}; it is left as it is (delete it to reclaim {size} B)")
-
     def load(self, root=None) -> int:
         """Merge the saved trie into the live one; returns the tokens loaded. Fail-open.
 
         Call with the trie's lock held; afterwards enforce the memory budget and
         `purge_bad`."""
-        self._legacy_note()
+        legacy_note(self.root, self.fingerprint)
         d = self.directory(root)
         own = d == self.directory()
         with self._io:
@@ -190,32 +176,16 @@ class PersistentStore:
     def _open(self, d: Path) -> Optional[Index]:
         """The index in ``d`` if usable; warns and returns None otherwise."""
         try:
-            version = header_version(d / INDEX)
-            if version is None:
-                return None
-            if version > FORMAT_VERSION:
-                self._foreign.add(d)
-                raise FormatError(f"format version {version} is newer than this build's "
-                                  f"({FORMAT_VERSION}); it is left as it is")
-            idx = Index.open(d)
-            try:
-                meta = idx.meta()
-                if meta.get("format") != MAGIC:
-                    raise FormatError("not a prefix cache index")
-                header = idx.header()
-                if header.get("fingerprint") != self.fingerprint:
-                    raise FormatError("it was written for another model (fingerprint mismatch)")
-                if header.get("layers") != json.loads(json.dumps(self.signature)):
-                    raise FormatError("its cache layers do not match this model's")
-            except BaseException:
-                idx.close(checkpoint=False)
-                raise
-            return idx
+            idx, why, newer = open_to_read(d, self.fingerprint, self.signature)
         except (FormatError, OSError, sqlite3.Error, ValueError) as e:
-            warn(f"ignoring the prefix cache at {d}: {type(e).__name__}: {e}")
-            if d == self.directory() and d not in self._foreign:
-                self._reset = True
-            return None
+            idx, why, newer = None, f"{type(e).__name__}: {e}", False
+        if why is not None:
+            warn(f"ignoring the prefix cache at {d}: {why}")
+            if newer:
+                self._foreign.add(d)
+            elif d == self.directory():
+                self._reset = True  # the next write replaces it
+        return idx
 
     def _load_local(self, d: Path, own: bool) -> int:
         self._saved = {}
@@ -332,41 +302,19 @@ class PersistentStore:
             self._disk_bytes = size
         return out, size
 
-    def _ours(self, idx: Index) -> bool:
-        header = idx.header()
-        return (idx.meta().get("format") == MAGIC and header.get("fingerprint") == self.fingerprint
-                and header.get("layers") == json.loads(json.dumps(self.signature)))
-
     def _index_for(self, d: Path, own: bool) -> Optional[Index]:
-        """``d``'s index open for writing — made anew when missing, damaged or another
-        model's; None when ``d`` holds a newer format (never touched). Call with the
-        directory lock held."""
+        """``d``'s index open for writing (`opening.open_to_write`); None for a newer
+        format's directory. Call with the directory lock held."""
         if own and self._index is not None:
             if not self._index.readonly:
                 return self._index
             self._index.close()
             self._index = None
-        try:
-            version = header_version(d / INDEX)
-        except FormatError:
-            version = -1  # damaged: replaced
-        if version is not None and version > FORMAT_VERSION:
+        idx, made = open_to_write(d, self.fingerprint, self.signature, own and self._reset)
+        if idx is None:
             self._foreign.add(d)
             return None
-        idx = None
-        if version == FORMAT_VERSION and not (own and self._reset):
-            try:
-                idx = Index.open(d)
-            except FormatError:
-                idx = None
-            if idx is not None and idx.readonly:
-                idx.close()
-                raise OSError(errno.EROFS, f"{d} cannot be written")
-            if idx is not None and not self._ours(idx):
-                idx.close(checkpoint=False)
-                idx = None
-        if idx is None:
-            idx = self._create(d)  # what the old index listed is swept as unknown files
+        if made:  # what the old index listed is swept as unknown files
             for name in collectable(d):
                 self.verifier.forget_file((d, name))
             if own:
@@ -374,9 +322,6 @@ class PersistentStore:
         if own:
             self._index = idx
         return idx
-
-    def _create(self, d: Path) -> Index:
-        return Index.create(d, {"fingerprint": self.fingerprint, "layers": self.signature})
 
     def _requeue(self, delta: Delta) -> None:
         for f in delta.files.values():
