@@ -20,6 +20,9 @@ def connect(d) -> sqlite3.Connection:
 
 
 def query(d, sql, *args):
+    """Rows of ``sql``; none when there is no index yet (connecting would create one)."""
+    if not index_path(d).exists():
+        return []
     with closing(connect(d)) as db:
         return db.execute(sql, args).fetchall()
 
