@@ -2,7 +2,6 @@
 disk that recovers, a newer build's cache left alone, one warning for a broken directory."""
 
 import errno
-import json
 import os
 import shutil
 import subprocess
