@@ -255,3 +255,19 @@ def test_a_format_2_directory_is_reported_once_and_left_alone(tmp_path):
     assert len(msgs) == 1 and "format 2" in msgs[0] and str(old.parent) in msgs[0], msgs
     assert {q.name: q.read_bytes() for q in old.iterdir()} == before
     assert (tmp_path / f"v{FORMAT_VERSION}").is_dir()
+
+
+def test_a_cache_directory_deleted_while_running_is_written_again(tmp_path):
+    """A user cleaning ~/.cache under a running server: the next save starts a new index
+    instead of writing into the deleted one."""
+    ps = prompts(3, length=40, seed=41)
+    pc = PrefixCache(build_model("llama"), cache_dir=str(tmp_path))
+    run_lp(pc, ps[0])
+    pc.flush()
+    shutil.rmtree(pc.cache_path)
+    for p in ps[1:]:
+        run_lp(pc, p)
+    pc.close()
+    fresh = PrefixCache(build_model("llama"), cache_dir=str(tmp_path))
+    lps, st = run_lp(fresh, ps[2])
+    assert st.restored_tokens == len(ps[2]) - 1 and same(lps, cold_lps(ps[2]))

@@ -103,6 +103,19 @@ class Index:
 
     def __init__(self, db: sqlite3.Connection, path: Path, readonly: bool):
         self.db, self.path, self.readonly = db, path, readonly
+        self._id = self._identity()
+
+    def _identity(self):
+        try:
+            st = os.lstat(self.path)
+            return (st.st_dev, st.st_ino)
+        except OSError:
+            return None
+
+    def still_there(self) -> bool:
+        """Whether the file this connection writes is still the directory's index (not
+        deleted or replaced behind the process's back)."""
+        return self._id is not None and self._identity() == self._id
 
     # -- opening ------------------------------------------------------------------------
     @classmethod

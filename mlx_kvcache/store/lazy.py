@@ -98,6 +98,12 @@ class Verifier:
             if key in self._waiting:
                 self._gone.add(key)
 
+    def forget_dir(self, d: Path) -> None:
+        """No file of ``d`` is on disk any more (its index was replaced)."""
+        with self._mu:
+            for key in [k for k in self._info if k[0] == d]:
+                self.forget_file(key)
+
     def register(self, snap: Snapshot, origin: Origin) -> None:
         """``snap`` is held by ``origin``'s file (if not verified: holds placeholders to be
         filled from it)."""

@@ -36,6 +36,7 @@ class Outcome:
     def __init__(self) -> None:
         self.problems: List[str] = []
         self.resync: List["weakref.ref"] = []
+        self.missing: Set[str] = set()
         self.unlinked = 0
 
 
@@ -149,6 +150,8 @@ def write(idx: Index, delta: Delta, verifier: Verifier, max_disk_bytes: Optional
         fsync_dir(d)
     try:
         gone = _transaction(idx, delta, written, out)
+        for name in out.missing:  # listed nowhere: whoever references it writes it again
+            verifier.forget_file((d, name))
     except BaseException:
         _unlink(d, written, verifier)
         for name in written:
@@ -202,7 +205,8 @@ def _transaction(idx: Index, delta: Delta, written: Dict[str, Tuple[int, int]],
             layers = []
             for ly in row.layers:
                 if ly is not None and ly["file"] not in written and not idx.has_file(ly["file"]):
-                    ly = None  # its file failed to write, or was collected meanwhile
+                    out.missing.add(ly["file"])  # failed to write, or collected meanwhile
+                    ly = None
                     out.resync.append(row.node)
                 layers.append(ly)
             idx.upsert(row.uid, row.parent, row.tokens, row.end, row.last_used, row.keep,

@@ -306,17 +306,17 @@ class PersistentStore:
         """``d``'s index open for writing (`opening.open_to_write`); None for a newer
         format's directory. Call with the directory lock held."""
         if own and self._index is not None:
-            if not self._index.readonly:
+            if not self._index.readonly and self._index.still_there():
                 return self._index
-            self._index.close()
+            self._index.close(checkpoint=self._index.still_there())
             self._index = None
+            self._swept = False
         idx, made = open_to_write(d, self.fingerprint, self.signature, own and self._reset)
         if idx is None:
             self._foreign.add(d)
             return None
         if made:  # what the old index listed is swept as unknown files
-            for name in collectable(d):
-                self.verifier.forget_file((d, name))
+            self.verifier.forget_dir(d)
             if own:
                 self._reset, self._swept = False, False
         if own:
