@@ -206,3 +206,31 @@ def test_whole_state_layers_restart_exactly(tmp_path, name):
     lps, st = run_lp(fresh, ps[1])
     assert st.restored_tokens > 0
     assert_cold(name, ps[1], lps)
+
+
+def test_two_writers_on_one_directory_never_serve_wrong_answers(tmp_path):
+    """Two caches (as two processes would) saving into one directory, with budgets that
+    evict: every transaction leaves a consistent index, and a restart serves only right
+    answers."""
+    rng = random.Random(3)
+    a, b = (PrefixCache(build_model("llama"), cache_dir=str(tmp_path), max_bytes=40_000)
+            for _ in range(2))
+    ps = prompts(6, length=40, seed=51) + prompts(6, length=40, seed=52)
+    for _ in range(30):
+        pc = rng.choice((a, b))
+        run_lp(pc, rng.choice(ps), 2)
+        if rng.random() < 0.5:
+            pc.flush()
+    a.close()
+    b.close()
+    d = a.cache_path
+    uids = {u for (u,) in query(d, "SELECT uid FROM nodes")}
+    assert all(p == 0 or p in uids for (p,) in query(d, "SELECT parent FROM nodes"))
+    assert all((d / f).is_file() for f in referenced_files(d))
+    fresh = PrefixCache(build_model("llama"), cache_dir=str(tmp_path))
+    restored = 0
+    for p in ps:
+        lps, st = run_lp(fresh, p, 2)
+        assert_cold("llama", p, lps, 2)
+        restored += st.restored_tokens
+    assert restored > 0
