@@ -369,6 +369,8 @@ class PrefixCache:
         last failed; later requests are no longer saved. Idempotent."""
         if self._autosaver is not None:
             self._autosaver.close(timeout, lambda: self.manager.run(self._store.capture))
+        if self._store is not None:
+            self._store.close()
         _OPEN.discard(self)
 
     def clear(self) -> None:
