@@ -2,7 +2,8 @@
 
 The folders are the layers (docs/design.md); each imports only the ones before it:
 
-``caches``      1  cache classes (`KVCache`, `RotatingKVCache`, `RecurrentCache`, `Snapshot`)
+``caches``      1  cache classes (`KVCache`, `QuantizedKVCache`, `RotatingKVCache`,
+                   `RecurrentCache`, `ChunkedKVCache`, `GenericCache`, `Snapshot`)
 ``prefix``      2-3 the prefix trie and the manager (restore, snapshot, evict decisions)
 ``store``       4  the trie on disk, keyed by model identity
 ``generation``  5  `PrefixCache`: generation that reuses cached prefixes
@@ -16,8 +17,15 @@ _blas.preload()
 
 from .caches import (  # noqa: E402
     CacheError,
+    ChunkedKVCache,
+    ChunkedSnapshot,
+    GenericCache,
+    GenericSnapshot,
     KVCache,
+    KVQuantization,
     KVSnapshot,
+    QuantizedKVCache,
+    QuantizedSnapshot,
     RecurrentCache,
     RecurrentSnapshot,
     RotatingKVCache,
@@ -36,6 +44,13 @@ __all__ = [
     "Snapshot",
     "KVCache",
     "KVSnapshot",
+    "QuantizedKVCache",
+    "QuantizedSnapshot",
+    "KVQuantization",
+    "ChunkedKVCache",
+    "ChunkedSnapshot",
+    "GenericCache",
+    "GenericSnapshot",
     "RotatingKVCache",
     "RotatingSnapshot",
     "RecurrentCache",

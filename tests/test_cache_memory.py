@@ -272,7 +272,7 @@ def test_roundtrip_recurrent():
 
 def test_from_arrays_rejects_bad_input():
     with pytest.raises(CacheError, match="unknown snapshot kind"):
-        Snapshot.from_arrays("quantized", {}, {"from_offset": 0, "to_offset": 1})
+        Snapshot.from_arrays("no-such-kind", {}, {"from_offset": 0, "to_offset": 1})
     k = mx.zeros((1, 2, 3, 4))
     with pytest.raises(CacheError, match="do not cover"):
         Snapshot.from_arrays("kv", {"keys": k, "values": k}, {"from_offset": 0, "to_offset": 5})

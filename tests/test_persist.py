@@ -23,6 +23,7 @@ from mlx_kvcache.store import FORMAT_VERSION, disk_usage, model_fingerprint
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _index import copy_index, edit as edit_index, referenced_files  # noqa: E402
 from _persist_child import TOK, build_model, prompts, run  # noqa: E402
 
 CHILD = str(HERE / "_persist_child.py")
@@ -133,7 +134,7 @@ def test_other_models_index_is_rejected(tmp_path):
         run(pc, ps[0], 6)
         pc.close()
     da, db = _model_dir(tmp_path / "a"), _model_dir(tmp_path / "b")
-    shutil.copy(da / "index.json", db / "index.json")  # a's index inside b's directory
+    copy_index(da, db)  # a's index inside b's directory
     for f in _snapshot_files(da):
         shutil.copy(f, db / f.name)
     with warnings.catch_warnings(record=True) as ws:
@@ -240,11 +241,9 @@ def test_file_from_another_model(saved, tmp_path):
 @pytest.mark.parametrize("edit", ["future", "truncated", "garbage"])
 def test_bad_index(saved, tmp_path, edit):
     def damage(d):
-        p = d / "index.json"
+        p = d / "index.sqlite"
         if edit == "future":
-            idx = json.loads(p.read_text())
-            idx["version"] = FORMAT_VERSION + 1
-            p.write_text(json.dumps(idx))
+            edit_index(d, f"PRAGMA user_version = {FORMAT_VERSION + 1}")
         elif edit == "truncated":
             p.write_bytes(p.read_bytes()[:200])
         else:
@@ -273,10 +272,10 @@ def test_killed_save_leaves_loadable_cache(tmp_path):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         d = _model_dir(tmp_path)
-        idx = json.loads((d / "index.json").read_text())
+        files = referenced_files(d)
         leftovers = [p.name for p in d.iterdir()
                      if p.name.endswith(".tmp") or (p.suffix == ".safetensors"
-                                                    and p.name not in idx["files"])]
+                                                    and p.name not in files)]
         print(f"kill {it}: {len(leftovers)} partial/orphan files")
         with warnings.catch_warnings(record=True) as ws:
             warnings.simplefilter("always")
@@ -290,8 +289,7 @@ def test_killed_save_leaves_loadable_cache(tmp_path):
     # The final save collected every temporary and orphan file.
     d = _model_dir(tmp_path)
     assert not [p for p in d.iterdir() if p.name.endswith(".tmp")]
-    idx = json.loads((d / "index.json").read_text())
-    assert {p.name for p in _snapshot_files(d)} == set(idx["files"])
+    assert {p.name for p in _snapshot_files(d)} == referenced_files(d)
 
 
 def test_incremental_save(tmp_path):
@@ -337,13 +335,20 @@ def test_loaded_nodes_obey_memory_budget(saved, tmp_path):
 
 
 def test_disk_budget_holds(tmp_path):
-    budget = 40_000
+    # The budget covers the index too: SQLite's database, log and shared-memory files
+    # take ~100 kB, so it is set to hold about five of these snapshot files besides.
+    budget = 200_000
     model = build_model("llama")
     pc = PrefixCache(model, cache_dir=str(tmp_path), max_disk_bytes=budget)
+    seen, evicted = set(), set()
     for i, p in enumerate(prompts(12, length=40, seed=41) + prompts(6, length=40, seed=42)):
         run(pc, p, 4)
         pc.flush()
         assert disk_usage(_model_dir(tmp_path)) <= budget, i
+        now = {f.name for f in _snapshot_files(_model_dir(tmp_path))}
+        evicted |= seen - now
+        seen |= now
+    assert evicted, "the budget never had to evict: the test proves nothing"
     fresh = PrefixCache(model, cache_dir=str(tmp_path), max_disk_bytes=budget)
     fresh.manager.trie.check_invariants()
     assert 0 < fresh.nbytes

@@ -2,7 +2,6 @@
 disk that recovers, a newer build's cache left alone, one warning for a broken directory."""
 
 import errno
-import json
 import os
 import shutil
 import subprocess
@@ -10,6 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mlx_kvcache import PrefixCache
@@ -18,6 +18,7 @@ from mlx_kvcache.store import FORMAT_VERSION, disk_usage, save
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _index import edit, query  # noqa: E402
 from _persist_child import build_model, prompts, run  # noqa: E402
 
 
@@ -36,18 +37,19 @@ def cold(prompt, n):
 
 
 def test_edited_index_token_is_detected(tmp_path):
-    """One token id changed in index.json (still valid JSON, every file's CRC still right)
-    must not let a request restore state computed for other tokens."""
+    """One token id changed in the index (every file's size and CRC still right) must not
+    let a request restore state computed for other tokens: the prefix digest inside the
+    snapshot file no longer matches the edited row's tokens."""
     p = prompts(1, length=41, seed=71)[0]
     pc = PrefixCache(build_model("llama"), cache_dir=str(tmp_path))
     run(pc, p, 4)
     pc.close()
-    idx_path = model_dir(tmp_path) / "index.json"
-    idx = json.loads(idx_path.read_text())
-    node = idx["nodes"][0]
-    node["tokens"][5] = (node["tokens"][5] + 1) % 128
-    idx_path.write_text(json.dumps(idx))
-    edited = node["tokens"][:40]
+    d = model_dir(tmp_path)
+    ((uid, blob),) = query(d, "SELECT uid, tokens FROM nodes")
+    tokens = np.frombuffer(blob, dtype="<i8").copy()
+    tokens[5] = (tokens[5] + 1) % 128
+    edit(d, "UPDATE nodes SET tokens = ? WHERE uid = ?", tokens.tobytes(), uid)
+    edited = tokens[:40].tolist()
     q = edited + [p[40]]
     with warnings.catch_warnings(record=True) as ws:
         warnings.simplefilter("always")
@@ -55,7 +57,7 @@ def test_edited_index_token_is_detected(tmp_path):
         toks, st = run(pc2, q, 4)
         pc2.flush()
     msgs = ours(ws)
-    assert len(msgs) == 1 and "checksum" in msgs[0], msgs
+    assert len(msgs) == 1 and "other tokens" in msgs[0], msgs
     assert st.restored_tokens == 0
     assert toks == cold(q, 4)
 
@@ -64,7 +66,7 @@ def _fill_then_shrink(root, cap):
     """Save until the disk is full, then restart with a disk budget far below: the first
     save must free space, succeed, and keep the directory within the budget."""
     model = build_model("llama")
-    ps = prompts(40, length=64, seed=81) + prompts(40, length=64, seed=82)
+    ps = [p for seed in (81, 82, 84) for p in prompts(40, length=64, seed=seed)]
     with warnings.catch_warnings(record=True) as ws:
         warnings.simplefilter("always")
         pc = PrefixCache(model, cache_dir=str(root))
@@ -91,8 +93,9 @@ def _fill_then_shrink(root, cap):
 
 
 def test_full_disk_recovers_simulated(tmp_path, monkeypatch):
-    """A file system of ``cap`` bytes, simulated: writes past it fail with ENOSPC."""
-    cap = 400_000
+    """A file system of ``cap`` bytes, simulated: writes past it fail with ENOSPC. (The
+    budget, a quarter of it, must hold the index's ~100 kB of SQLite files too.)"""
+    cap = 1_200_000
     real = save.write_atomic
 
     def small_disk(path, parts):
@@ -105,10 +108,11 @@ def test_full_disk_recovers_simulated(tmp_path, monkeypatch):
 
 
 def test_full_disk_recovers_tmpfs(tmp_path):
-    """The same on a real 512 KiB tmpfs (needs permission to mount; skipped without it)."""
+    """The same on a real 1.5 MiB tmpfs (needs permission to mount; skipped without it),
+    where the index's own writes fail too."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    cap = 512 << 10
+    cap = 1536 << 10
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={cap}", "tmpfs", str(mnt)],
                        capture_output=True, text=True)
     if r.returncode != 0:
@@ -129,9 +133,7 @@ def test_newer_format_is_never_touched(tmp_path):
     # A newer build's directory beside ours, and a newer index written into ours.
     newer = tmp_path / f"v{FORMAT_VERSION + 1}" / ours_dir.name
     shutil.copytree(ours_dir, newer)
-    idx = json.loads((ours_dir / "index.json").read_text())
-    idx["version"] = FORMAT_VERSION + 1
-    (ours_dir / "index.json").write_text(json.dumps(idx))
+    edit(ours_dir, f"PRAGMA user_version = {FORMAT_VERSION + 1}")
     snapshot = {q: q.read_bytes() for d in (ours_dir, newer) for q in d.iterdir()}
     with warnings.catch_warnings(record=True) as ws:
         warnings.simplefilter("always")
@@ -162,4 +164,4 @@ def test_unusable_cache_dir_warns_once_until_it_works(tmp_path):
         pc.flush()
     assert len(ours(ws, "could not save")) == 1
     assert ours(ws, "works again")
-    assert (model_dir(blocker) / "index.json").exists()
+    assert (model_dir(blocker) / "index.sqlite").exists()

@@ -6,7 +6,7 @@ import threading
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mlx_lm.models.cache import ChunkedKVCache
+from mlx_lm.models.cache import KVCache
 
 import mlx_kvcache as mk
 from models import V, build
@@ -197,13 +197,25 @@ def test_cancel_and_failures_keep_trie_valid(name):
     check_no_leaks(pc)
 
 
-def test_unsupported_cache_kind_warns_and_still_generates():
+class _OpaqueStateCache(KVCache):
+    """A cache class whose state holds something no snapshot can: the one case left."""
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, object()
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.offset = v[:3]
+
+
+def test_unsnapshottable_cache_state_warns_and_still_generates():
     m = build("llama")
-    m.make_cache = lambda: [ChunkedKVCache(64) for _ in m.layers]
+    m.make_cache = lambda: [_OpaqueStateCache() for _ in m.layers]
     with pytest.warns(RuntimeWarning, match="cannot be reused"):
         pc = mk.PrefixCache(m)
     rs = list(pc.stream_generate(TOK, [1, 2, 3, 4], 3))
-    assert rs[-1].cache.reason and "ChunkedKVCache" in rs[-1].cache.reason
+    assert rs[-1].cache.reason and "_OpaqueStateCache" in rs[-1].cache.reason
     assert rs[-1].cache.prefilled_tokens == 4
 
 

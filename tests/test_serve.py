@@ -164,7 +164,7 @@ def test_restart_serves_a_repeated_prompt_from_disk(model_dirs, tmp_path):
     s = Server.ours(d, tmp_path / "a.log", tmp_path, "--cache-dir", str(cache))
     first = s.chat(msg)
     assert s.stop(signal.SIGTERM) == 0, s.tail()
-    assert list(Path(cache).glob("v*/*/index.json")), "nothing was flushed on SIGTERM"
+    assert list(Path(cache).glob("v*/*/index.sqlite")), "nothing was flushed on SIGTERM"
     with Server.ours(d, tmp_path / "b.log", tmp_path, "--cache-dir", str(cache)) as s2:
         again = s2.chat(msg)
         same_answer(first, again)

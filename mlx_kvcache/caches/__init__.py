@@ -7,12 +7,20 @@ class's ``restore``; ``checks`` holds the input validation they share.
 
 from .snapshot import CacheError, Snapshot, compact
 from .kv import KVCache, KVSnapshot
+from .quantized import QuantizedKVCache, QuantizedSnapshot
+from .schedule import KVQuantization
 from .rotating import RotatingKVCache, RotatingSnapshot
-from .recurrent import RecurrentCache, RecurrentSnapshot, settle
-from .factory import LEAF_TYPES, convert, layer_signature, leaf_caches, make_prompt_cache
+from .recurrent import RecurrentCache, RecurrentSnapshot
+from .chunked import ChunkedKVCache, ChunkedSnapshot
+from .generic import GenericCache, GenericSnapshot
+from .factory import (
+    LEAF_TYPES, cache_arrays, convert, layer_signature, leaf_caches, make_prompt_cache, settle,
+)
 
 __all__ = [
-    "CacheError", "Snapshot", "compact", "KVCache", "KVSnapshot", "RotatingKVCache",
-    "RotatingSnapshot", "RecurrentCache", "RecurrentSnapshot", "settle", "LEAF_TYPES",
-    "convert", "layer_signature", "leaf_caches", "make_prompt_cache",
+    "CacheError", "Snapshot", "compact", "KVCache", "KVSnapshot", "QuantizedKVCache",
+    "QuantizedSnapshot", "KVQuantization", "RotatingKVCache", "RotatingSnapshot",
+    "RecurrentCache", "RecurrentSnapshot", "ChunkedKVCache", "ChunkedSnapshot", "GenericCache",
+    "GenericSnapshot", "settle", "LEAF_TYPES", "cache_arrays", "convert", "layer_signature",
+    "leaf_caches", "make_prompt_cache",
 ]

@@ -72,8 +72,7 @@ def check_target(value: int) -> Optional[int]:
 def check_snapshot(snap: Snapshot, cls: type, owner: str) -> None:
     """A snapshot must be of the cache's own kind and still open."""
     if not isinstance(snap, cls):
-        raise CacheError(
-            f"{owner} cannot use a {type(snap).__name__} (expected {cls.__name__})"
-        )
+        names = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
+        raise CacheError(f"{owner} cannot use a {type(snap).__name__} (expected {names})")
     if snap.closed:
         raise CacheError(f"{type(snap).__name__} [{snap.from_offset}, {snap.to_offset}) is closed")

@@ -1,26 +1,34 @@
-"""Build snapshot-capable caches for any mlx-lm model."""
+"""Build snapshot-capable caches for any mlx-lm model, and see any cache list as leaves."""
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlc
 
+from .chunked import ChunkedKVCache
+from .generic import GenericCache, adapt, adapter_of, class_name
 from .kv import KVCache
+from .quantized import QuantizedKVCache
 from .recurrent import RecurrentCache
 from .rotating import RotatingKVCache
 from .snapshot import CacheError
 
-#: The cache classes a trie can snapshot.
-LEAF_TYPES = (KVCache, RotatingKVCache, RecurrentCache)
+#: The cache classes with a snapshot kind of their own (anything else is adapted by
+#: `GenericCache`).
+LEAF_TYPES = (KVCache, RotatingKVCache, RecurrentCache, QuantizedKVCache, ChunkedKVCache)
+#: mlx-lm's classes that `convert` turns into one of those.
+_CONVERTIBLE = (mlc.KVCache, mlc.RotatingKVCache, mlc.ArraysCache, mlc.QuantizedKVCache,
+                mlc.ChunkedKVCache)
 
 
 def convert(c: Any) -> Any:
     """Our equivalent of one mlx-lm cache object, sharing its arrays (no copy).
 
-    Raises `CacheError` naming the class for a kind we cannot snapshot
-    (quantized, chunked, batch caches, model-specific classes).
+    A class we have no equivalent of (a model's own, a future mlx-lm class) is returned
+    as it is: the model keeps its own object, and `leaf_caches` adapts it.
     """
     if isinstance(c, LEAF_TYPES):
         return c
@@ -41,21 +49,30 @@ def convert(c: Any) -> Any:
         out.cache = list(c.cache)
         out.left_padding, out.lengths = c.left_padding, c.lengths
         return out
+    if t is mlc.QuantizedKVCache:
+        out = QuantizedKVCache(c.group_size, c.bits)
+        if c.keys is not None:
+            out.keys, out.values = tuple(c.keys), tuple(c.values)
+        out.offset = int(c.offset)
+        return out
+    if t is mlc.ChunkedKVCache:
+        out = ChunkedKVCache(int(c.chunk_size))
+        if c.keys is not None:
+            out.keys, out.values = c.keys, c.values
+        out.offset, out.start_position = int(c.offset), int(c.start_position)
+        return out
     if t is mlc.CacheList:
         return mlc.CacheList(*(convert(x) for x in c.caches))
-    raise CacheError(
-        f"cannot snapshot a {t.__name__} layer cache: only KVCache, RotatingKVCache, "
-        f"ArraysCache and CacheList of those are supported"
-    )
+    return c
 
 
 def make_prompt_cache(model: nn.Module, max_kv_size: Optional[int] = None) -> List[Any]:
     """Snapshot-capable caches for ``model``, one per layer, mirroring its own choice.
 
     The model's ``make_cache()`` decides the kinds (full attention, sliding window
-    with its ``max_size``/``keep``, recurrent slots, lists of those). Models without
-    it get `KVCache` per layer, or `RotatingKVCache(max_kv_size, keep=4)` when
-    ``max_kv_size`` is given (as in mlx-lm).
+    with its ``max_size``/``keep``, recurrent slots, chunked attention, lists of those,
+    the model's own classes). Models without it get `KVCache` per layer, or
+    `RotatingKVCache(max_kv_size, keep=4)` when ``max_kv_size`` is given (as in mlx-lm).
     """
     if hasattr(model, "make_cache"):
         return [convert(c) for c in model.make_cache()]
@@ -65,22 +82,61 @@ def make_prompt_cache(model: nn.Module, max_kv_size: Optional[int] = None) -> Li
     return [KVCache() for _ in range(n)]
 
 
-def leaf_caches(caches: List[Any]) -> List[Any]:
-    """The per-layer caches flattened (``CacheList`` entries expanded), in order."""
+def leaf_caches(caches: Sequence[Any]) -> List[Any]:
+    """The per-layer caches flattened (``CacheList`` entries expanded), in order; a class
+    without a snapshot kind of its own appears as its `GenericCache` adapter."""
     out: List[Any] = []
     for c in caches:
         if isinstance(c, mlc.CacheList):
             out.extend(leaf_caches(list(c.caches)))
-        elif isinstance(c, LEAF_TYPES):
+        elif isinstance(c, LEAF_TYPES) or isinstance(c, GenericCache):
             out.append(c)
+        elif type(c) in _CONVERTIBLE:
+            raise CacheError(f"a {type(c).__name__} from mlx-lm: convert() it first (it has a "
+                             f"snapshot kind of its own)")
         else:
-            raise CacheError(f"cannot snapshot a {type(c).__name__} layer cache")
+            out.append(adapt(c))
     return out
 
 
-def layer_signature(leaves: List[Any]) -> List[List[Any]]:
+def settle(caches: Sequence[Any], n: int) -> None:
+    """Call after every forward pass of ``n`` tokens over ``caches`` (a model's cache list):
+    recurrent layers that wrote state without `advance`, and objects adapted without an
+    offset of their own, count the tokens."""
+    for c in caches:
+        if isinstance(c, RecurrentCache):
+            c.settle(n)
+        elif isinstance(c, mlc.CacheList):
+            settle(c.caches, n)
+        elif not isinstance(c, LEAF_TYPES):
+            a = c if isinstance(c, GenericCache) else adapter_of(c)
+            if a is not None:
+                a.settle(n)
+
+
+def cache_arrays(leaves: Sequence[Any]) -> List[mx.array]:
+    """Every array the layer caches hold (to evaluate after a forward pass)."""
+    out: List[mx.array] = []
+    for c in leaves:
+        if isinstance(c, mlc.ArraysCache):
+            out.extend(x for x in c.cache if x is not None)
+        elif isinstance(c, GenericCache):
+            out.extend(c.arrays())
+        elif isinstance(c, QuantizedKVCache):
+            if c.keys is not None:
+                out.extend(c.keys + c.values)
+        elif c.keys is not None:
+            out.extend((c.keys, c.values))
+    return out
+
+
+def layer_signature(leaves: List[Any], quantization: Any = None) -> List[List[Any]]:
     """Kind and shape-defining settings of each layer cache: snapshots are interchangeable
-    only between cache lists with the same signature (persistence checks it)."""
+    only between cache lists with the same signature (persistence checks it).
+
+    ``quantization`` (a `KVQuantization`) marks the full-attention layers whose rows
+    switch to quantized ones: their snapshots hold that schedule's rows.
+    """
     sig: List[List[Any]] = []
     for c in leaves:
         if isinstance(c, RotatingKVCache):
@@ -88,7 +144,13 @@ def layer_signature(leaves: List[Any]) -> List[List[Any]]:
         elif isinstance(c, RecurrentCache):
             sig.append(["recurrent", len(c.cache)])
         elif isinstance(c, KVCache):
-            sig.append(["kv"])
+            sig.append(["kv"] + (quantization.signature() if quantization is not None else []))
+        elif isinstance(c, QuantizedKVCache):
+            sig.append(["quantized", c.bits, c.group_size, c.quantized_kv_start])
+        elif isinstance(c, ChunkedKVCache):
+            sig.append(["chunked", c.chunk_size])
+        elif isinstance(c, GenericCache):
+            sig.append(["generic", c.cls, c.mode])
         else:
-            sig.append([type(c).__name__])
+            sig.append(["generic", class_name(c)])
     return sig

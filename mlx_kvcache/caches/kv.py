@@ -9,6 +9,7 @@ from mlx_lm.models.cache import create_attention_mask
 
 from .buffers import KVBuffers, SnapshotKV
 from .checks import check_kv, check_offset, check_snapshot, check_target
+from .quantized import QuantizedKVCache, QuantizedSnapshot, merge_rows, quantize_rows, split_rows
 from .snapshot import CacheError, Snapshot, compact
 
 
@@ -44,6 +45,8 @@ class KVCache(KVBuffers):
     """
 
     step = 256
+    #: Snapshots are deltas over the rows below them (the budget counts only new rows).
+    delta_snapshots = True
 
     def __init__(self) -> None:
         self.keys: Optional[mx.array] = None
@@ -175,7 +178,13 @@ class KVCache(KVBuffers):
         return True
 
     def merge(self, parent: KVSnapshot, child: KVSnapshot) -> KVSnapshot:
-        """Concatenate adjacent ``[a, b)`` and ``[b, c)`` into ``[a, c)``; closes both."""
+        """Concatenate adjacent ``[a, b)`` and ``[b, c)`` into ``[a, c)``; closes both.
+
+        A layer's nodes may also hold quantized rows (``kv_bits``): a pair with a
+        `QuantizedSnapshot` in it merges by `quantized.merge_rows`'s rules."""
+        if isinstance(parent, (KVSnapshot, QuantizedSnapshot)) and isinstance(
+                child, (KVSnapshot, QuantizedSnapshot)) and QuantizedSnapshot in (type(parent), type(child)):
+            return merge_rows(parent, child)
         check_snapshot(parent, KVSnapshot, "KVCache.merge")
         check_snapshot(child, KVSnapshot, "KVCache.merge")
         if parent.to_offset != child.from_offset:
@@ -198,7 +207,10 @@ class KVCache(KVBuffers):
         """Cut ``[a, c)`` into ``[a, at)`` and ``[at, c)``; takes ownership of the input.
 
         ``at <= a`` gives ``(None, snapshot)``, ``at >= c`` gives ``(snapshot, None)``.
+        A `QuantizedSnapshot` (``kv_bits``) splits the same way.
         """
+        if isinstance(snapshot, QuantizedSnapshot):
+            return split_rows(snapshot, at)
         check_snapshot(snapshot, KVSnapshot, "KVCache.split")
         at = check_offset("at", at)
         a, c = snapshot.from_offset, snapshot.to_offset
@@ -255,6 +267,15 @@ class KVCache(KVBuffers):
 
     def size(self) -> int:
         return self.offset
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
+        """Our `QuantizedKVCache` holding these rows quantized (mlx-lm's
+        ``maybe_quantize_kv_cache`` swaps caches through this)."""
+        q = QuantizedKVCache(group_size=group_size, bits=bits)
+        if self.keys is not None and self.offset:
+            k, v = self.keys_and_values()
+            q._write(quantize_rows(k, group_size, bits), quantize_rows(v, group_size, bits))
+        return q
 
     def __repr__(self) -> str:
         return f"KVCache(offset={self.offset})"

@@ -7,7 +7,7 @@ whole states and restore only to their own offset.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
@@ -230,15 +230,6 @@ class RecurrentCache(ArraysCache):
 
     def __repr__(self) -> str:
         return f"RecurrentCache(size={len(self.cache)}, offset={self.offset})"
-
-
-def settle(caches: Sequence, n: int) -> None:
-    """Call after every forward pass of ``n`` tokens over ``caches`` (a model's cache list)."""
-    for c in caches:
-        if isinstance(c, RecurrentCache):
-            c.settle(n)
-        elif hasattr(c, "caches"):  # mlx-lm CacheList
-            settle(c.caches, n)
 
 
 # mlx-lm's load_prompt_cache (and CacheList) rebuild classes by name from its own module.

@@ -4,8 +4,10 @@
     mlx-kvcache chat --model path/to/model.gguf --system "Be brief."
     mlx-kvcache chat --model mlx-community/Qwen3-0.6B-4bit --temp 0.7 --top-p 0.9
     printf 'Hi\\nAnd again?\\n' | mlx-kvcache chat --max-tokens 32
+    mlx-kvcache chat --model big-model --draft-model small-model.gguf --num-draft-tokens 4
 
-After each answer one status line goes to stdout::
+After each answer one status line goes to stdout (with a draft model, also how many tokens
+it proposed and how many the model accepted)::
 
     [cache] prompt 57 tok | reused 41 | prefilled 16 | answer 24 tok | ttft 0.21 s | 38.2 tok/s | cache 3.1 MiB
 
@@ -43,6 +45,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "the CPU build, no with a GPU)")
     c.add_argument("--quantized", dest="dequantize", action="store_false",
                    help="same as --no-dequantize")
+    c.add_argument("--draft-model", default=None,
+                   help="a smaller model with the same tokenizer for speculative decoding "
+                   "(mlx-lm directory, Hugging Face repo id or .gguf file); works with "
+                   "hybrid and sliding-window models too, and the prefix cache keeps its "
+                   "caches alongside the model's")
+    c.add_argument("--num-draft-tokens", type=_non_negative, default=3,
+                   help="tokens the draft model proposes per step (default 3)")
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--max-tokens", type=int, default=256, help="answer length limit (default 256)")
     c.add_argument("--temp", type=temperature, default=0.0,
@@ -56,16 +65,39 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help=f"where the cache persists between runs (default: {default_cache_dir()})")
     c.add_argument("--no-persist", action="store_true",
                    help="do not load or save the cache on disk")
+    c.add_argument("--kv-bits", type=int, default=None,
+                   help="store attention keys/values quantized to this many bits (as mlx-lm's "
+                   "--kv-bits; default: full precision)")
+    c.add_argument("--kv-group-size", type=int, default=64,
+                   help="group size for --kv-bits (default 64)")
+    c.add_argument("--quantized-kv-start", type=int, default=5000,
+                   help="with --kv-bits: quantize from this token on; earlier ones stay in full "
+                   "precision (default 5000)")
     return c
 
 
 
-def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO):
+def _non_negative(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO, draft=None):
     """A PrefixCache; persistent (loaded now, saved after every request and on close) unless
     ``--no-persist``. Prints how many cached tokens were loaded."""
     import inspect
 
     kw = {"max_bytes": args.max_cache_bytes}
+    if args.kv_bits is not None:
+        kw.update(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                  quantized_kv_start=args.quantized_kv_start)
+    if draft is not None:
+        kw.update(draft_model=draft, num_draft_tokens=args.num_draft_tokens)
     params = inspect.signature(PrefixCache.__init__).parameters
     if args.no_persist:
         return PrefixCache(model, **kw)
@@ -133,6 +165,13 @@ def run(args, out: TextIO, err: TextIO) -> int:
     if args.max_tokens == 0 or args.max_tokens < -1:
         err.write("error: --max-tokens must be positive (or -1 for no limit)\n")
         return 2
+    try:
+        from ..caches import KVQuantization
+
+        KVQuantization.of(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
+    except ValueError as e:
+        err.write(f"error: {e}\n")
+        return 2
     t0 = time.perf_counter()
     try:
         model, tokenizer = load_model(args.model, dequantize=args.dequantize)
@@ -142,6 +181,21 @@ def run(args, out: TextIO, err: TextIO) -> int:
     except (OSError, ValueError, KeyError) as e:
         err.write(f"error: cannot load model {args.model!r}: {type(e).__name__}: {e}\n")
         return 2
+    draft = None
+    if args.draft_model is not None:
+        try:
+            draft, draft_tokenizer = load_model(args.draft_model, dequantize=args.dequantize)
+        except ModelLoadError as e:
+            err.write(f"error: draft model: {e}\n")
+            return 2
+        except (OSError, ValueError, KeyError) as e:
+            err.write(f"error: cannot load draft model {args.draft_model!r}: "
+                      f"{type(e).__name__}: {e}\n")
+            return 2
+        sizes = [getattr(t, "vocab_size", None) for t in (tokenizer, draft_tokenizer)]
+        if None not in sizes and sizes[0] != sizes[1]:
+            err.write("warning: the draft model's tokenizer differs from the model's; its "
+                      "proposals will rarely be accepted\n")
 
     from mlx_lm.sample_utils import make_sampler
 
@@ -149,9 +203,15 @@ def run(args, out: TextIO, err: TextIO) -> int:
 
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
     name = args.model or "SmolLM2-135M-Instruct (embedded)"
+    if draft is not None:
+        name += f" with draft {args.draft_model}"
     err.write(f"loaded {name} in {time.perf_counter() - t0:.1f} s; /help for commands\n")
     err.flush()
-    cache = _make_cache(PrefixCache, model, tokenizer, args, out, err)
+    try:
+        cache = _make_cache(PrefixCache, model, tokenizer, args, out, err, draft)
+    except ValueError as e:  # e.g. the same model given as its own draft
+        err.write(f"error: {e}\n")
+        return 2
     if args.seed is not None:
         cache.seed(args.seed)  # sampling runs on the cache's engine thread
 

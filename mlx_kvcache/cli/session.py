@@ -61,6 +61,9 @@ def format_status(st) -> str:
         f"{st.generation_tps:.1f} tok/s",
         f"cache {human_bytes(st.cache_bytes)}",
     ]
+    if getattr(st, "drafted_tokens", 0):
+        parts.append(f"drafted {st.drafted_tokens} accepted {st.accepted_tokens} "
+                     f"({100 * st.accepted_tokens / st.drafted_tokens:.0f}%)")
     line = "[cache] " + " | ".join(parts)
     if st.matched_tokens > st.restored_tokens + 1 and st.reason:
         line += f" (matched {st.matched_tokens}: {st.reason})"
@@ -281,6 +284,9 @@ class ChatSession:
             f"{human_bytes(s.max_bytes)} | nodes {s.nodes} | evicted {human_bytes(s.evicted_bytes)}"
             f" | conversation {len(self.turns)} exchange(s)",
         ]
+        if getattr(s, "drafted_tokens", 0):
+            lines.append(f"[stats] drafted {s.drafted_tokens} | accepted {s.accepted_tokens} "
+                         f"({100 * s.accepted_tokens / s.drafted_tokens:.0f}%)")
         self.out.write("\n".join(lines) + "\n")
         self.out.flush()
 

@@ -1,7 +1,8 @@
 """Layer 5: generation that reuses cached prefixes (`PrefixCache`).
 
 Drives an mlx-lm model through the prefix manager: restore, chunked prefill that stops at
-the planned snapshot offsets, decode, record; persistence through the store.
+the planned snapshot offsets, decode (speculatively, with a draft model, on any cache kind:
+`speculative`), record; persistence through the store.
 """
 
 from .prefix_cache import CachedGenerationResponse, PrefixCache

@@ -15,6 +15,7 @@ handed over and waited for, never across a ``yield``. A request abandoned mid-st
 from __future__ import annotations
 
 import atexit
+import hashlib
 import threading
 import warnings
 import weakref
@@ -24,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..caches import CacheError, layer_signature, make_prompt_cache
+from ..caches import CacheError, KVQuantization, layer_signature, make_prompt_cache
 from ..prefix.manager import PrefixManager, default_max_bytes
 from ..prefix.stats import CacheStats, RequestStats
 from . import request, validation
@@ -47,6 +48,14 @@ def default_prefill_step() -> int:
 
 
 _OPEN: "weakref.WeakSet[PrefixCache]" = weakref.WeakSet()
+
+
+def _check_num_draft(n: Any) -> int:
+    if not validation.is_int(n):
+        raise TypeError(f"num_draft_tokens must be an int, got {type(n).__name__} {n!r}")
+    if n < 0:
+        raise ValueError(f"num_draft_tokens must be >= 0, got {n}")
+    return int(n)
 
 
 @atexit.register
@@ -73,6 +82,20 @@ class PrefixCache:
             now, save it in the background after every request, and on `close()`.
         max_disk_bytes: disk budget for this model's persisted cache (None: no limit).
         tokenizer: included in the model fingerprint that keys the persisted cache.
+        kv_bits, kv_group_size, quantized_kv_start: quantized KV for full-attention layers,
+            as in mlx-lm's ``generate`` (None: off). The switch is canonical: rows before
+            ``quantized_kv_start`` are computed unquantized, the cache converts exactly when
+            it reaches that offset, every later row is quantized — so answers never depend
+            on chunking or on where a restore landed (`KVQuantization`). Fixed for the
+            instance: the trie holds one set of rows per node, and rows computed under one
+            schedule are not valid under another.
+        draft_model: a draft model for speculative decoding (same tokenizer). It is bound
+            here because the trie holds its layers too: every node stores the target's
+            and the draft's snapshots together, so a hit skips prefill on both; the
+            budget counts both; the persisted cache is keyed on both fingerprints. Every
+            request is then speculative (``num_draft_tokens=0`` drafts nothing).
+        num_draft_tokens: tokens the draft proposes per round (default 3, as mlx-lm's
+            ``--num-draft-tokens``); a request may pass its own.
 
     Safe for concurrent use; see the module docstring.
     """
@@ -89,26 +112,54 @@ class PrefixCache:
         cache_dir: Optional[str] = None,
         max_disk_bytes: Optional[int] = None,
         tokenizer: Any = None,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
+        quantized_kv_start: int = 5000,
+        draft_model: Optional[nn.Module] = None,
+        num_draft_tokens: int = 3,
     ) -> None:
         if cache_dir is not None and not str(cache_dir).strip():
             raise ValueError("cache_dir is empty: pass a directory path, or None for no persistence")
         self.model = model
+        #: The ``kv_bits`` schedule (None: full precision); raises ValueError when invalid.
+        self.kv_quant = KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start)
         self.prefill_step_size = validation.check_positive(
             "prefill_step_size",
             default_prefill_step() if prefill_step_size is None else prefill_step_size)
         budget = default_max_bytes() if max_bytes is None else int(max_bytes)
+        if draft_model is not None and draft_model is model:
+            raise ValueError("draft_model is the target model itself: pass a separate (smaller) "
+                             "model, or no draft model")
+        self.draft_model = draft_model
+        self.num_draft_tokens = _check_num_draft(num_draft_tokens)
         materialize(model)  # the engine thread cannot evaluate arrays left lazy here
+        if draft_model is not None:
+            materialize(draft_model)
         self._engine = default_engine()
         self._stats_lock = threading.Lock()
         self._stats = CacheStats(max_bytes=budget)
         self.last_request: Optional[RequestStats] = None
         self.vocab_size = validation.model_vocab_size(model)
+        #: The target's vocabulary (a wider draft never proposes past it), and the draft's
+        #: when it is smaller: ids the draft lacks are fed to it clamped (it only proposes;
+        #: MLX does not bound-check an embedding lookup).
+        self.target_vocab, self.draft_vocab = self.vocab_size, None
+        if draft_model is not None:
+            dv = validation.model_vocab_size(draft_model)
+            if dv is not None and (self.vocab_size is None or dv < self.vocab_size):
+                self.draft_vocab = dv
         try:
-            make_prompt_cache(model)
+            #: Top-level cache entries of the target: a live set holds them, then the draft's.
+            self.target_entries = len(make_prompt_cache(model))
+
+            def make_caches():
+                caches = make_prompt_cache(model)
+                return caches if draft_model is None else caches + make_prompt_cache(draft_model)
+            make_caches()
             self.manager: Optional[PrefixManager] = PrefixManager(
-                lambda: make_prompt_cache(model), max_bytes=budget, pre_end_margin=pre_end_margin,
+                make_caches, max_bytes=budget, pre_end_margin=pre_end_margin,
                 snapshot_interval=snapshot_interval, keep_live=keep_live,
-                executor=self._engine.run)
+                executor=self._engine.run, kv_quant=self.kv_quant)
             self.unsupported: Optional[str] = None
         except CacheError as e:
             self.manager = None
@@ -175,6 +226,8 @@ class PrefixCache:
         logits_processors: Optional[List[Callable[[mx.array, mx.array], mx.array]]] = None,
         prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
         snapshot_at: Sequence[int] = (),
+        draft_model: Optional[nn.Module] = None,
+        num_draft_tokens: Optional[int] = None,
         **kwargs,
     ) -> Iterator[CachedGenerationResponse]:
         """Like `mlx_lm.stream_generate`, reusing cached prefixes of ``prompt``.
@@ -182,8 +235,15 @@ class PrefixCache:
         Each response also carries ``cache``, the request's `RequestStats`.
         ``prompt_progress_callback(done, total)`` is called after each prefill chunk.
         ``snapshot_at`` adds prompt offsets to snapshot at (e.g. chat message boundaries),
-        so a later prompt that diverges there restores exactly on any model. Arguments
-        are checked here, before anything runs: bad ones raise ``TypeError`` /
+        so a later prompt that diverges there restores exactly on any model.
+
+        Speculative decoding uses the draft model given to the constructor (the trie holds
+        its layers); ``draft_model``, if passed, must be that model. ``num_draft_tokens``
+        overrides the instance's default for this request. Every cache kind works
+        (recurrent and sliding-window layers roll back from snapshots); greedy output is
+        the output without a draft; ``from_draft`` says which tokens the draft proposed.
+
+        Arguments are checked here, before anything runs: bad ones raise ``TypeError`` /
         ``ValueError`` naming the problem.
         """
         if kwargs.pop("prompt_cache", None) is not None:
@@ -192,8 +252,17 @@ class PrefixCache:
         step = kwargs.pop("prefill_step_size", None)
         chunk = self.prefill_step_size if step is None else validation.check_positive(
             "prefill_step_size", step)
+        self._check_kv_kwargs(kwargs)
         if kwargs:
             raise TypeError(f"unsupported arguments: {sorted(kwargs)}")
+        if draft_model is not None and draft_model is not self.draft_model:
+            raise ValueError(
+                "draft_model must be the draft model this PrefixCache was built with (its trie "
+                "holds that model's layers): construct PrefixCache(model, draft_model=...)"
+                if self.draft_model is None else
+                "draft_model is not the draft model this PrefixCache was built with (its trie "
+                "holds that model's layers); use another PrefixCache for another draft model")
+        k = self.num_draft_tokens if num_draft_tokens is None else _check_num_draft(num_draft_tokens)
         max_tokens = validation.check_max_tokens(max_tokens)
         if not isinstance(tokenizer, TokenizerWrapper):
             tokenizer = TokenizerWrapper(tokenizer)
@@ -204,7 +273,24 @@ class PrefixCache:
                 raise TypeError(f"snapshot_at offsets must be ints, got {type(s).__name__} {s!r}")
             stops.append(int(s))
         return request.run(self, tokenizer, tokens, max_tokens, sampler,
-                           list(logits_processors or []), prompt_progress_callback, stops, chunk)
+                           list(logits_processors or []), prompt_progress_callback, stops, chunk,
+                           num_draft=k)
+
+    def _check_kv_kwargs(self, kwargs: dict) -> None:
+        """mlx-lm's per-call ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start`` are
+        accepted when they restate the instance's schedule (removed from ``kwargs``)."""
+        names = ("kv_bits", "kv_group_size", "quantized_kv_start")
+        if not any(k in kwargs for k in names):
+            return
+        q = self.kv_quant
+        mine = dict(zip(names, (None, 64, 5000) if q is None else (q.bits, q.group_size, q.start)))
+        asked = {k: kwargs.pop(k, mine[k]) for k in names}
+        if asked["kv_bits"] is None and q is None:
+            return
+        if asked != mine:
+            raise ValueError(f"this PrefixCache quantizes KV with {mine}; a request asked for "
+                             f"{asked}. The schedule is fixed per PrefixCache (its trie holds "
+                             f"rows of one schedule): construct one with those arguments")
 
     def generate(self, tokenizer, prompt, max_tokens: int = 256, **kwargs) -> str:
         """The whole generated text of `stream_generate`."""
@@ -217,11 +303,16 @@ class PrefixCache:
 
     # -- persistence ----------------------------------------------------------------------
     def fingerprint(self) -> str:
-        """`mlx_kvcache.store.model_fingerprint` of the model (computed once)."""
+        """`mlx_kvcache.store.model_fingerprint` of the model (computed once); with a draft
+        model, a hash of both models' fingerprints."""
         if self._fingerprint is None:
             from ..store import model_fingerprint
 
-            self._fingerprint = model_fingerprint(self.model, self._tokenizer_for_fp)
+            fp = model_fingerprint(self.model, self._tokenizer_for_fp)
+            if self.draft_model is not None:  # nodes hold both models' layers
+                draft = model_fingerprint(self.draft_model)
+                fp = hashlib.sha256(f"target {fp}\ndraft {draft}\n".encode()).hexdigest()
+            self._fingerprint = fp
         return self._fingerprint
 
     @property
@@ -236,7 +327,7 @@ class PrefixCache:
             if path is None:
                 raise ValueError("no cache directory: pass a path or construct with cache_dir")
             mgr = self.manager
-            self._store = PersistentStore(mgr.trie, layer_signature(mgr.ops), path,
+            self._store = PersistentStore(mgr.trie, layer_signature(mgr.ops, self.kv_quant), path,
                                           self.fingerprint(), self.max_disk_bytes, keep=mgr.keep)
             mgr.verify = self._store.before_request
         return self._store
@@ -278,6 +369,8 @@ class PrefixCache:
         last failed; later requests are no longer saved. Idempotent."""
         if self._autosaver is not None:
             self._autosaver.close(timeout, lambda: self.manager.run(self._store.capture))
+        if self._store is not None:
+            self._store.close()
         _OPEN.discard(self)
 
     def clear(self) -> None:

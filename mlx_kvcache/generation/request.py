@@ -1,5 +1,6 @@
 """One request's run: restore, chunked prefill that stops at the planned snapshot offsets,
-decode one step ahead, record — on a live set the request owns.
+decode one step ahead (or speculatively, with a draft model: `speculative`), record — on a
+live set the request owns.
 
 Every model step runs on the cache's engine thread (`engine`), handed over and waited
 for, so requests interleave freely — several generators on one thread, ``next()`` from a
@@ -10,14 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Generator, List, Optional, Sequence
+from typing import Any, Callable, Generator, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.models import cache as mlc
 
-from ..caches import settle
+from ..caches import cache_arrays, settle
 from ..prefix.stats import RequestStats
+from .speculative import SpeculativeDecoder, clamp_ids
 
 
 @dataclass
@@ -28,13 +30,7 @@ class CachedGenerationResponse(GenerationResponse):
 
 
 def _eval_caches(leaves) -> None:
-    arrays = []
-    for c in leaves:
-        if isinstance(c, mlc.ArraysCache):
-            arrays.extend(x for x in c.cache if x is not None)
-        elif c.keys is not None:
-            arrays.extend((c.keys, c.values))
-    mx.eval(arrays)
+    mx.eval(cache_arrays(leaves))
 
 
 class _Feed:
@@ -42,16 +38,27 @@ class _Feed:
 
     ``fed`` is extended right after the graph is built (nothing is evaluated yet), so an
     interrupt can only leave it one call behind: the manager recognises that case
-    through ``pending``.
+    through ``pending``. With a draft model, every prefill chunk feeds both models.
     """
 
-    def __init__(self, model, caches, fed: List[int]):
+    def __init__(self, model, caches, fed: List[int], draft=None, draft_caches=None,
+                 draft_vocab=None, before: Optional[Callable[[], Any]] = None):
         self.model, self.caches, self.fed, self.pending = model, caches, fed, []
+        self.draft, self.draft_caches, self.draft_vocab = draft, draft_caches, draft_vocab
+        # The kv_bits switch, exactly at its start offset; it may replace cache objects, so
+        # it hands back the (target, draft) cache lists to use from then on.
+        self.before = before
 
     def __call__(self, toks: List[int]) -> mx.array:
+        if self.before is not None:
+            self.caches, self.draft_caches = self.before()
         self.pending = toks
-        logits = self.model(mx.array(toks)[None], cache=self.caches)
+        x = mx.array(toks)[None]
+        logits = self.model(x, cache=self.caches)
         settle(self.caches, len(toks))
+        if self.draft is not None:
+            self.draft(clamp_ids(x, self.draft_vocab), cache=self.draft_caches)
+            settle(self.draft_caches, len(toks))
         self.fed.extend(toks)
         self.pending = []
         return logits
@@ -59,41 +66,59 @@ class _Feed:
 
 def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Callable],
         processors: Sequence[Callable], progress: Optional[Callable[[int, int], None]],
-        snapshot_at: Sequence[int], chunk: int) -> Generator[CachedGenerationResponse, None, None]:
+        snapshot_at: Sequence[int], chunk: int,
+        num_draft: int = 0) -> Generator[CachedGenerationResponse, None, None]:
     """The body of `PrefixCache.stream_generate` (arguments already checked).
 
+    With ``pc.draft_model`` the live set holds the target's caches, then the draft's; both
+    are prefilled together and decoding is speculative (``num_draft`` tokens a round).
     Model work runs on ``pc``'s engine thread; this generator only sequences it, so it
     may be advanced from any thread."""
     t0 = time.perf_counter()
     stats = RequestStats(prompt_tokens=len(tokens))
     pc.last_request = stats
     mgr, engine = pc.manager, pc._engine
-    live = None
+    draft = pc.draft_model
+    live = spec = dcaches = None
     if mgr is None:
         caches = engine.run(mlc.make_prompt_cache, pc.model)
+        if draft is not None:
+            dcaches = engine.run(mlc.make_prompt_cache, draft)
         leaves, start, stops = None, 0, []
         stats.reason = f"model caches cannot be reused: {pc.unsupported}"
     else:
         live, plan = mgr.checkout(tokens, snapshot_at)
         caches, leaves = live.caches, live.leaves
+        if draft is not None:  # one live set holds both models' caches
+            caches, dcaches = caches[: pc.target_entries], caches[pc.target_entries:]
         stats.matched_tokens, stats.restored_tokens = plan.matched, plan.restored
         stats.reason = plan.reason
         start, stops = plan.restored, plan.stops
     sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
-    feed = _Feed(pc.model, caches, list(tokens[:start]))
+
+    def switch():
+        """The kv_bits switch on the live set, then its current (target, draft) lists."""
+        live.quantize_due()
+        if draft is None:
+            return live.caches, None
+        return live.caches[: pc.target_entries], live.caches[pc.target_entries:]
+    quantized = live is not None and live.quant is not None
+    feed = _Feed(pc.model, caches, list(tokens[:start]), draft, dcaches, pc.draft_vocab,
+                 switch if quantized else None)
     n = len(tokens)
     state = {"history": None, "next": None}
 
     def prefill(a: int, b: int) -> None:
         feed(tokens[a:b])
-        if leaves is not None:
-            _eval_caches(leaves)
+        if live is not None:
+            _eval_caches(live.leaves)  # the kv_bits switch may have replaced some
         else:
-            mx.eval([c.state for c in caches])
+            mx.eval([c.state for c in caches + (dcaches or [])])
         mx.clear_cache()
 
     def step(toks: List[int]):
         logits = feed(toks)[:, -1, :]
+        stats.target_passes += 1
         for p in processors:
             logits = p(state["history"], logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -123,6 +148,26 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
             mx.clear_cache()
         return tok, logprobs, last
 
+    def plain():
+        """(token, log-probs, from_draft, last) of plain decoding, one step ahead."""
+        engine.run(first)
+        ntok = 0
+        while True:
+            tok, logprobs, last = engine.run(decode, ntok)
+            ntok += 1
+            yield tok, logprobs, False, last
+            if last:
+                return
+
+    def speculative():
+        """The same, a round of speculative decoding at a time."""
+        while True:
+            out, done = engine.run(spec.step)
+            for i, (tok, logprobs, from_draft) in enumerate(out):
+                yield tok, logprobs, from_draft, done and i == len(out) - 1
+            if done:
+                return
+
     eos = tokenizer.eos_token_ids
     try:
         # Prefill up to the last prompt token, stopping at every planned snapshot.
@@ -142,14 +187,21 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
                     stats.snapshots_skipped += 1
             if progress:
                 progress(pos - start, n - start)
-        engine.run(first)
+        if draft is None:
+            source = plain()
+        else:
+            spec = SpeculativeDecoder(
+                pc.model, feed.caches, draft, feed.draft_caches, tokens, num_draft=num_draft,
+                sampler=sampler, processors=processors, eos=eos, max_tokens=max_tokens,
+                stats=stats, vocab=pc.target_vocab, draft_vocab=pc.draft_vocab,
+                switch=feed.before, quant_start=live.quant.start if quantized else None)
+            source = speculative()
         stats.prefilled_tokens += 1
         detok = tokenizer.detokenizer
         detok.reset()
         tic = time.perf_counter()
         ntok = 0
-        while True:
-            tok, logprobs, last = engine.run(decode, ntok)
+        for tok, logprobs, from_draft, last in source:
             if ntok == 0:
                 stats.time_to_first_token = time.perf_counter() - t0
                 stats.prompt_tps = (n - start) / max(stats.time_to_first_token, 1e-9)
@@ -164,7 +216,7 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
             stats.generation_tps = ntok / max(time.perf_counter() - tic, 1e-9)
             stats.cache_bytes = pc.nbytes
             yield CachedGenerationResponse(
-                text=detok.last_segment, token=tok, logprobs=logprobs, from_draft=False,
+                text=detok.last_segment, token=tok, logprobs=logprobs, from_draft=from_draft,
                 prompt_tokens=n, prompt_tps=stats.prompt_tps, generation_tokens=ntok,
                 generation_tps=stats.generation_tps, peak_memory=mx.get_peak_memory() / 1e9,
                 finish_reason=stats.finish_reason, cache=stats,
@@ -173,6 +225,9 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
                 break
     finally:
         state.clear()
+        if spec is not None:  # both models at one prefix of the emitted tokens
+            feed.fed, _ = engine.run(spec.finish, stats.finish_reason is not None)
+            feed.pending = []
         if live is not None:
             mgr.checkin(live, feed.fed, feed.pending, on_done=lambda _: pc._account(stats))
         else:

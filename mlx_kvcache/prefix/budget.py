@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import List
 
-from ..caches.kv import KVCache
 from .agreement import any_rank, every
 from .eviction import evict_one
 from .live import LiveSet
@@ -96,7 +95,7 @@ class Budget:
         node = path[-1]  # holds ``o`` inside or at the end of its edge
         need = 0
         for i, c in enumerate(live.leaves):
-            kv = isinstance(c, KVCache)
+            kv = getattr(c, "delta_snapshots", False)
             if not node.has_state(i):
                 need += c.snapshot_nbytes(node.start if kv else 0)
             elif node.end != o and not kv:  # the split's upper half needs a whole state

@@ -8,23 +8,55 @@ loops drive the request.
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional
 
 from ..caches.factory import leaf_caches
+from ..caches.generic import GenericCache
+from ..caches.kv import KVCache
+from ..caches.quantized import QuantizedKVCache
 from ..caches.recurrent import RecurrentCache
+from ..caches.schedule import KVQuantization
 
 
 class LiveSet:
-    """A model's cache list (``caches``), its flattened layers (``leaves``) and the token
-    ids they hold (``tokens``, valid while `consistent`)."""
+    """A model's cache list (``caches``), its flattened layers (``leaves``: a class the
+    package does not know appears as its `GenericCache` adapter while the model keeps its
+    own object in ``caches``) and the token ids they hold (``tokens``, valid while
+    `consistent`). ``quant`` is the ``kv_bits`` schedule its full-attention layers follow."""
 
-    __slots__ = ("caches", "leaves", "tokens", "epoch", "__weakref__")
+    __slots__ = ("caches", "leaves", "tokens", "epoch", "quant", "__weakref__")
 
-    def __init__(self, caches: List[Any], epoch: int = 0) -> None:
+    def __init__(self, caches: List[Any], epoch: int = 0,
+                 quant: Optional[KVQuantization] = None) -> None:
         self.caches = caches
         self.leaves = leaf_caches(caches)
         self.tokens: List[int] = []
         self.epoch = epoch
+        self.quant = quant
+
+    def leaf_quant(self) -> List[Optional[KVQuantization]]:
+        """Per leaf, the schedule it follows: the top-level full-attention caches (the ones
+        the switch converts, as mlx-lm's) follow ``quant``; layers inside a ``CacheList``
+        and every other kind stay in full precision (None)."""
+        if self.quant is None:
+            return [None] * len(self.leaves)
+        out: List[Optional[KVQuantization]] = []
+        for c in self.caches:
+            n = len(leaf_caches([c]))
+            top = isinstance(c, (KVCache, QuantizedKVCache))
+            out.extend([self.quant if top else None] * n)
+        return out
+
+    def quantize_due(self) -> None:
+        """Switch the full-attention layers whose offset reached the schedule's start to
+        quantized rows (call before every forward pass; see `KVQuantization`)."""
+        if self.quant is not None and self.quant.convert(self.caches):
+            self.leaves = leaf_caches(self.caches)
+
+    def align(self, target: int) -> None:
+        """Before a restore to ``target``: the layer classes that target needs."""
+        if self.quant is not None and self.quant.align(self.caches, target):
+            self.leaves = leaf_caches(self.caches)
 
     @property
     def offset(self) -> int:
@@ -39,12 +71,15 @@ class LiveSet:
                 return False
             if isinstance(c, RecurrentCache) and c._dirty:
                 return False
+            if isinstance(c, GenericCache) and c.dirty:
+                return False
         return True
 
     def reset(self) -> None:
         """Drop all state."""
         for c in self.leaves:
             c.free()
+        self.align(0)
         self.tokens = []
 
     @property

@@ -27,7 +27,9 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from ..caches.chunked import ChunkedKVCache
 from ..caches.kv import KVCache
+from ..caches.schedule import KVQuantization
 from . import planner
 from .agreement import SOLO, Agreement, every
 from .budget import Budget
@@ -76,23 +78,32 @@ class PrefixManager(Budget):
         executor: runs a callable on the thread that may do this model's MLX work and
             returns its result (`PrefixCache` passes its engine; None runs inline, for
             callers that are that thread already, like mlx-lm's server thread).
+        kv_quant: the ``kv_bits`` schedule every live set's full-attention layers follow
+            (`KVQuantization`); prefill also stops, and snapshots, at its start.
     """
 
     def __init__(self, make_caches: Callable[[], List[Any]], *, max_bytes: int,
                  pre_end_margin: int = 4, snapshot_interval: int = 2048,
                  merge_below: int = 256, keep_live: bool = False,
-                 executor: Optional[Callable[..., Any]] = None) -> None:
+                 executor: Optional[Callable[..., Any]] = None,
+                 kv_quant: Optional[KVQuantization] = None) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.make_caches = make_caches
+        self.kv_quant = kv_quant
         # A cache list that never holds state: its classes split and merge snapshots, and
         # `preview` plans on it (it is only ever read).
-        self._blank = LiveSet(make_caches())
+        self._blank = LiveSet(make_caches(), quant=kv_quant)
         self.ops = self._blank.leaves
         self.trie = PrefixTrie(self.ops)
         self.max_bytes = int(max_bytes)
         self.pre_end_margin = int(pre_end_margin)
         self.snapshot_interval = int(snapshot_interval)
+        chunk = min((c.chunk_size for c in self.ops if isinstance(c, ChunkedKVCache)), default=0)
+        if chunk and not 0 < self.snapshot_interval <= chunk:
+            # A chunked layer keeps only about one chunk of rows: stopping at least once a
+            # chunk lets every node's snapshot hold all of its rows (reach at any token).
+            self.snapshot_interval = chunk
         self.merge_below = int(merge_below)
         self.keep_live = bool(keep_live)
         #: Whether some layer can only come back from a snapshot at a node end.
@@ -183,6 +194,8 @@ class PrefixManager(Budget):
         return Plan(n, max(matched, target), target, reason, stops), path, live_common
 
     def _stops(self, n: int, restored: int, matched: int, extra: Sequence[int]) -> List[int]:
+        if self.kv_quant is not None:  # the switch to quantized rows happens exactly here
+            extra = list(extra) + [self.kv_quant.start]
         return planner.stops(n, restored, matched, whole_state=self.whole_state,
                              pre_end_margin=self.pre_end_margin,
                              snapshot_interval=self.snapshot_interval, extra=extra)
@@ -192,13 +205,14 @@ class PrefixManager(Budget):
         if live is not None and planner.common_prefix(live.tokens, tokens) > 0:
             self._idle = None
         else:
-            live = LiveSet(self.make_caches())
+            live = LiveSet(self.make_caches(), quant=self.kv_quant)
         live.epoch = self._epoch
         self._lent.add(live)
         if self.verify is not None:
             self.verify(tokens)
         plan, path, live_common = self._target(live, tokens, extra_stops)
         target = plan.restored
+        live.align(target)
         ok = all(planner.restore_layer(c, i, target, path, live_common)
                  for i, c in enumerate(live.leaves))
         if not every(self.agree, ok and live.consistent(target)):
@@ -258,8 +272,8 @@ class PrefixManager(Budget):
                     and parent not in self.keep and len(parent.tokens) < self.merge_below):
                 node = self.trie.merge_with_child(parent)
         self.trie.touch(node)
-        if keep and self.whole_state:
-            self.keep.add(node)
+        if keep and (self.whole_state or (self.kv_quant is not None and o == self.kv_quant.start)):
+            self.keep.add(node)  # the last unquantized rows stay a node end of their own
         return node
 
     def checkin(self, live: LiveSet, tokens: Sequence[int], pending: Sequence[int] = (),

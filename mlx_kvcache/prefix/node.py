@@ -6,9 +6,14 @@ whole-state snapshot (rotating window, recurrent) is the state at ``end``.
 
 from __future__ import annotations
 
+import random
 from typing import List, Optional, Sequence
 
 from ..caches.snapshot import Snapshot
+
+# Node ids are random 63-bit numbers, not a per-trie counter: two processes saving into
+# one directory, or a trie loaded into a live one, never hand out the same id.
+_UIDS = random.SystemRandom()
 
 
 def _as_tokens(tokens: Sequence[int]) -> List[int]:
@@ -32,7 +37,7 @@ class TrieNode:
 
     __slots__ = (
         "tokens", "end", "parent", "children", "last_used", "snapshots", "in_use",
-        "detached", "_acct", "__weakref__",
+        "detached", "_acct", "uid", "__weakref__",
     )
 
     def __init__(
@@ -58,6 +63,9 @@ class TrieNode:
         # set; the counter subtracts exactly this, even if a snapshot was closed behind the
         # trie's back (check_invariants reports that case).
         self._acct: int = 0
+        #: Identity that outlives a save and a restart (the disk store keys rows by it);
+        #: nonzero, the same object keeps it through splits and merges.
+        self.uid: int = _UIDS.getrandbits(63) or 1
 
     @property
     def start(self) -> int:

@@ -3,9 +3,12 @@
 KV layers reach any token the trie or the live cache holds (node after node, each KV
 snapshot extending the prefix below it); rotating layers reach a node end holding their
 window, or any point while the window never wrapped; recurrent layers reach only a node
-end holding their state. A request lands on the deepest offset every layer reaches
-(`plan_restore`), and schedules a branch-point snapshot where it fell short (`stops`).
-The per-class rules these build on are each cache class's ``restore`` (docs/design.md).
+end holding their state, and so do layers of classes the package does not know (their
+`GenericCache` adapters). Full-attention layers under a ``kv_bits`` schedule and chunked
+attention have rules of their own (`reach`). A request lands on the deepest offset every
+layer reaches (`plan_restore`), and schedules a branch-point snapshot where it fell short
+(`stops`). The per-class rules these build on are each cache class's ``restore``
+(docs/design.md).
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..caches.kv import KVCache
+from ..caches.chunked import ChunkedKVCache
+from ..caches.kv import KVCache, KVSnapshot
+from ..caches.quantized import QuantizedKVCache
 from ..caches.rotating import RotatingKVCache, RotatingSnapshot
+from . import reach
 from .agreement import SOLO, Agreement
 from .live import LiveSet
 from .node import TrieNode
@@ -46,21 +52,29 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def reach_table(leaves, path: List[TrieNode], live_common: int, top: int):
+def reach_table(leaves, path: List[TrieNode], live_common: int, top: int, quants=None):
     """Per layer, what it can reach at or below ``top`` (computed once per request).
 
     Returns, per layer, either ``("kv", limit)`` — every offset up to ``limit`` — or
     ``("points", ends, any_below)`` — exactly the offsets in ``ends``, plus any offset up
-    to ``any_below`` (an unwrapped window).
+    to ``any_below`` (an unwrapped window) — or one of `reach`'s entries (full attention
+    under a ``kv_bits`` schedule, ``quants[i]``; chunked attention).
     """
     table = []
     for i, c in enumerate(leaves):
+        quant = quants[i] if quants is not None else None
+        if isinstance(c, (KVCache, QuantizedKVCache)) and (quant is not None or not isinstance(c, KVCache)):
+            table.append(reach.kv_entry(c, i, path, live_common, top, quant))
+            continue
+        if isinstance(c, ChunkedKVCache):
+            table.append(reach.chunked_entry(c, i, path, live_common, top))
+            continue
         if isinstance(c, KVCache):
             limit = live_common
             for n in path:  # the trie pages in node after node above the live prefix
                 if n.end <= limit:
                     continue
-                if n.start > limit or not n.has_state(i):
+                if n.start > limit or not n.has_state(i) or not isinstance(n.snapshots[i], KVSnapshot):
                     break
                 limit = min(n.end, top)
             table.append(("kv", max(limit, live_common)))
@@ -83,6 +97,9 @@ def reach_table(leaves, path: List[TrieNode], live_common: int, top: int):
 
 
 def reachable(entry, t: int) -> bool:
+    other = reach.reachable(entry, t)
+    if other is not None:
+        return other
     if entry[0] == "kv":
         return t <= entry[1]
     return t in entry[1] or t <= entry[2]
@@ -93,16 +110,20 @@ def restore_layer(c, i: int, t: int, path: List[TrieNode], live_common: int) -> 
     if t == 0:
         c.free()
         return True
+    if isinstance(c, QuantizedKVCache):
+        return reach.restore_quantized(c, i, t, path, live_common)
+    if isinstance(c, ChunkedKVCache):
+        return reach.restore_chunked(c, i, t, path, live_common)
     if t <= live_common and c.restore(None, t):
         return True
     if isinstance(c, KVCache):
-        if not c.restore(None, min(live_common, t)):
+        if not c.restore(None, min(live_common, t, c.offset)):
             return False
         chain = []  # the path's KV deltas from the live prefix up to t, restored in one copy
         for n in path:
             if n.end <= c.offset:
                 continue
-            if n.start >= t or not n.has_state(i):
+            if n.start >= t or not n.has_state(i) or not isinstance(n.snapshots[i], KVSnapshot):
                 break
             chain.append(n.snapshots[i])
             if n.end >= t:
@@ -125,8 +146,9 @@ def choose_target(live: LiveSet, tokens: List[int], path: List[TrieNode], matche
     top = max(matched, live_common)
     cands = {top, 0, live_common}
     cands.update(nd.end for nd in path if nd.end <= top)
+    cands.update(reach.candidates(live.leaves, top))
     ordered = sorted(cands, reverse=True)
-    table = reach_table(live.leaves, path, live_common, top)
+    table = reach_table(live.leaves, path, live_common, top, live.leaf_quant())
     blocked = [next((i for i, e in enumerate(table) if not reachable(e, t)), None) for t in ordered]
     ok = [int(b is None) for b in blocked]
     if agree.size > 1:
@@ -134,7 +156,8 @@ def choose_target(live: LiveSet, tokens: List[int], path: List[TrieNode], matche
     reason = None
     if not ok[0]:
         i = blocked[0]
-        reason = (f"layer {i} ({type(live.leaves[i]).__name__}) has no state at offset {top}"
+        name = getattr(live.leaves[i], "cls", type(live.leaves[i]).__name__) if i is not None else ""
+        reason = (f"layer {i} ({name}) has no state at offset {top}"
                   if i is not None else f"another rank has no state at offset {top}")
         reason += "; restored to the deepest offset every layer reaches"
     t = next(t for t, good in zip(ordered, ok) if good)  # 0 is always reachable

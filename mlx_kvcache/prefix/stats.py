@@ -32,11 +32,26 @@ class RequestStats:
     #: Bytes the cache holds (snapshots and live caches) after the request / while it runs.
     cache_bytes: int = 0
     finish_reason: Optional[str] = None
+    #: Speculative decoding (zero without a draft model): tokens the draft proposed and
+    #: how many of them the target accepted.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    #: Forward passes of the target while decoding (one per generated token without a
+    #: draft model), rollback replays included.
+    target_passes: int = 0
+    #: Tokens fed to the target a second time because a layer that cannot rewind was
+    #: restored from its pre-verify snapshot.
+    replayed_tokens: int = 0
 
     @property
     def reused_tokens(self) -> int:
         """Prompt tokens not recomputed (same as ``restored_tokens``)."""
         return self.restored_tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0.0 without drafting)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
 @dataclass
@@ -55,6 +70,8 @@ class CacheStats:
     generated_tokens: int = 0
     snapshots_taken: int = 0
     snapshots_skipped: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     evicted_bytes: int = 0
     bytes_held: int = 0
     snapshot_bytes: int = 0
@@ -76,6 +93,8 @@ class CacheStats:
         self.generated_tokens += r.generated_tokens
         self.snapshots_taken += r.snapshots_taken
         self.snapshots_skipped += r.snapshots_skipped
+        self.drafted_tokens += r.drafted_tokens
+        self.accepted_tokens += r.accepted_tokens
 
 
 def human_bytes(n: float) -> str:

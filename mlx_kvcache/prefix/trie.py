@@ -21,6 +21,7 @@ from typing import Iterator, List, Optional, Protocol, Sequence, Tuple
 
 from ..caches.snapshot import Snapshot
 from . import diagnostics, eviction
+from .journal import STRUCT, TOUCH, Journal
 from .node import TrieNode, _as_tokens, _live_bytes
 
 __all__ = ["LayerOps", "TrieNode", "PrefixTrie"]
@@ -51,6 +52,9 @@ class PrefixTrie:
         self._clock = 0
         self._nbytes = 0
         self.root = TrieNode([], 0, None, [None] * self.num_layers)
+        self.root.uid = 0
+        #: Told about every changed node when set (see `journal`); None: no tracking.
+        self.journal: Optional[Journal] = None
 
     # -- clock / bytes -----------------------------------------------------------------
     @property
@@ -79,6 +83,11 @@ class PrefixTrie:
     def touch(self, node: TrieNode) -> None:
         """Mark ``node`` as used now."""
         node.last_used = self.tick()
+        self._changed(node, TOUCH)
+
+    def _changed(self, node: TrieNode, flag: int = STRUCT) -> None:
+        if self.journal is not None:
+            self.journal.note(node, flag)
 
     def _set(self, node: TrieNode, snapshots: List[Optional[Snapshot]]) -> None:
         """Install ``snapshots`` on ``node`` and fix the byte counter (no closing)."""
@@ -86,6 +95,7 @@ class PrefixTrie:
         node.snapshots = snapshots
         node._acct = _live_bytes(snapshots)
         self._nbytes += node._acct
+        self._changed(node)
 
     def _detach(self, node: TrieNode) -> None:
         """Drop ``node`` from accounting and mark it dead; its snapshots must already be gone."""
@@ -95,6 +105,7 @@ class PrefixTrie:
         node.parent = None
         node.children = {}
         node.detached = True
+        self._changed(node)
 
     def _close_all(self, snapshots: Sequence[Optional[Snapshot]]) -> None:
         for s in snapshots:
@@ -341,6 +352,8 @@ class PrefixTrie:
             self._detach(node)
         self.root.children = {}
         self._nbytes = 0
+        if self.journal is not None:
+            self.journal.cleared()
 
     # -- eviction and diagnostics (their own modules) -------------------------------------
     def evict(self, max_bytes: int) -> int:

@@ -109,7 +109,7 @@ def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes,
     adapter = key[1] if isinstance(key, tuple) and len(key) > 1 else None
     try:
         if path and os.path.isdir(str(path)):
-            fp = directory_fingerprint(path, adapter)
+            fp = directory_fingerprint(path, adapter, cache_root=cache_dir)
         else:  # a hub id: the loaded weights themselves
             fp = model_fingerprint(provider.model, provider.tokenizer)
         if agree.size > 1:  # this rank's shard of this plan: its own directory

@@ -2,10 +2,12 @@
 
 mlx-lm's server batches requests by merging their caches with mlx-lm's batch classes
 (``KVCache.merge`` is ``BatchKVCache.merge``, ...), so what a fetch hands it must be
-mlx-lm's own ``KVCache`` / ``RotatingKVCache`` / ``ArraysCache``; what it inserts is the
-same. Both directions share arrays instead of copying: a fetched cache's arrays were just
-restored for that request alone, and an inserted cache is only read (its snapshots are
-compact copies taken by our classes).
+mlx-lm's own ``KVCache`` / ``RotatingKVCache`` / ``ArraysCache`` (and, for the paths it
+serves one request at a time, ``QuantizedKVCache`` / ``ChunkedKVCache``); what it inserts
+is the same. A cache object of a class we have no kind for is the model's own: it goes
+both ways as it is. Both directions share arrays instead of copying: a fetched cache's
+arrays were just restored for that request alone, and an inserted cache is only read
+(its snapshots are compact copies taken by our classes).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from typing import Any, List, Optional
 
 from mlx_lm.models import cache as mlc
 
-from ..caches import CacheError, KVCache, RecurrentCache, RotatingKVCache, convert, leaf_caches
+from ..caches import (
+    CacheError, ChunkedKVCache, GenericCache, KVCache, QuantizedKVCache, RecurrentCache,
+    RotatingKVCache, convert, leaf_caches,
+)
 from .padding import TrackedArraysCache
 
 
@@ -42,25 +47,43 @@ def _native(c: Any, track: bool = False) -> Any:
         n = (TrackedArraysCache if track else mlc.ArraysCache)(len(c.cache))
         n.cache = list(c.cache)
         return n
-    raise CacheError(f"cannot hand a {type(c).__name__} to mlx-lm's server")
+    if isinstance(c, QuantizedKVCache):
+        n = mlc.QuantizedKVCache(group_size=c.group_size, bits=c.bits)
+        if c.keys is not None and c.offset:
+            n.keys, n.values = c.keys_and_values()
+            n.offset = c.offset
+        return n
+    if isinstance(c, ChunkedKVCache):
+        n = mlc.ChunkedKVCache(c.chunk_size)
+        if c.keys is not None:
+            n.keys, n.values = c.keys_and_values()
+        n.offset, n.start_position = c.offset, c.start_position
+        return n
+    return c.obj if isinstance(c, GenericCache) else c  # the model's own object
 
 
 def from_native(caches: List[Any], length: int) -> Optional[List[Any]]:
     """Our cache objects sharing the arrays of mlx-lm ``caches`` that hold ``length``
-    tokens; None when a layer cannot be snapshotted or does not hold exactly ``length``
-    tokens (then nothing must be stored from it)."""
+    tokens; None when a layer does not hold exactly ``length`` tokens (then nothing must
+    be stored from it)."""
+    ours = [convert(_untracked(c)) for c in caches]
     try:
-        ours = [convert(_untracked(c)) for c in caches]
-    except CacheError:
+        leaves = leaf_caches(ours)
+    except CacheError:  # a class whose state cannot be snapshotted
         return None
-    for c in leaf_caches(ours):
+    for c in leaves:
         if isinstance(c, RecurrentCache):
             if c.empty() or c.lengths is not None or c.left_padding is not None:
                 return None  # a batch row's padding bookkeeping: not a single sequence
             c.offset = length  # recurrent state has no positions: the caller's count
-        elif c.offset != length or c.keys is None:
+        elif isinstance(c, GenericCache):
+            c.set_offset(length)  # counted by the caller where the object has no offset
+            if c.offset != length:
+                return None
+        elif c.offset != length or (c.keys is None and not isinstance(c, ChunkedKVCache)):
             return None
     return ours
+
 
 
 def _untracked(c: Any) -> Any:

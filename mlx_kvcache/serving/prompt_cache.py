@@ -34,7 +34,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..prefix.agreement import SOLO, Agreement, every
 from ..prefix.stats import human_bytes
-from ..store import disk_usage
 from .model_state import ModelState, open_model
 from .native import from_native, to_native
 from .padding import was_padded
@@ -247,7 +246,7 @@ class TriePromptCache:
         mgr = st.manager
         held, nodes, evicted = mgr.peek(lambda: (mgr.trie.nbytes, sum(1 for _ in mgr.trie.nodes()),
                                                  mgr.evicted_bytes))
-        disk = disk_usage(st.store.directory()) if st.store is not None else 0
+        disk = st.store.disk_bytes if st.store is not None else 0
         return (held, nodes, disk, evicted, self.requests, self.cached_tokens)
 
     def _share_stats(self) -> None:
@@ -325,6 +324,8 @@ class TriePromptCache:
         st = self._model
         if st is not None and st.writer is not None:
             st.writer.close(timeout)
+        if st is not None and st.store is not None:
+            st.store.close()
 
     # -- the request log line -------------------------------------------------------------
     def _log_request(self, st: ModelState, tokens: List[int]) -> None:

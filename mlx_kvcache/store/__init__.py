@@ -1,9 +1,11 @@
 """Layer 4: persistence of the prefix trie, keyed by model identity.
 
-``format`` (files, index, layout), ``fingerprint`` (model identity), ``lazy`` (verified
-loading on first use), ``save`` (capture then write, freeing space first), ``store``
-(`PersistentStore`), ``autosave`` (writing captures in the background). Depends on the cache classes and the trie, never on generation
-(docs/design.md, "Persistence").
+``format`` (layout, snapshot files, name checks, safe reads), ``index`` (the SQLite
+index), ``fingerprint`` and ``digests`` (model identity), ``lazy`` (verified loading on
+first use), ``load`` (index rows into a trie), ``delta`` (capturing what changed),
+``save`` (writing it), ``store`` (`PersistentStore`), ``autosave`` (writing in the
+background), ``agreed`` (loading on the ranks of a sharded model). Depends on the cache
+classes and the trie, never on generation (docs/design.md, "Persistence").
 """
 
 from .fingerprint import directory_fingerprint, model_fingerprint

@@ -4,7 +4,7 @@ Each rank saved its own shard of each snapshot, in its own directory; any of the
 missing, damaged or older than the others (a write that failed). After the local load,
 every file is read and checked now rather than lazily (a damage found later would be
 found on one rank only), then the ranks keep only the nodes every one of them loaded
-intact, and give them the same least-recently-used order. Nodes are named by the SHA-256
+intact, and give them the same least-recently-used stamps. Nodes are named by the SHA-256
 of their token prefix, which is the same on every rank.
 """
 
@@ -53,11 +53,10 @@ def agree_loaded(store, agree: Agreement, saved: Dict[int, int]) -> int:
     kept = [n for n in trie.nodes()]
     stamp = {d: max(v[d][0] for v in views) for d in common}
     keep = {d for d in common if any(v[d][1] for v in views)}
-    clock = agree.all_max([trie.clock])[0] + len(kept)
-    trie.set_clock(clock)
-    base = clock - len(kept)
-    for rank, n in enumerate(sorted(kept, key=lambda x: (stamp[names[id(x)]], names[id(x)])), 1):
-        n.last_used = base + rank
+    top = max([trie.clock] + [stamp[names[id(n)]] for n in kept])
+    trie.set_clock(agree.all_max([top])[0])
+    for n in kept:  # the same stamp on every rank: eviction picks the same nodes
+        n.last_used = stamp[names[id(n)]]
         if names[id(n)] in keep:
             store.keep.add(n)
         else:

@@ -53,12 +53,13 @@ class Autosaver:
 
     def close(self, timeout: Optional[float] = None,
               recapture: Optional[Callable[[], Tuple]] = None) -> None:
-        """Finish pending writes and stop; if the last write failed and ``recapture`` is
-        given, capture and write once more (in the calling thread)."""
+        """Finish pending writes and stop; with ``recapture``, capture and write once more
+        (in the calling thread): what changed since the last capture, what a failed write
+        owed, and rows the writer asked to have captured again."""
         self.flush(timeout)
         with self._cv:
             self._closed = True
-        if self._failing and recapture is not None:
+        if recapture is not None:
             self._write_once(recapture())
 
     def _loop(self) -> None:

@@ -1,10 +1,13 @@
 """Model identity: a fingerprint that keys a persisted prefix cache to one model.
 
-Two models share a fingerprint only if they have the same class, config, parameter names,
-shapes, dtypes and (up to a 64-bit-per-tensor checksum of every element plus a sample of
-raw values) the same weights; the tokenizer's vocabulary, special tokens and chat template
-are included when it is given. Costs one pass over the weights (~0.5 s for a 135M model
-on a 2-core CPU).
+`model_fingerprint` names a loaded model: two models share it only if they have the same
+class, config, parameter names, shapes, dtypes and (up to a 64-bit-per-tensor checksum of
+every element plus a sample of raw values) the same weights; the tokenizer's vocabulary,
+special tokens and chat template are included when it is given. Costs one pass over the
+weights (~0.5 s for a 135M model on a 2-core CPU).
+
+`directory_fingerprint` names a model directory (what the server loads) by the SHA-256
+of every file, each read once and remembered (`digests`).
 """
 
 from __future__ import annotations
@@ -150,39 +153,42 @@ def model_fingerprint(model, tokenizer=None) -> str:
     return h.hexdigest()
 
 
+def directory_fingerprint(model_dir, adapter_dir=None, *, cache_root=None) -> str:
+    """A hex SHA-256 naming a model directory by every byte of every file in it.
 
-_SAMPLES = 64  # strided samples per weight file
-_SAMPLE = 4096  # bytes per sample
+    Per file (sorted by relative path, so every machine and every rank of a sharded
+    model with the same files agrees): its path, size and SHA-256. Hidden files and
+    folders (``.cache/`` of a hub download) are left out. ``adapter_dir`` (LoRA
+    adapters) is included the same way. Any change to any byte changes the result —
+    a fused LoRA re-saved in place with the same size included.
 
-
-def directory_fingerprint(model_dir, adapter_dir=None) -> str:
-    """A hex SHA-256 naming a model directory without reading all of its weights.
-
-    Hashes every small file in full (``config.json``, tokenizer files, chat template,
-    the safetensors index) and, per weight file, its size, its header and 64 strided
-    4 KiB samples of its data: a fine-tune or merged adapter changes the bytes nearly
-    everywhere, so a sample catches it, and opening an 8B model costs ~1 MB of reads
-    instead of a pass over 16 GB. ``adapter_dir`` (LoRA adapters) is included the same
-    way. Files are visited in sorted order, so the result is the same on every machine
-    (and every rank of a sharded model) that has the same files.
+    Reading every weight on every start would be slow, so with ``cache_root`` each
+    file's digest is remembered in ``<cache_root>/v<N>/file-digests.sqlite`` under its
+    ``stat`` signature (`digests.FileDigests`: what is and is not detected): the first
+    start reads the weights once (~1.4 GB/s per core), later starts cost a ``stat`` per
+    file. Files of a Hugging Face cache snapshot are named by their SHA-256 and are
+    never read.
     """
     from pathlib import Path
 
-    h = hashlib.sha256(b"mlx_kvcache-directory-fingerprint-v1\n")
-    for root in (model_dir, adapter_dir):
-        if root is None:
-            continue
-        base = Path(root)
-        for p in sorted(q for q in base.rglob("*") if q.is_file() and not q.name.startswith(".")):
-            size = p.stat().st_size
-            h.update(f"{p.relative_to(base)}\t{size}\n".encode())
-            with open(p, "rb") as f:
-                if not p.name.endswith((".safetensors", ".bin", ".gguf", ".npz")):
-                    h.update(f.read())
-                    continue
-                h.update(f.read(min(size, 1 << 16)))  # header (and small files whole)
-                step = max(size // _SAMPLES, _SAMPLE)
-                for off in range(0, size, step):
-                    f.seek(off)
-                    h.update(f.read(_SAMPLE))
+    from .digests import FileDigests
+    from .format import version_dir
+
+    memo = None if cache_root is None else version_dir(Path(cache_root).expanduser()) / DIGESTS
+    h = hashlib.sha256(b"mlx_kvcache-directory-fingerprint-v2\n")
+    with FileDigests(memo) as digests:
+        for label, root in (("model", model_dir), ("adapter", adapter_dir)):
+            if root is None:
+                continue
+            base = Path(root)
+            h.update(f"[{label}]\n".encode())
+            files = sorted(q for q in base.rglob("*") if q.is_file()
+                           and not any(part.startswith(".") for part in q.relative_to(base).parts))
+            for p in files:
+                rel = p.relative_to(base).as_posix()
+                h.update(f"{rel}\t{p.stat().st_size}\t{digests.sha256(p)}\n".encode())
     return h.hexdigest()
+
+
+#: The file, in a cache root's version directory, that remembers weight-file digests.
+DIGESTS = "file-digests.sqlite"

@@ -1,19 +1,31 @@
-"""The on-disk format: snapshot files (safetensors), the checksummed index, atomic writes.
+"""The on-disk format: layout, snapshot files (safetensors), safe reads, atomic writes.
 
 Layout, one directory per format version and model under a cache root::
 
-    <root>/v<FORMAT_VERSION>/<fingerprint[:16]>/index.json        the trie, written last
-    <root>/v<FORMAT_VERSION>/<fingerprint[:16]>/n<hex>.safetensors one file per node save
+    <root>/v<FORMAT_VERSION>/<fingerprint[:16]>/index.sqlite      the trie (SQLite, WAL)
+    <root>/v<FORMAT_VERSION>/<fingerprint[:16]>/n<20 hex>.safetensors  one file per node write
     <root>/v<FORMAT_VERSION>/<fingerprint[:16]>/.lock             flock'ed while writing
+    <root>/v<FORMAT_VERSION>/file-digests.sqlite                  remembered weight digests
 
 A build reads and writes only its own version's directory, so it never deletes or
 overwrites a format it does not understand (an older or newer build's files stay as they
-are). Snapshot files are written and read by the ``safetensors`` library through raw
-byte buffers, so bfloat16 needs no numpy support; any safetensors reader can open them.
-Their metadata names the format and the SHA-256 of the token prefix they hold state for.
+are). Snapshot files are written and read by the ``safetensors`` library through raw byte
+buffers, so bfloat16 needs no numpy support; any safetensors reader can open them.
 
-``index.json`` carries a SHA-256 of its own canonical body: a change to any field (a token
-id, an offset, a file's size or CRC-32) is detected and the whole index ignored.
+A snapshot file describes itself: its metadata holds the SHA-256 of the token prefix up
+to the end of the node it was written for, that node's edge (``start``, ``end`` and the
+tokens, so a later slice of the edge can be checked too) and, per layer, the snapshot kind,
+its integer metadata and the tensors' keys, shapes and dtypes. Everything a restore reads
+is therefore inside a CRC-checked file and bound to its tokens by the prefix digest; the
+index only says which file holds what. An index row edited to point elsewhere gives a
+digest or shape mismatch (a damaged node), never state for other tokens. There is no
+checksum over the index itself: an unkeyed checksum stops no one who can edit the file.
+
+File names in the index are checked before anything is opened (`check_name`: the plain
+names this build writes), and files are opened without following symlinks and read only
+when they are regular files of the recorded size (`read_regular`): an entry naming
+``../x``, an absolute path, a FIFO or a device is a damaged node, never a hang or a read
+outside the directory.
 """
 
 from __future__ import annotations
@@ -21,24 +33,27 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import stat
 import uuid
 import zlib
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
-from safetensors import TensorSpec, deserialize, safe_open, serialize
+from safetensors import TensorSpec, deserialize, serialize
 
 try:  # POSIX advisory lock so two processes never collect each other's files mid-save
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MAGIC = "mlx_kvcache.prefix_trie"
-INDEX = "index.json"
 LOCK = ".lock"
+#: The plain names this build gives snapshot files; nothing else is ever opened.
+FILE_NAME = re.compile(r"n[0-9a-f]{20}\.safetensors")
 
 # mlx dtype -> unsigned integer dtype of the same width (the raw bits on disk).
 RAW = {
@@ -70,13 +85,29 @@ def default_root() -> Path:
     return Path(base) / "mlx_kvcache"
 
 
-def version_dir(root: Path) -> Path:
-    return Path(root) / f"v{FORMAT_VERSION}"
+def version_dir(root: Path, version: int = FORMAT_VERSION) -> Path:
+    return Path(root) / f"v{version}"
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as the little-endian int64 bytes every digest and index row uses."""
+    return np.asarray(tokens, dtype="<i8").tobytes()
 
 
 def prefix_digest(tokens: Sequence[int]) -> str:
     """SHA-256 naming a token prefix (binds a snapshot file to the tokens it holds)."""
-    return hashlib.sha256(np.asarray(tokens, dtype=np.int64).tobytes()).hexdigest()
+    return hashlib.sha256(token_bytes(tokens)).hexdigest()
+
+
+def new_file_name() -> str:
+    return f"n{uuid.uuid4().hex[:20]}.safetensors"
+
+
+def check_name(name) -> str:
+    """``name`` if it is a snapshot file name this build writes; else `FormatError`."""
+    if not isinstance(name, str) or not FILE_NAME.fullmatch(name):
+        raise FormatError(f"{name!r} is not a snapshot file name of this format")
+    return name
 
 
 # -- snapshot files -----------------------------------------------------------------------
@@ -99,7 +130,21 @@ def encode_file(tensors: Dict[str, RawTensor], metadata: Dict[str, str]) -> byte
     specs = {key: TensorSpec(dtype=dtype, shape=shape, data_ptr=raw.ctypes.data,
                              data_len=raw.nbytes)
              for key, (raw, dtype, shape) in tensors.items()}  # `tensors` keeps the buffers alive
-    return serialize(specs, metadata={"format": MAGIC, **metadata})
+    return serialize(specs, metadata={"format": MAGIC, "version": str(FORMAT_VERSION), **metadata})
+
+
+def file_header(data: bytes) -> Dict[str, str]:
+    """The metadata of a safetensors file's bytes; raises `FormatError`."""
+    try:
+        n = int.from_bytes(data[:8], "little")
+        if n <= 0 or 8 + n > len(data):
+            raise ValueError("header length out of range")
+        meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+    except Exception as e:
+        raise FormatError(f"not a readable safetensors file ({e})") from None
+    if meta.get("format") != MAGIC or meta.get("version") != str(FORMAT_VERSION):
+        raise FormatError("not a snapshot file of this format")
+    return meta
 
 
 def decode_file(data: bytes) -> Dict[str, mx.array]:
@@ -120,55 +165,55 @@ def decode_file(data: bytes) -> Dict[str, mx.array]:
     return out
 
 
-def file_metadata(path: Path) -> Dict[str, str]:
-    """The metadata of a safetensors file (reads the header only)."""
-    with safe_open(str(path), framework="numpy") as f:
-        return dict(f.metadata() or {})
-
-
-def read_checked(path: Path, size: int, crc: int) -> bytes:
-    """A file's bytes, checked against its recorded size and CRC-32."""
+def regular_size(path: Path) -> int:
+    """The size of ``path`` if it is a regular file (not followed if a symlink); else
+    `FormatError`."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise FormatError("file is missing") from None
+    except OSError as e:
+        raise FormatError(f"cannot stat it ({e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError("not a regular file (a symlink, FIFO or device)")
+    return st.st_size
+
+
+def read_regular(d: Path, name: str, size: int, crc: int) -> bytes:
+    """The bytes of snapshot file ``name`` in ``d``, checked: a plain name, a regular file
+    (opened without following symlinks or blocking, then ``fstat``-ed), exactly ``size``
+    bytes, CRC-32 ``crc``. Raises `FormatError` naming what is wrong."""
+    check_name(name)
+    regular_size(d / name)  # refuse a FIFO or device before opening it at all
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
+        getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(d / name, flags)
     except FileNotFoundError:
         raise FormatError("file is missing") from None
     except OSError as e:
         raise FormatError(f"unreadable ({e})") from None
-    if len(data) != size:
-        raise FormatError(f"size {len(data)} B, expected {size} B (truncated or replaced)")
-    if zlib.crc32(data) != crc:
-        raise FormatError("checksum mismatch (corrupted)")
-    return data
-
-
-# -- the index ------------------------------------------------------------------------------
-
-def _canonical(body: Dict[str, Any]) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-
-
-def encode_index(body: Dict[str, Any]) -> bytes:
-    """The index file: ``body`` plus the SHA-256 of its canonical JSON."""
-    return json.dumps({**body, "checksum": hashlib.sha256(_canonical(body)).hexdigest()},
-                      separators=(",", ":")).encode()
-
-
-def decode_index(raw: bytes) -> Dict[str, Any]:
-    """Parse an index and check its checksum and format; raises `FormatError`."""
     try:
-        idx = json.loads(raw)
-    except Exception:
-        raise FormatError("not valid JSON") from None
-    if not isinstance(idx, dict) or idx.get("format") != MAGIC:
-        raise FormatError("not a prefix cache index")
-    if idx.get("version") != FORMAT_VERSION:
-        raise FormatError(f"format version {idx.get('version')!r}, this build reads "
-                          f"version {FORMAT_VERSION}")
-    body = {k: v for k, v in idx.items() if k != "checksum"}
-    if idx.get("checksum") != hashlib.sha256(_canonical(body)).hexdigest():
-        raise FormatError("its checksum does not match its contents (edited or corrupted)")
-    return body
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError("not a regular file (a symlink, FIFO or device)")
+        if st.st_size != size:
+            raise FormatError(f"size {st.st_size} B, expected {size} B (truncated or replaced)")
+        os.set_blocking(fd, True)
+        buf = bytearray(size)
+        view, got = memoryview(buf), 0
+        while got < size:
+            n = os.readv(fd, [view[got:]])
+            if n <= 0:
+                raise FormatError(f"size {got} B, expected {size} B (truncated while read)")
+            got += n
+    except OSError as e:
+        raise FormatError(f"unreadable ({e})") from None
+    finally:
+        os.close(fd)
+    if zlib.crc32(buf) != crc:
+        raise FormatError("checksum mismatch (corrupted)")
+    return bytes(buf)
 
 
 # -- files ----------------------------------------------------------------------------------
@@ -213,21 +258,21 @@ def disk_usage(directory) -> int:
     total = 0
     try:
         for e in os.scandir(directory):
-            if e.is_file():
-                total += e.stat().st_size
+            if e.is_file(follow_symlinks=False):
+                total += e.stat(follow_symlinks=False).st_size
     except OSError:
         pass
     return total
 
 
-def snapshot_files(d: Path) -> List[str]:
-    """Names of the snapshot and temporary files in ``d`` (what a save may collect)."""
+def collectable(d: Path) -> List[str]:
+    """Names in ``d`` a writer may collect: snapshot files and temporaries."""
     try:
         names = [e.name for e in os.scandir(d)]
     except OSError:
         return []
-    return [n for n in names if n.endswith(".tmp")
-            or (n.startswith("n") and n.endswith(".safetensors"))]
+    return [n for n in names if FILE_NAME.fullmatch(n) or (n.endswith(".tmp") and (
+        FILE_NAME.fullmatch(n.split(".tmp")[0].rsplit(".", 2)[0]) or n.startswith("index.sqlite.")))]
 
 
 class DirLock:
@@ -239,7 +284,8 @@ class DirLock:
 
     def __enter__(self) -> "DirLock":
         if fcntl is not None:
-            self.fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT, 0o644)
+            self.fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                              | getattr(os, "O_NONBLOCK", 0), 0o644)
             fcntl.flock(self.fd, fcntl.LOCK_EX)
         return self
 

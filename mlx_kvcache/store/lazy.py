@@ -2,26 +2,36 @@
 
 ``load`` builds every snapshot around *placeholder* arrays (unevaluated ``mx.zeros`` of
 the recorded shape and dtype: the right ``nbytes``, nothing allocated). The first time a
-snapshot is needed its file is read, checked (size, CRC-32, the token prefix it was
-written for, tensor shapes) and the data swapped into every snapshot waiting on that
-file. Needed means: before a restore reads it (`PersistentStore.before_request`), when
-the trie splits or merges it (`GuardedOps`), and before it is written elsewhere.
+snapshot is needed its file is read and checked — a plain name, a regular file of the
+recorded size (`format.read_regular`), its CRC-32, the token prefix it was written for,
+and the kind, integer metadata, shapes and dtypes of every layer it holds — and the data
+swapped into every snapshot waiting on that file. Needed means: before a restore reads
+it (`PersistentStore.before_request`), when the trie splits or merges it (`GuardedOps`),
+and before it is written elsewhere.
+
+A snapshot may be a *slice* of what its file holds: a KV edge split after it was written
+keeps referencing the file (the halves are cut from the file's snapshot with the cache's
+own ``split`` when loaded), so a split never rewrites bytes. The file's prefix digest
+still binds it: the node's prefix extended by the file's remaining edge tokens must hash
+to it.
 
 A bad file gives one ``RuntimeWarning`` and its snapshots are reported bad; the store
-then drops their nodes with their subtrees. Thread-safe: one lock guards the maps, so
-the background writer and request threads may ask at the same time.
+then drops their nodes with their subtrees. A file the store itself deleted (its node
+left the disk budget) is dropped silently. Thread-safe: one lock guards the maps, so the
+background writer and request threads may ask at the same time.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import warnings
 import weakref
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..caches.snapshot import Snapshot
-from .format import FormatError, decode_file, file_metadata, read_checked
+from .format import FormatError, decode_file, file_header, read_regular
 
 FileKey = Tuple[Path, str]
 
@@ -31,13 +41,17 @@ def warn(msg: str) -> None:
 
 
 class Origin:
-    """Where a snapshot lives on disk, and whether its file was already checked."""
+    """Where a snapshot lives on disk: layer ``layer`` of file ``file`` in ``dir`` (or the
+    ``slice`` [lo, hi) of its edge), and whether it was already checked against it.
+    ``prefix`` is a SHA-256 state of the tokens up to the snapshot's node end (needed
+    only until verified)."""
 
-    __slots__ = ("dir", "file", "keys", "verified", "prefix")
+    __slots__ = ("dir", "file", "layer", "verified", "prefix", "slice")
 
-    def __init__(self, d: Path, file: str, keys: Dict[str, str], verified: bool,
-                 prefix: Optional[str] = None):
-        self.dir, self.file, self.keys, self.verified, self.prefix = d, file, keys, verified, prefix
+    def __init__(self, d: Path, file: str, layer: int, verified: bool, prefix=None,
+                 slice_: Optional[Tuple[int, int]] = None):
+        self.dir, self.file, self.layer, self.verified = d, file, layer, verified
+        self.prefix, self.slice = prefix, slice_
 
     @property
     def key(self) -> FileKey:
@@ -45,14 +59,22 @@ class Origin:
 
 
 class Verifier:
-    """Which snapshot is backed by which file; reads and checks files on first use."""
+    """Which snapshot is backed by which file; reads and checks files on first use.
 
-    def __init__(self) -> None:
+    ``ops[i]`` splits layer ``i``'s snapshots (cutting slices out of a file's snapshot).
+    """
+
+    def __init__(self, ops: Sequence[Any]) -> None:
+        self.ops = list(ops)
         self._mu = threading.RLock()
         self._origin: "weakref.WeakKeyDictionary[Snapshot, Origin]" = weakref.WeakKeyDictionary()
+        self._pending: "weakref.WeakKeyDictionary[Snapshot, Tuple[Path, str, int]]" = \
+            weakref.WeakKeyDictionary()
         self._bad: set = set()
+        self._gone: set = set()
         self._info: Dict[FileKey, Tuple[int, int]] = {}
         self._waiting: Dict[FileKey, List["weakref.ref[Snapshot]"]] = {}
+        self._found_bad: List["weakref.ref[Snapshot]"] = []
 
     # -- bookkeeping ------------------------------------------------------------------
     def origin(self, snap: Snapshot) -> Optional[Origin]:
@@ -66,22 +88,63 @@ class Verifier:
     def set_file_info(self, key: FileKey, size: int, crc: int) -> None:
         with self._mu:
             self._info[key] = (size, crc)
+            self._gone.discard(key)
 
     def forget_file(self, key: FileKey) -> None:
+        """The file is no longer on disk: snapshots still waiting for it are dropped
+        silently when needed; loaded ones get written again when their node changes."""
         with self._mu:
             self._info.pop(key, None)
+            if key in self._waiting:
+                self._gone.add(key)
+
+    def forget_dir(self, d: Path) -> None:
+        """No file of ``d`` is on disk any more (its index was replaced)."""
+        with self._mu:
+            for key in [k for k in self._info if k[0] == d]:
+                self.forget_file(key)
 
     def register(self, snap: Snapshot, origin: Origin) -> None:
-        """``snap`` holds placeholders to be filled from ``origin``'s file."""
+        """``snap`` is held by ``origin``'s file (if not verified: holds placeholders to be
+        filled from it)."""
         with self._mu:
             self._origin[snap] = origin
+            self._pending.pop(snap, None)
             if not origin.verified:
                 self._waiting.setdefault(origin.key, []).append(weakref.ref(snap))
+
+    def set_pending(self, snap: Snapshot, d: Path, file: str, layer: int) -> None:
+        """``snap`` is being written to ``file`` (referenced by rows captured meanwhile)."""
+        with self._mu:
+            self._pending[snap] = (d, file, layer)
+
+    def forget_pending(self, snap: Snapshot) -> None:
+        with self._mu:
+            self._pending.pop(snap, None)
+
+    def location(self, snap: Snapshot, d: Path) -> Optional[Tuple[str, Optional[Tuple[int, int]]]]:
+        """``(file, slice)`` holding ``snap`` in ``d``, written or being written; None
+        when it must be written."""
+        with self._mu:
+            o = self._origin.get(snap)
+            if o is not None and o.dir == d and o.key in self._info and o.key not in self._bad:
+                return o.file, o.slice
+            p = self._pending.get(snap)
+            if p is not None and p[0] == d:
+                return p[1], None
+            return None
 
     def is_bad(self, snap: Snapshot) -> bool:
         with self._mu:
             o = self._origin.get(snap)
-            return o is not None and not o.verified and o.key in self._bad
+            return o is not None and not o.verified and (o.key in self._bad or o.key in self._gone)
+
+    def found_bad(self) -> List[Snapshot]:
+        """Snapshots whose file turned out bad since the last call (their nodes must go)."""
+        with self._mu:
+            out = [s for s in (r() for r in self._found_bad) if s is not None]
+            self._found_bad = []
+            return out
 
     # -- verification -----------------------------------------------------------------
     def ensure(self, snap: Optional[Snapshot]) -> bool:
@@ -92,24 +155,33 @@ class Verifier:
             o = self._origin.get(snap)
             if o is None or o.verified:
                 return True
-            if o.key in self._bad:
+            if o.key in self._bad or o.key in self._gone:
                 return False
             try:
                 self._load_file(o)
             except Exception as e:  # any damage: the file is unusable, never a crash
                 self._bad.add(o.key)
+                self._found_bad.extend(self._waiting.pop(o.key, []))
                 warn(f"ignoring cached snapshot file {o.dir / o.file}: {e}; "
                      f"its prefix will be recomputed")
                 return False
             return True
 
     def _load_file(self, o: Origin) -> None:
-        size, crc = self._info.get(o.key, (-1, -1))
-        data = read_checked(o.dir / o.file, size, crc)
-        if o.prefix is not None:
-            meta = file_metadata(o.dir / o.file)
-            if meta.get("prefix_sha256") != o.prefix:
-                raise FormatError("it holds state for other tokens than the index says")
+        info = self._info.get(o.key)
+        if info is None:
+            raise FormatError("it is not in the index")
+        data = read_regular(o.dir, o.file, *info)
+        meta = file_header(data)
+        try:
+            start, end = int(meta["start"]), int(meta["end"])
+            edge = bytes.fromhex(meta["tokens"])
+            described = json.loads(meta["layers"])
+            digest = meta["prefix_sha256"]
+        except Exception as e:
+            raise FormatError(f"its metadata is incomplete ({type(e).__name__}: {e})") from None
+        if len(edge) != 8 * (end - start):
+            raise FormatError("its edge tokens do not match its offsets")
         arrays = decode_file(data)
         swaps = []
         for ref in self._waiting.get(o.key, []):
@@ -117,32 +189,74 @@ class Verifier:
             so = None if s is None else self._origin.get(s)
             if s is None or so is None or so.verified or s.closed:
                 continue
-            new = {}
-            for name, tkey in so.keys.items():
-                a = arrays.get(tkey)
-                old = s._arrays[name]  # noqa: SLF001 - the placeholder installed at load
-                if a is None or a.shape != old.shape or a.dtype != old.dtype:
-                    raise FormatError(f"tensor {tkey} is missing or has the wrong shape")
-                new[name] = a
-            swaps.append((s, so, new))
+            hi = end if so.slice is None else so.slice[1]
+            if not start <= hi <= end:
+                raise FormatError(f"slice end {hi} outside the file's edge [{start}, {end})")
+            h = so.prefix.copy()
+            h.update(edge[8 * (hi - start):])
+            if h.hexdigest() != digest:
+                raise FormatError("it holds state for other tokens than the index says")
+            swaps.append((s, so, self._layer(so, described, arrays, s)))
         for s, so, new in swaps:
             s._arrays = new  # noqa: SLF001 - same shapes, so nbytes is unchanged
             so.verified = True
+            so.prefix = None
         self._waiting.pop(o.key, None)
+
+    def _layer(self, so: Origin, described: Dict[str, Any], arrays, s: Snapshot):
+        ent = described.get(str(so.layer))
+        if not isinstance(ent, dict) or ent.get("kind") != s.kind:
+            raise FormatError(f"layer {so.layer} is missing or of another kind")
+        try:
+            full = Snapshot.from_arrays(ent["kind"], {
+                name: arrays[key] for name, (key, _, _) in ent["arrays"].items()},
+                {k: int(v) for k, v in ent["meta"].items()})
+        except Exception as e:
+            raise FormatError(f"layer {so.layer} cannot be rebuilt ({type(e).__name__}: {e})") from None
+        if so.slice is not None:
+            lo, hi = so.slice
+            ops = self.ops[so.layer]
+            if hi < full.to_offset:
+                full, rest = ops.split(full, hi)
+                if rest is not None:
+                    rest.close()
+            if full is not None and lo > full.from_offset:
+                head, full = ops.split(full, lo)
+                if head is not None:
+                    head.close()
+            if full is None:
+                raise FormatError(f"layer {so.layer}: slice [{lo}, {hi}) cannot be cut")
+        old = s._arrays or {}  # noqa: SLF001 - the placeholders installed at load
+        new = full._arrays or {}  # noqa: SLF001
+        if full.meta() != s.meta() or set(new) != set(old) or any(
+                new[k].shape != old[k].shape or new[k].dtype != old[k].dtype for k in old):
+            raise FormatError(f"layer {so.layer} does not match the index (offsets, shapes "
+                              f"or dtypes)")
+        return dict(new)
 
 
 class GuardedOps:
-    """One layer's split/merge, checking disk-backed snapshots before they are used."""
+    """One layer's split/merge, checking disk-backed snapshots before they are used; the
+    halves of a split keep referencing the file of what was split."""
 
-    def __init__(self, inner, verifier: Verifier):
+    def __init__(self, inner, verifier: Verifier, layer: int):
         self.inner = inner
         self.verifier = verifier
+        self.layer = layer
 
     def split(self, snapshot, at):
-        if not self.verifier.ensure(snapshot):
+        v = self.verifier
+        if not v.ensure(snapshot):
             snapshot.close()
             return None, None
-        return self.inner.split(snapshot, at)
+        o = v.origin(snapshot)
+        head, tail = self.inner.split(snapshot, at)
+        if o is not None and o.verified and head is not None and head is not snapshot:
+            lo, hi = o.slice or (snapshot.from_offset, snapshot.to_offset)
+            v.register(head, Origin(o.dir, o.file, o.layer, True, None, (lo, at)))
+            if tail is not None and tail is not snapshot:
+                v.register(tail, Origin(o.dir, o.file, o.layer, True, None, (at, hi)))
+        return head, tail
 
     def merge(self, parent, child):
         if not (self.verifier.ensure(parent) & self.verifier.ensure(child)):

@@ -1,43 +1,53 @@
 """Layer 4: a prefix trie on disk, keyed by model identity (see ``format`` for the layout).
 
-`PersistentStore` loads a saved trie into a live one (lazily: ``lazy``) and saves the
-live one incrementally (``save``). Loading is fail-open: a missing, truncated, edited,
-other-model, other-layers or other-version index is ignored as a whole with one
-``RuntimeWarning`` starting ``"mlx_kvcache: "``; a bad snapshot file drops its node with
-its subtree when first needed. A missing index is the normal first start: no warning.
-Nothing here raises into a request.
+`PersistentStore` loads a saved trie into a live one (lazily: ``lazy``; ``load``) and
+keeps the directory up to date by writing only what changed: the trie tells the store's
+change journal which nodes changed (`prefix.journal`), a capture after each request turns
+those into rows and new files (``delta``), and a writer applies them to the SQLite index
+in one transaction (``index``, ``save``). Per request the work is proportional to the
+nodes that changed, never to the size of the trie.
+
+Loading is fail-open: a damaged, other-model, other-layers or other-version index is
+ignored as a whole with one ``RuntimeWarning`` starting ``"mlx_kvcache: "`` (and replaced
+by the next save); a bad snapshot file drops its node with its subtree when first
+needed. A missing index is the normal first start: no warning. Nothing here raises into
+a request.
 
 A build never writes into a directory whose index has a newer format version, and never
-touches another version's directory; a cache written by the format-1 builds (directly
-under the root) is reported once and left alone. Placeholders count their full size
-against the memory budget (as if resident), so the budget holds whatever gets verified
-later. One writer per directory: two processes saving to one directory lose each other's
-nodes (the loser sees a "missing" warning, never wrong output).
+touches another version's directory; caches of older formats (format 1 directly under
+the root, format 2 under ``v2/``) are reported once and left alone: the cache is derived
+data that the next requests recompute, an older build may still be using its directory,
+and a migration would keep an old format's reader alive forever. Placeholders count their
+full size against the memory budget (as if resident), so the budget holds whatever gets
+verified later. Two processes may share a directory: every change is a transaction, node
+ids are random, and a row only ever references a file that its transaction saw listed;
+what one process deletes the other recomputes (never wrong output).
 """
 
 from __future__ import annotations
 
-import json
-import os
+import sqlite3
 import threading
+import weakref
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Set, Tuple
 
-import mlx.core as mx
-
-from ..caches.snapshot import Snapshot
 from ..prefix.agreement import SOLO, Agreement
+from ..prefix.journal import STRUCT, Journal
 from ..prefix.node import TrieNode
 from ..prefix.trie import PrefixTrie
 from . import save as _save
 from .agreed import agree_loaded
-from .format import (
-    FORMAT_VERSION, INDEX, MAGIC, NAME_DTYPE, DirLock, FormatError, decode_index,
-    disk_usage, fsync_dir, prefix_digest, snapshot_files, version_dir,
-)
-from .lazy import GuardedOps, Origin, Verifier, warn
+from .delta import Capturer, Delta
+from .format import DirLock, FormatError, collectable, fsync_dir, version_dir
+from .index import INDEX, Index
+from .lazy import GuardedOps, Verifier, warn
+from .load import install, new_holders
+from .opening import legacy_note, open_to_read, open_to_write
 
 __all__ = ["PersistentStore"]
+
+_QUEUE_LIMIT = 1 << 16  # rows a failing disk may owe before the next save writes all
 
 
 class PersistentStore:
@@ -45,12 +55,13 @@ class PersistentStore:
 
     Args:
         trie: the live trie (its per-layer ops get wrapped so disk-backed snapshots are
-            verified before a split or merge reads them).
+            verified before a split or merge reads them; it gets a change journal).
         signature: `mlx_kvcache.caches.layer_signature` of the model's caches.
         root: cache root; this model's files go to ``root/v<N>/<fingerprint[:16]>``.
         fingerprint: `model_fingerprint` of the model (and tokenizer).
-        max_disk_bytes: budget for this model's directory (files + index); the least
-            recently used leaves are left out of a save until it fits. ``None``: no limit.
+        max_disk_bytes: budget for this model's directory (files and index); the least
+            recently used nodes without saved children leave the disk until it fits.
+            ``None``: no limit.
         keep: the manager's set of deliberate restore points (saved as a flag per node).
         agree: the ranks of a sharded model load and drop nodes together (`agreed`).
     """
@@ -65,16 +76,37 @@ class PersistentStore:
         self.max_disk_bytes = None if max_disk_bytes is None else int(max_disk_bytes)
         self.keep = keep if keep is not None else set()
         self.agree = agree
-        self.verifier = Verifier()
-        self._io = threading.Lock()  # one save at a time from this process
+        inner = [o.inner if isinstance(o, GuardedOps) else o for o in trie.ops]
+        self.verifier = Verifier(inner)
+        trie.ops = [GuardedOps(o, self.verifier, i) for i, o in enumerate(inner)]
+        self.capturer = Capturer(trie, self.keep, self.verifier)
+        #: Placeholder snapshot -> its node (a bad file drops the node).
+        self.holders = new_holders()
+        self.journal = Journal()
+        for n in trie.nodes():  # what the trie held before it had a journal
+            self.journal.note(n, STRUCT)
+        trie.journal = self.journal
+        self._io = threading.Lock()  # one writer (and index user) at a time in this process
+        self._qmu = threading.Lock()  # the queue of captured changes
+        self._queue: Optional[Delta] = None
+        self._need_full = False
+        self._resync: "weakref.WeakSet[TrieNode]" = weakref.WeakSet()
+        self._stale: Set[int] = set()
+        self._index: Optional[Index] = None
+        self._reset = False  # the index on disk is unusable: the next write replaces it
+        self._swept = False
         self._foreign: set = set()  # directories holding a format this build must not touch
-        self._told_legacy = False
-        trie.ops = [o if isinstance(o, GuardedOps) else GuardedOps(o, self.verifier)
-                    for o in trie.ops]
+        self._disk_bytes = 0
+        self._saved: dict = {}
 
     def directory(self, root=None) -> Path:
         r = self.root if root is None else Path(root).expanduser()
         return version_dir(r) / self.fingerprint[:16]
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes this model's directory held after the last load or write (no I/O)."""
+        return self._disk_bytes
 
     # -- before a restore ----------------------------------------------------------
     def before_request(self, tokens: Sequence[int]) -> None:
@@ -112,189 +144,236 @@ class PersistentStore:
             self.keep.discard(n)
 
     def purge_bad(self) -> None:
-        """Drop nodes (with subtrees) whose files turned out bad or whose state was closed."""
+        """Drop nodes (with subtrees) whose files turned out bad or whose state was closed
+        (walks the trie: call after a load, not per request)."""
+        self.verifier.found_bad()
         for n in list(self.trie.nodes()):
             if not n.detached and any(s is not None and (s.closed or self.verifier.is_bad(s))
                                       for s in n.snapshots):
                 self._drop_subtree(n)
 
-    # -- load ---------------------------------------------------------------------
-    def _legacy_note(self) -> None:
-        old = self.root / self.fingerprint[:16]
-        if not self._told_legacy and (old / INDEX).exists():
-            self._told_legacy = True
-            warn(f"ignoring a prefix cache written by an older mlx_kvcache (format 1) at "
-                 f"{old}; it is left as it is (delete it to reclaim {disk_usage(old)} B)")
+    def _drop_found_bad(self) -> None:
+        for s in self.verifier.found_bad():
+            n = self.holders.get(s)
+            if n is not None and not n.detached:
+                self._drop_subtree(n)
 
+    # -- load ---------------------------------------------------------------------
     def load(self, root=None) -> int:
         """Merge the saved trie into the live one; returns the tokens loaded. Fail-open.
 
         Call with the trie's lock held; afterwards enforce the memory budget and
         `purge_bad`."""
-        self._legacy_note()
-        self._saved: Dict[int, int] = {}
-        n = self._load_local(self.directory(root))
+        legacy_note(self.root, self.fingerprint)
+        d = self.directory(root)
+        own = d == self.directory()
+        with self._io:
+            n = self._load_local(d, own)
         if self.agree.size > 1:  # every rank, whatever its own load gave
             n = agree_loaded(self, self.agree, self._saved)
         return n
 
-    def _load_local(self, d: Path) -> int:
+    def _open(self, d: Path) -> Optional[Index]:
+        """The index in ``d`` if usable; warns and returns None otherwise."""
         try:
-            raw = (d / INDEX).read_bytes()
-        except FileNotFoundError:
-            return 0
-        except OSError as e:
-            warn(f"cannot read the prefix cache index {d / INDEX} ({e}); starting empty")
-            return 0
-        try:
-            idx = self._check_index(d, raw)
-            files = {str(k): (int(v["size"]), int(v["crc32"])) for k, v in idx["files"].items()}
-            nodes = list(idx["nodes"])
-        except Exception as e:
-            warn(f"ignoring the prefix cache at {d}: {type(e).__name__}: {e}")
-            return 0
-        return self._install(d, files, nodes)
-
-    def _check_index(self, d: Path, raw: bytes) -> Dict[str, Any]:
-        try:
-            idx = decode_index(raw)
-        except FormatError:
-            try:
-                head = json.loads(raw)
-                newer = head.get("format") == MAGIC and int(head.get("version")) > FORMAT_VERSION
-            except Exception:
-                newer = False
+            idx, why, newer = open_to_read(d, self.fingerprint, self.signature)
+        except (FormatError, OSError, sqlite3.Error, ValueError) as e:
+            idx, why, newer = None, f"{type(e).__name__}: {e}", False
+        if why is not None:
+            warn(f"ignoring the prefix cache at {d}: {why}")
             if newer:
                 self._foreign.add(d)
-                raise FormatError(f"format version {head.get('version')} is newer than this "
-                                  f"build's ({FORMAT_VERSION}); it is left as it is") from None
-            raise
-        if idx.get("fingerprint") != self.fingerprint:
-            raise FormatError("it was written for another model (fingerprint mismatch)")
-        if idx.get("layers") != self.signature:
-            raise FormatError("its cache layers do not match this model's")
+            elif d == self.directory():
+                self._reset = True  # the next write replaces it
         return idx
 
-    def _install(self, d: Path, files: Dict[str, Tuple[int, int]], nodes: List[dict]) -> int:
-        trie = self.trie
-        by_id: Dict[int, TrieNode] = {0: trie.root}
-        prefix: Dict[int, List[int]] = {0: []}
-        skipped: set = set()
-        problems: List[str] = []
-        sizes_ok: Dict[str, bool] = {}
-        for name, (size, crc) in files.items():
-            self.verifier.set_file_info((d, name), size, crc)
-            try:
-                sizes_ok[name] = os.stat(d / name).st_size == size
-            except OSError:
-                sizes_ok[name] = False
-        added: List[Tuple[TrieNode, int]] = []
-        loaded = 0
-        for e in nodes:
-            nid = -1
-            try:
-                nid, pid = int(e["id"]), int(e["parent"])
-                if pid in skipped:
-                    skipped.add(nid)
-                    continue
-                parent = by_id.get(pid)
-                if parent is None:
-                    raise ValueError(f"node {nid}: unknown parent {pid}")
-                toks = [int(t) for t in e["tokens"]]
-                if not toks or parent.end + len(toks) != int(e["end"]):
-                    raise ValueError(f"node {nid}: edge does not match its end offset")
-                if toks[0] in parent.children:
-                    skipped.add(nid)  # the live trie already has this branch
-                    continue
-                full = prefix[pid] + toks
-                digest = prefix_digest(full)
-                snaps, origins = self._placeholders(d, nid, e["layers"], files, sizes_ok, digest)
-                node = trie.add_child(parent, toks, snaps)
-            except Exception as ex:
-                problems.append(f"{type(ex).__name__}: {ex}")
-                skipped.add(nid)
-                continue
-            for s, o in origins:
-                self.verifier.register(s, o)
-            by_id[nid], prefix[nid] = node, full
-            added.append((node, int(e.get("last_used", 0))))
-            self._saved[id(node)] = added[-1][1]
-            if e.get("keep"):
-                self.keep.add(node)
-            loaded += len(toks)
-        # Keep the saved LRU order, after everything already in the trie.
-        base = trie.clock - len(added)
-        for rank, (node, _) in enumerate(sorted(added, key=lambda x: x[1]), 1):
-            node.last_used = base + rank
-        if problems:
-            warn(f"dropped {len(problems)} damaged node(s) of the prefix cache at {d} "
-                 f"with their subtrees (first: {problems[0]})")
-        return loaded
-
-    def _placeholders(self, d, nid, layers, files, sizes_ok, digest):
-        if len(layers) != self.trie.num_layers:
-            raise ValueError(f"node {nid}: {len(layers)} layers, expected {self.trie.num_layers}")
-        snaps: List[Optional[Snapshot]] = []
-        origins = []
-        for ent in layers:
-            if ent is None:
-                snaps.append(None)
-                continue
-            fname = str(ent["file"])
-            if fname not in files:
-                raise ValueError(f"node {nid}: file {fname} is not in the index")
-            if not sizes_ok[fname]:
-                raise ValueError(f"snapshot file {fname} is missing or truncated")
-            arrays, keys = {}, {}
-            for name, (tkey, shape, dtype) in ent["arrays"].items():
-                arrays[name] = mx.zeros([int(x) for x in shape], NAME_DTYPE[dtype])
-                keys[name] = str(tkey)
-            s = Snapshot.from_arrays(str(ent["kind"]), arrays,
-                                     {k: int(v) for k, v in ent["meta"].items()})
-            snaps.append(s)
-            origins.append((s, Origin(d, fname, keys, False, digest)))
-        return snaps, origins
+    def _load_local(self, d: Path, own: bool) -> int:
+        self._saved = {}
+        idx = self._open(d)
+        if idx is None:
+            return 0
+        try:
+            files, rows = idx.files(), list(idx.rows())
+            size = idx.files_bytes() + idx.db_bytes()
+        except sqlite3.Error as e:
+            idx.close(checkpoint=False)
+            warn(f"ignoring the prefix cache at {d}: the index is damaged ({e})")
+            self._reset = own
+            return 0
+        journal, self.trie.journal = self.trie.journal, (None if own else self.trie.journal)
+        try:  # loaded rows are on disk already: nothing to write for them
+            res = install(self, d, files, rows, adopt=own)
+        finally:
+            self.trie.journal = journal
+        self._saved = res.stamps
+        if own:
+            self._stale |= res.stale
+            self._disk_bytes = size
+            if self._index is not None:
+                self._index.close()
+            self._index = idx
+        else:
+            idx.close()
+        return res.tokens
 
     # -- save ---------------------------------------------------------------------
-    def capture(self, root=None) -> Tuple[Path, List[_save.NodePlan]]:
-        """What a save must write; call with the trie's lock held (quick, no I/O but stat)."""
-        self.purge_bad()
+    def capture(self, root=None) -> Tuple[Path, Optional[Delta]]:
+        """Record what changed since the last capture; call with the trie's lock held
+        (quick, no I/O). Returns what `write` takes."""
+        self._drop_found_bad()
         d = self.directory(root)
-        return d, _save.capture(self.trie, self.keep, self.verifier, d)
+        if d != self.directory():  # another directory: everything, written there directly
+            return d, self._full(d)
+        changed, cleared, overflowed = self.journal.drain()
+        with self._qmu:
+            need_full, self._need_full = self._need_full or overflowed, False
+            resync = list(self._resync)
+            self._resync = weakref.WeakSet()
+        if need_full:
+            delta = self._full(d)
+        else:
+            delta = Delta(d)
+            delta.cleared = cleared
+            if not cleared:
+                delta.deletes |= self._stale
+            for n in resync:
+                if not n.detached:
+                    changed[n] = STRUCT
+            self.capturer.capture(d, changed, delta)
+        self._stale = set()
+        with self._qmu:
+            self._queue = delta if self._queue is None else self._queue.absorb(delta)
+        return d, None
 
-    def write(self, d: Path, plans: List[_save.NodePlan]) -> int:
-        """Write a `capture` (outside the trie's lock); returns bytes on disk.
+    def _full(self, d: Path) -> Delta:
+        delta = Delta(d)
+        delta.full = True
+        return self.capturer.capture(d, {n: STRUCT for n in self.trie.nodes()}, delta)
 
-        Raises ``OSError`` when the directory cannot be written, or after writing a
-        consistent index without the snapshot files that failed to write (a full disk)."""
+    def write(self, d: Path, delta: Optional[Delta] = None) -> int:
+        """Write what `capture` recorded (outside the trie's lock); returns bytes on disk.
+
+        Raises ``OSError`` when the directory cannot be written, or after committing
+        the rows whose files could be written (a full disk)."""
         if d in self._foreign:
-            return 0  # a newer build's cache: never overwrite it
-        header = {"fingerprint": self.fingerprint, "layers": self.signature}
-        fixed = 400 + len(json.dumps(self.signature)) + len(self.fingerprint)
+            return 0
         with self._io:
-            d.mkdir(parents=True, exist_ok=True)
-            with DirLock(d):
-                plans = _save.within_budget(plans, d, self.verifier, self.max_disk_bytes, fixed)
-                size, problems = _save.write(d, plans, self.verifier, header)
-        if problems:
-            raise OSError(f"could not write {len(problems)} snapshot file(s) to {d} "
-                          f"(first: {problems[0]}); those prefixes are not saved")
+            if delta is None:
+                with self._qmu:
+                    delta, self._queue = self._queue, None
+                if delta is None:
+                    return self._disk_bytes
+            try:
+                out, size = self._apply(d, delta, own=delta.dir == self.directory())
+            except BaseException as e:
+                if delta.dir == self.directory():
+                    self._requeue(delta)  # retried with the next capture
+                if isinstance(e, (OSError, sqlite3.Error)):
+                    raise OSError(f"cannot write the prefix cache at {d}: {e}") from e
+                raise
+        with self._qmu:
+            for ref in out.resync:
+                n = ref()
+                if n is not None:
+                    self._resync.add(n)
+        if out.problems:
+            raise OSError(f"could not write {len(out.problems)} snapshot file(s) to {d} "
+                          f"(first: {out.problems[0]}); those prefixes are not saved")
         return size
 
+    def _apply(self, d: Path, delta: Delta, own: bool):
+        d.mkdir(parents=True, exist_ok=True)
+        with DirLock(d):
+            idx = self._index_for(d, own)
+            if idx is None:
+                return _save.Outcome(), 0  # a newer format's directory: never touched
+            try:
+                if not own or not self._swept:
+                    _save.sweep(idx, d, self.verifier)
+                    self._swept = own
+                budget = self.max_disk_bytes
+                idx.tune((budget or 64 << 20) // 16)
+                out = _save.write(idx, delta, self.verifier, budget)
+                size = idx.files_bytes() + idx.db_bytes()
+            finally:
+                if not own:
+                    idx.close()
+        if own:
+            self._disk_bytes = size
+        return out, size
+
+    def _index_for(self, d: Path, own: bool) -> Optional[Index]:
+        """``d``'s index open for writing (`opening.open_to_write`); None for a newer
+        format's directory. Call with the directory lock held."""
+        if own and self._index is not None:
+            if not self._index.readonly and self._index.still_there():
+                return self._index
+            self._index.close(checkpoint=self._index.still_there())
+            self._index = None
+            self._swept = False
+        idx, made = open_to_write(d, self.fingerprint, self.signature, own and self._reset)
+        if idx is None:
+            self._foreign.add(d)
+            return None
+        if made:  # what the old index listed is swept as unknown files
+            self.verifier.forget_dir(d)
+            if own:
+                self._reset, self._swept = False, False
+        if own:
+            self._index = idx
+        return idx
+
+    def _requeue(self, delta: Delta) -> None:
+        for f in delta.files.values():
+            for ref, _ in f.snaps:
+                s = ref()
+                if s is not None:
+                    self.verifier.forget_pending(s)
+        delta.strip()
+        with self._qmu:
+            if self._queue is not None:
+                delta.absorb(self._queue)
+            if len(delta.rows) + len(delta.deletes) + len(delta.touches) > _QUEUE_LIMIT:
+                self._need_full, delta = True, None  # too much owed: the next save writes all
+            self._queue = delta
+
     def clear_disk(self) -> None:
-        """Delete this model's saved cache: the index first (so a crash leaves an empty
-        cache, never one with missing files), then the snapshot files."""
+        """Delete this model's saved cache, durably before returning: every row in one
+        committed transaction (so a crash or restart from here on loads nothing), then
+        the snapshot files. Raises ``OSError`` naming the directory when it cannot be
+        written (e.g. read-only)."""
         d = self.directory()
         if d in self._foreign or not d.is_dir():
             return
-        with self._io, DirLock(d):
-            (d / INDEX).unlink(missing_ok=True)
-            fsync_dir(d)
-            for name in snapshot_files(d):
-                (d / name).unlink(missing_ok=True)
-                self.verifier.forget_file((d, name))
+        try:
+            with self._io, DirLock(d):
+                with self._qmu:
+                    self._queue = None  # captures of what is being cleared
+                idx = self._index_for(d, True)
+                if idx is None:
+                    return
+                idx.wipe()  # durable from here on: a crash loads nothing
+                for name in collectable(d):
+                    (d / name).unlink(missing_ok=True)
+                    self.verifier.forget_file((d, name))
+                # An empty index is still ~100 kB of SQLite files: remove them too.
+                idx.close()
+                self._index = None
+                for side in ("", "-wal", "-shm"):
+                    (d / (INDEX + side)).unlink(missing_ok=True)
+                fsync_dir(d)
+                self._disk_bytes = 0
+        except (OSError, sqlite3.Error) as e:
+            why = getattr(e, "strerror", None) or str(e)
+            raise OSError(getattr(e, "errno", None), f"cannot clear the prompt cache at {d}: {why}") from e
 
     def save(self, root=None) -> int:
         """`capture` then `write`; the caller holds the trie's lock for the whole call."""
-        d, plans = self.capture(root)
-        return self.write(d, plans)
+        return self.write(*self.capture(root))
+
+    def close(self) -> None:
+        """Checkpoint and close the index (reopened if used again)."""
+        with self._io:
+            if self._index is not None:
+                self._index.close()
+                self._index = None

@@ -5,7 +5,7 @@
 from .dirs import (
     CHAT_TEMPLATE, DIR_CONFIGS, DIR_VOCAB, SPECIALS, write_model_dir, write_tokenizer_dir,
 )
-from .models import MODELS, V, TokenIdTokenizer, build
+from .models import MODELS, V, TokenIdTokenizer, build, noisy_copy
 
 __all__ = ["MODELS", "V", "TokenIdTokenizer", "build", "CHAT_TEMPLATE", "DIR_CONFIGS",
-           "DIR_VOCAB", "SPECIALS", "write_model_dir", "write_tokenizer_dir"]
+           "DIR_VOCAB", "SPECIALS", "write_model_dir", "write_tokenizer_dir", "noisy_copy"]

@@ -1,0 +1,272 @@
+"""`QuantizedKVCache`: a full-attention KV cache whose rows are stored quantized.
+
+Drop-in for mlx-lm's ``QuantizedKVCache``: keys and values are triples (packed ``uint32``
+data, scales, biases) in ``[B, H, rows, ...]`` buffers, and the ``bits`` / ``group_size``
+attributes make mlx-lm models take the quantized attention path. Quantization groups run
+along the head dimension, so every token's row is quantized on its own: a snapshot is a
+delta of rows ``[a, b)`` exactly like a `KVSnapshot`, it restores at any token, splits at
+any token and merges by concatenation.
+
+Which rows a *request* may reuse is a separate question, decided by the quantization
+schedule (`KVQuantization`, see `schedule`): rows computed after the switch to quantized
+attention are valid only for requests with the same ``(bits, group_size, start)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+import mlx.core as mx
+from mlx_lm.models.cache import create_attention_mask
+
+from .checks import check_kv, check_offset, check_snapshot, check_target
+from .quantized_rows import (  # noqa: F401  (re-exported)
+    BITS, GROUP_SIZES, QuantizedSnapshot, Triple, _kv_snapshot_type, _pack, check_quant,
+    merge_rows, quantize_rows, split_rows,
+)
+from .snapshot import CacheError, Snapshot, compact
+
+class QuantizedKVCache:
+    """Growable quantized KV cache for one attention layer (mlx-lm's layout and face).
+
+    ``quantized_kv_start`` records the schedule the rows belong to (-1 when unknown); it
+    is carried into snapshots so they are reused only where they are valid.
+    """
+
+    step = 256
+    #: Snapshots are deltas over the rows below them (the budget counts only new rows).
+    delta_snapshots = True
+
+    def __init__(self, group_size: int = 64, bits: int = 8, quantized_kv_start: int = -1) -> None:
+        self.bits, self.group_size = check_quant(bits, group_size)
+        self.quantized_kv_start = int(quantized_kv_start)
+        self.keys: Optional[Triple] = None
+        self.values: Optional[Triple] = None
+        self.offset = 0
+
+    # -- writing ----------------------------------------------------------------------
+    def _dims(self) -> Optional[Tuple[int, int, int, int, Any]]:
+        """``(B, H, key dim, value dim, dtype)`` of the rows held (None when empty)."""
+        if self.keys is None:
+            return None
+        w, sc = self.keys[0], self.keys[1]
+        return (w.shape[0], w.shape[1], w.shape[3] * 32 // self.bits,
+                self.values[0].shape[3] * 32 // self.bits, sc.dtype)
+
+    def _check_input(self, keys: mx.array, values: mx.array) -> None:
+        check_kv(keys, values, None, None)
+        for name, d in (("key", keys.shape[3]), ("value", values.shape[3])):
+            if d % self.group_size:
+                raise CacheError(f"{name} head dim {d} is not a multiple of the kv group size "
+                                 f"{self.group_size}")
+        dims = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+        held = self._dims()
+        if held is not None and dims != held:
+            raise CacheError(f"keys/values [B={dims[0]}, H={dims[1]}, dk={dims[2]}, dv={dims[3]}, "
+                             f"{dims[4]}] do not match the cache's [B={held[0]}, H={held[1]}, "
+                             f"dk={held[2]}, dv={held[3]}, {held[4]}]")
+
+    def _write(self, kq: Triple, vq: Triple) -> None:
+        """Append quantized rows at ``offset`` (grown in 256-row steps, written in place)."""
+        prev, n = self.offset, kq[0].shape[2]
+        if self.keys is None or prev + n > self.keys[0].shape[2]:
+            grow = ((n + self.step - 1) // self.step) * self.step
+
+            def expand(buf, like):
+                z = mx.zeros((*like.shape[:2], grow, like.shape[3]), like.dtype)
+                if buf is None:
+                    return z
+                if prev % self.step:  # stale rows past the offset (a rewind or compact restore)
+                    buf = buf[..., :prev, :]
+                return mx.concatenate([buf, z], axis=2)
+
+            old_k = self.keys or (None,) * 3
+            old_v = self.values or (None,) * 3
+            self.keys = tuple(expand(b, x) for b, x in zip(old_k, kq))  # type: ignore[assignment]
+            self.values = tuple(expand(b, x) for b, x in zip(old_v, vq))  # type: ignore[assignment]
+        self.offset = prev + n
+        for buf, x in zip(self.keys + self.values, kq + vq):
+            buf[..., prev : self.offset, :] = x
+
+    def update(self, keys: mx.array, values: mx.array) -> Tuple[Triple, Triple]:
+        """Quantize and append ``[B, H, L, D]`` keys/values; return every row to attend to."""
+        self._check_input(keys, values)
+        self._write(quantize_rows(keys, self.group_size, self.bits),
+                    quantize_rows(values, self.group_size, self.bits))
+        return self.keys_and_values()
+
+    update_and_fetch = update
+
+    def keys_and_values(self) -> Tuple[Triple, Triple]:
+        """The triples cut to the ``offset`` valid rows."""
+        if self.offset == self.keys[0].shape[2]:
+            return self.keys, self.values
+        cut = tuple(x[..., : self.offset, :] for x in self.keys + self.values)
+        return cut[:3], cut[3:]  # type: ignore[return-value]
+
+    def free(self) -> None:
+        """Drop all state; ``offset`` becomes 0."""
+        self.keys = self.values = None
+        self.offset = 0
+
+    # -- snapshot face ----------------------------------------------------------------
+    def _row_bytes(self) -> int:
+        return sum(x.shape[0] * x.shape[1] * x.shape[3] * x.dtype.size for x in self.keys + self.values)
+
+    def snapshot(self, from_offset: int = 0) -> Optional[QuantizedSnapshot]:
+        """Compact copy of rows ``[from_offset, offset)``; None when that range is empty."""
+        from_offset = check_offset("from_offset", from_offset, self.offset)
+        if self.keys is None or from_offset == self.offset:
+            return None
+        parts = [compact(x[..., from_offset : self.offset, :]) for x in self.keys + self.values]
+        mx.eval(parts)
+        return QuantizedSnapshot(from_offset, self.offset, _pack(tuple(parts[:3]), tuple(parts[3:])),
+                                 self.bits, self.group_size, self.quantized_kv_start)
+
+    def snapshot_nbytes(self, from_offset: int = 0) -> int:
+        """Bytes ``snapshot(from_offset)`` would hold (nothing is copied)."""
+        if self.keys is None or from_offset >= self.offset:
+            return 0
+        return (self.offset - max(from_offset, 0)) * self._row_bytes()
+
+    def _rows_of(self, s: Snapshot, lo: int, hi: int) -> Tuple[Triple, Triple]:
+        """Rows ``[lo, hi)`` of a KV-family snapshot, quantized with this cache's settings.
+
+        A `KVSnapshot`'s rows are quantized here, which equals quantizing them in a live
+        cache (each row is quantized on its own)."""
+        r0, r1 = lo - s.from_offset, hi - s.from_offset
+        if isinstance(s, QuantizedSnapshot):
+            if (s.bits, s.group_size) != (self.bits, self.group_size):
+                raise CacheError(f"snapshot quantized with bits={s.bits}, group_size={s.group_size}; "
+                                 f"the cache uses bits={self.bits}, group_size={self.group_size}")
+            cut = tuple(x[..., r0:r1, :] for x in s.keys + s.values)
+            return cut[:3], cut[3:]  # type: ignore[return-value]
+        k, v = s.keys[..., r0:r1, :], s.values[..., r0:r1, :]
+        return quantize_rows(k, self.group_size, self.bits), quantize_rows(v, self.group_size, self.bits)
+
+    def _usable(self, s: Snapshot) -> bool:
+        """The schedule rule: quantized rows of another start, or unquantized rows at or past
+        this cache's start, were computed under another attention and are not these rows."""
+        check_snapshot(s, (QuantizedSnapshot, _kv_snapshot_type()), "QuantizedKVCache.restore")
+        start = self.quantized_kv_start
+        if isinstance(s, QuantizedSnapshot):
+            return s.start == start
+        return start < 0 or s.to_offset <= start
+
+    def restore(self, snapshot: Optional[Snapshot], target: int) -> bool:
+        """Bring the cache to ``target`` tokens.
+
+        ``snapshot=None`` rewinds (any ``target <= offset``). A `QuantizedSnapshot` (same
+        bits, group size and start) or a `KVSnapshot` (rows below this cache's start,
+        quantized as they are copied) needs ``offset >= snapshot.from_offset`` and
+        ``target <= snapshot.to_offset``. False, changing nothing, when unreachable or when
+        the schedule rule forbids the rows.
+        """
+        if check_target(target) is None:
+            return False
+        if snapshot is None:
+            if target > self.offset:
+                return False
+            self.offset = target
+            return True
+        return self.restore_chain([snapshot], target)
+
+    def restore_chain(self, snapshots: Sequence[Snapshot], target: int) -> bool:
+        """`restore` through adjacent snapshots ``[a, b), [b, c), ...`` in one copy (each a
+        `QuantizedSnapshot` or a `KVSnapshot`). False, changing nothing, when unreachable."""
+        target = check_target(target)
+        if target is None:
+            return False
+        if not snapshots:
+            return self.restore(None, target)
+        usable = [self._usable(s) for s in snapshots]
+        for a, b in zip(snapshots, snapshots[1:]):
+            if a.to_offset != b.from_offset:
+                raise CacheError(f"snapshots [{a.from_offset}, {a.to_offset}) and "
+                                 f"[{b.from_offset}, {b.to_offset}) are not adjacent")
+        start = snapshots[0].from_offset
+        if self.offset < start or target > snapshots[-1].to_offset:
+            return False
+        if target <= start:
+            return self.restore(None, target)
+        parts = [[] for _ in range(6)]
+        if start:
+            for p, x in zip(parts, self.keys + self.values):
+                p.append(x[..., :start, :])
+        for s, ok in zip(snapshots, usable):
+            if s.from_offset >= target:
+                break
+            if not ok:
+                return False
+            kq, vq = self._rows_of(s, s.from_offset, min(s.to_offset, target))
+            like = self.keys + self.values if self.keys is not None else [p[0] for p in parts if p]
+            for x, y in zip(kq + vq, like):
+                if x.shape[:2] != y.shape[:2] or x.shape[3] != y.shape[3] or x.dtype != y.dtype:
+                    raise CacheError(f"snapshot rows {tuple(x.shape)} {x.dtype} do not match "
+                                     f"the cache's {tuple(y.shape)} {y.dtype}")
+            for p, x in zip(parts, kq + vq):
+                p.append(x)
+        pad = self.step - target % self.step  # room to grow; never a bare snapshot array
+        out = [mx.concatenate(p + [mx.zeros((*p[0].shape[:2], pad, p[0].shape[3]), p[0].dtype)], axis=2)
+               for p in parts]
+        self.keys, self.values = tuple(out[:3]), tuple(out[3:])  # type: ignore[assignment]
+        self.offset = target
+        return True
+
+    def merge(self, parent: Snapshot, child: Snapshot) -> Optional[Snapshot]:
+        """Concatenate adjacent ``[a, b)`` and ``[b, c)`` (see `merge_rows`); closes both."""
+        return merge_rows(parent, child)
+
+    def split(self, snapshot: QuantizedSnapshot, at: int):
+        """Cut ``[a, c)`` into ``[a, at)`` and ``[at, c)``; takes ownership of the input."""
+        return split_rows(snapshot, at)
+
+    # -- mlx-lm face ------------------------------------------------------------------
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        return create_attention_mask(N, offset=self.offset, return_array=return_array,
+                                     window_size=window_size)
+
+    @property
+    def state(self):
+        """``(keys, values, offset, group_size, bits)``, mlx-lm's layout."""
+        return self.keys, self.values, self.offset, self.group_size, self.bits
+
+    @state.setter
+    def state(self, v) -> None:
+        keys, values, offset, group_size, bits = v
+        self.bits, self.group_size = check_quant(int(bits), int(group_size))
+        self.keys = None if keys is None else tuple(keys)
+        self.values = None if values is None else tuple(values)
+        self.offset = int(offset)
+
+    @property
+    def meta_state(self) -> str:
+        return ""
+
+    @classmethod
+    def from_state(cls, state, meta_state=None) -> "QuantizedKVCache":
+        obj = cls(int(state[3]), int(state[4]))
+        obj.state = state
+        return obj
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, int(n))
+        self.offset -= n
+        return n
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the live buffers (growth padding included)."""
+        return 0 if self.keys is None else sum(x.nbytes for x in self.keys + self.values)
+
+    def __repr__(self) -> str:
+        return f"QuantizedKVCache(bits={self.bits}, group_size={self.group_size}, offset={self.offset})"

@@ -1,0 +1,385 @@
+"""Speculative decoding on every cache kind, with exact rollback from snapshots.
+
+A round follows mlx-lm's algorithm and acceptance rule: the draft model proposes ``k``
+tokens, one forward pass each; the target scores the tokens it has not absorbed yet plus
+the proposals in one pass and samples a token at every position; proposals are accepted
+while they equal the target's samples, and the target's sample after the last accepted
+one is emitted too. Every emitted token is the target's own sample given the emitted
+prefix, so the output has the target's distribution and, greedy, is token-for-token the
+target's greedy output.
+
+Rollback. After a round each model must hold only emitted tokens. A layer that rewinds
+live (``restore(None, t)``: KV layers, a window that has not wrapped) just does. A layer
+that cannot (a recurrent state, a window that wraps during the pass) is snapshotted before
+the pass — its model's *checkpoint* — and when a live rewind fails, every layer of that
+model returns to the checkpoint. The accepted tokens are then *carried*: fed again at the
+front of that model's next pass (the target's next verify pass), so a rejection costs no
+forward pass of its own (llama.cpp replays them in a separate pass). A checkpoint stays
+valid while its model sits on it, so a carry needs no new snapshot. A carry longer than
+``2 * (k + 1)`` tokens is replayed at once, which bounds the length of a pass.
+
+Every method of `SpeculativeDecoder` runs on the engine thread (`engine`); `request.run`
+sequences the rounds and yields their tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+from mlx.utils import tree_map
+from mlx_lm.models import cache as mlc
+
+from ..caches import settle
+from ..prefix.stats import RequestStats
+
+__all__ = ["SpeculativeDecoder", "clamp_ids"]
+
+#: One emitted token: id, the target's log-probs at its position, whether the draft proposed it.
+Emitted = Tuple[int, mx.array, bool]
+
+
+def _flatten(caches: Sequence[Any]) -> List[Any]:
+    out: List[Any] = []
+    for c in caches:
+        if isinstance(c, mlc.CacheList):
+            out.extend(_flatten(c.caches))
+        else:
+            out.append(c)
+    return out
+
+
+# -- what each layer cache can undo (our classes answer through `restore`; mlx-lm's own
+#    classes, used when the prefix cache is off, through `trim` and `state`) ---------------
+def _rewinds_live(c: Any) -> bool:
+    """Whether ``c`` can go back to any earlier offset without a snapshot (asks nothing of it)."""
+    wrapped = getattr(c, "wrapped", None)  # our RotatingKVCache
+    if isinstance(wrapped, bool):
+        return not wrapped
+    return bool(c.is_trimmable())
+
+
+def _needs_snapshot(c: Any, ahead: int) -> bool:
+    """Whether ``c`` may be unable to rewind after a pass of ``ahead`` more tokens."""
+    max_size = getattr(c, "max_size", None)
+    if isinstance(max_size, int) and hasattr(c, "offset"):  # a window wraps, or it does not
+        return c.offset + ahead > max_size
+    return not c.is_trimmable()
+
+
+def _rewind(c: Any, t: int) -> bool:
+    """Bring ``c`` back to ``t`` tokens from its live state; False (no change) if it cannot."""
+    if hasattr(c, "restore"):
+        return c.restore(None, t)
+    off = getattr(c, "offset", None)
+    if off is None or t > off:
+        return False
+    if t < off:
+        if not c.is_trimmable():
+            return False
+        c.trim(off - t)
+    return True
+
+
+def _fresh(x: Any) -> Any:
+    # A new wrapper around the same (immutable) data: an in-place write to the cache's
+    # array later rebinds only the cache's wrapper, never the saved one.
+    return mx.array(x) if isinstance(x, mx.array) else x
+
+
+def _snapshot(c: Any) -> Any:
+    """``c``'s whole state, unchangeable by later writes (our snapshots; None: empty)."""
+    if hasattr(c, "snapshot"):
+        return c.snapshot(0)
+    return tree_map(_fresh, c.state), c.meta_state
+
+
+def _restore(c: Any, snap: Any, at: int) -> bool:
+    if hasattr(c, "snapshot"):
+        if snap is None:  # the layer was empty at the checkpoint
+            c.free()
+            return at == 0
+        return c.restore(snap, at)
+    state, meta = snap
+    c.state = tree_map(_fresh, state)
+    if meta:
+        c.meta_state = meta
+    return True
+
+
+class _Lost(RuntimeError):
+    """A model's caches cannot be brought back to a committed prefix."""
+
+
+class _Side:
+    """One model of a speculative request: its caches, the committed tokens they hold
+    (``n``: ``seq[:n]``), drafted tokens held past those (``extra``) and its checkpoint."""
+
+    def __init__(self, model, caches: List[Any], n: int, vocab: Optional[int] = None) -> None:
+        self.model, self.caches, self.leaves = model, caches, _flatten(caches)
+        self.vocab = vocab  # ids at or past it are fed as ``vocab - 1`` (see `clamp_ids`)
+        self.n, self.extra = n, 0
+        self.high = n  # most committed tokens ever held: feeding below it is a replay
+        self.passes = self.replayed = 0
+        self.busy = False  # inside a pass: an exception there leaves layers half written
+        self.at: Optional[int] = None  # the checkpoint's offset
+        self.snaps: Dict[int, Any] = {}
+        #: The kv_bits switch (see `SpeculativeDecoder`): where it happens, and the call
+        #: that makes it and refreshes both models' cache lists.
+        self.quant_start: Optional[int] = None
+        self.before: Callable[[], None] = lambda: None
+
+    def set_caches(self, caches: List[Any]) -> None:
+        """The cache list to run on from now (the kv_bits switch replaces cache objects)."""
+        self.caches, self.leaves = caches, _flatten(caches)
+
+    def forward(self, ids: mx.array, committed: int) -> mx.array:
+        """Feed ``ids``: their first ``committed`` continue ``seq[:n]``, the rest are drafts.
+
+        With kv_bits, a pass never spans the switch: committed tokens crossing it are fed in
+        two passes, the caches switched in between (the decoder keeps drafts below it)."""
+        at = self.n + self.extra
+        cut = None if self.quant_start is None else self.quant_start - at
+        self.busy = True
+        if cut is not None and 0 < cut < ids.size:
+            if cut > committed:
+                raise _Lost("a pass with drafts would span the kv_bits switch")
+            self.before()
+            head = self.model(clamp_ids(ids[:cut], self.vocab)[None], cache=self.caches)
+            settle(self.caches, cut)
+            self.before()
+            tail = self.model(clamp_ids(ids[cut:], self.vocab)[None], cache=self.caches)
+            settle(self.caches, ids.size - cut)
+            logits = mx.concatenate([head, tail], axis=1)
+        else:
+            self.before()
+            logits = self.model(clamp_ids(ids, self.vocab)[None], cache=self.caches)
+            settle(self.caches, ids.size)
+        self.busy = False
+        self.passes += 1
+        self.replayed += max(0, min(self.n + committed, self.high) - self.n)
+        self.n += committed
+        self.high = max(self.high, self.n)
+        self.extra += ids.size - committed
+        return logits
+
+    def checkpoint(self, ahead: int) -> None:
+        """Snapshot each layer that may not rewind after ``ahead`` more tokens. Kept while
+        the model sits at the same committed offset (a carry reuses it)."""
+        if self.at != self.n:
+            self.drop()
+            self.at = self.n
+        for i, c in enumerate(self.leaves):
+            if i not in self.snaps and _needs_snapshot(c, ahead):
+                self.snaps[i] = _snapshot(c)
+
+    def rollback(self, keep: int) -> int:
+        """Hold ``keep`` committed tokens, or fewer: each layer rewinds live where it can;
+        when one cannot, every layer returns to the checkpoint. Returns the tokens held."""
+        if not self.busy and all([_rewind(c, keep) for c in self.leaves]):
+            self.n, self.extra = keep, 0
+            return keep
+        if self.at is None or self.at > keep:
+            raise _Lost(f"no checkpoint at or below offset {keep}")
+        for i, c in enumerate(self.leaves):
+            ok = _restore(c, self.snaps[i], self.at) if i in self.snaps else _rewind(c, self.at)
+            if not ok:
+                raise _Lost(f"{type(c).__name__} layer {i} cannot return to offset {self.at}")
+        self.n, self.extra, self.busy = self.at, 0, False
+        return self.at
+
+    def drop(self) -> None:
+        for s in self.snaps.values():
+            close = getattr(s, "close", None)
+            if close is not None:
+                close()
+        self.snaps.clear()
+        self.at = None
+
+
+def clamp_ids(ids: mx.array, vocab: Optional[int]) -> mx.array:
+    """``ids`` with those a model has no embedding for (``>= vocab``) replaced by its last
+    id. Only ever applied to the draft: the target may emit ids a smaller draft vocabulary
+    lacks, and MLX does not bound-check an embedding lookup. The draft only proposes, so
+    this can lower acceptance, never change the output."""
+    return ids if vocab is None else mx.minimum(ids, vocab - 1)
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SpeculativeDecoder:
+    """The decode loop of one request with a draft model (every method on the engine thread).
+
+    Both models' caches hold ``tokens[:-1]`` (the prefill); `step` runs one round and
+    returns the emitted tokens; `finish` brings both models to one committed prefix for
+    the check-in and drops the checkpoints.
+
+    Args:
+        vocab: the target's vocabulary size (see `_target_width`).
+        draft_vocab: the draft's, when smaller than the target's (see `clamp_ids`).
+    """
+
+    def __init__(self, target, target_caches: List[Any], draft, draft_caches: List[Any],
+                 tokens: Sequence[int], *, num_draft: int, sampler: Callable,
+                 processors: Sequence[Callable], eos, max_tokens: int, stats: RequestStats,
+                 vocab: Optional[int] = None, draft_vocab: Optional[int] = None,
+                 switch: Optional[Callable[[], Tuple[List[Any], List[Any]]]] = None,
+                 quant_start: Optional[int] = None) -> None:
+        self.seq = list(tokens)
+        n = len(self.seq) - 1
+        self.t = _Side(target, target_caches, n)
+        self.d = _Side(draft, draft_caches, n, draft_vocab)
+        self.quant_start = quant_start
+        if switch is not None:
+            # kv_bits: the switch happens exactly when a cache reaches ``quant_start``
+            # (rows below it unquantized, rows from it quantized, as in plain decoding), and
+            # replaces cache objects. No pass with drafts may span it (`step` keeps drafts
+            # below it), so a rejection never rewinds a switched cache below it.
+            def before() -> None:
+                tc, dc = switch()
+                self.t.set_caches(tc)
+                self.d.set_caches(dc)
+            for side in (self.t, self.d):
+                side.quant_start, side.before = quant_start, before
+        self.k, self.max_carry = int(num_draft), 2 * (int(num_draft) + 1)
+        self.sampler, self.processors, self.eos = sampler, list(processors), eos
+        self.max_tokens, self.stats, self.vocab = max_tokens, stats, vocab
+        self.generated = 0
+        self._hist: Optional[mx.array] = None
+
+    # -- sampling --------------------------------------------------------------------------
+    def _history(self, drafts: List[mx.array], i: int) -> mx.array:
+        if self._hist is None or self._hist.size != len(self.seq):  # once per round
+            self._hist = mx.array(self.seq, mx.uint32)
+        return mx.concatenate([self._hist] + [x.astype(mx.uint32) for x in drafts[:i]])
+
+    def _sample(self, logits: mx.array, drafts: List[mx.array], first: int):
+        """Sample each row of ``logits`` ``[R, V]``; row ``i`` follows ``seq + drafts[:first + i]``
+        (the history logits processors see, as in plain decoding)."""
+        if self.processors:
+            rows = []
+            for i in range(logits.shape[0]):
+                row, hist = logits[i:i + 1], self._history(drafts, first + i)
+                for p in self.processors:
+                    row = p(hist, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return self.sampler(logprobs), logprobs
+
+    def _target_width(self, logits: mx.array) -> mx.array:
+        """The draft's logits over exactly the target's ids: a wider draft never proposes
+        an id the target lacks; a narrower one is padded with -inf (logits processors index
+        them by ids of the history, which may be past the draft's vocabulary)."""
+        width = logits.shape[-1]
+        if self.vocab is None or width == self.vocab:
+            return logits
+        if width > self.vocab:
+            return logits[:, : self.vocab]
+        pad = mx.full((logits.shape[0], self.vocab - width), -mx.inf, logits.dtype)
+        return mx.concatenate([logits, pad], axis=-1)
+
+    # -- one round -------------------------------------------------------------------------
+    def _draft(self, k: int) -> List[mx.array]:
+        d, seq = self.d, self.seq
+        drafts: List[mx.array] = []
+        if k == 0:
+            return drafts
+        d.checkpoint(len(seq) - d.n + k - 1)
+        ids = mx.array(seq[d.n:], mx.uint32)
+        for j in range(k):
+            logits = d.forward(ids, ids.size if j == 0 else 0)[0, -1:, :]
+            ids, _ = self._sample(self._target_width(logits), drafts, j)
+            mx.async_eval(ids)  # the next draft step is queued behind it, no sync
+            drafts.append(ids)
+        return drafts
+
+    def step(self) -> Tuple[List[Emitted], bool]:
+        """One round: draft, verify, accept, roll back. Returns the emitted tokens (at
+        least one) and whether the request is done (end of sequence or ``max_tokens``)."""
+        seq, t, st = self.seq, self.t, self.stats
+        base = len(seq)
+        left = math.inf if self.max_tokens < 0 else self.max_tokens - self.generated
+        k = int(min(self.k, left - 1))
+        qs = self.quant_start
+        if qs is not None and base <= qs:
+            k = min(k, qs - base)  # drafted positions stay below the kv_bits switch
+        drafts = self._draft(k)
+        t.checkpoint(base - t.n + k)
+        ids = mx.concatenate([mx.array(seq[t.n:], mx.uint32)]
+                             + [x.astype(mx.uint32) for x in drafts])
+        logits = t.forward(ids, base - t.n)[0, -(k + 1):, :]
+        toks, logprobs = self._sample(logits, drafts, 0)
+        mx.eval(toks, logprobs, drafts)
+        proposed = mx.concatenate(drafts).tolist() if drafts else []
+        sampled = toks.tolist()
+        n = _common(proposed, sampled)
+        out = [(sampled[i], i < n) for i in range(n + 1)]
+        done = False
+        for j, (tok, _) in enumerate(out):
+            if tok in self.eos or self.generated + j + 1 == self.max_tokens:
+                out, done = out[: j + 1], True
+                break
+        rows = [logprobs[i] for i in range(len(out))]
+        mx.eval(rows)  # handed to the caller's thread: data, not a graph
+        seq.extend(tok for tok, _ in out)
+        self.generated += len(out)
+        st.drafted_tokens += k
+        st.accepted_tokens += n
+        self._settle(t, base, proposed, done)
+        self._settle(self.d, base, proposed[: max(k - 1, 0)], done)
+        st.target_passes, st.replayed_tokens = t.passes, t.replayed
+        return [(tok, row, fd) for (tok, fd), row in zip(out, rows)], done
+
+    def _settle(self, side: _Side, base: int, absorbed: List[int], done: bool) -> None:
+        """Keep what the emitted tokens confirm (never the last one: no model has seen it)."""
+        end = len(self.seq) - 1
+        keep = min(base + _common(absorbed, self.seq[base:]), end) if side.extra else side.n
+        if keep != side.n + side.extra:
+            side.rollback(keep)
+        else:
+            side.n, side.extra = keep, 0
+        if not done and end - side.n > self.max_carry:  # replay a long carry on its own
+            side.forward(mx.array(self.seq[side.n:end], mx.uint32), end - side.n)
+
+    # -- the end ---------------------------------------------------------------------------
+    def finish(self, complete: bool = False) -> Tuple[List[int], bool]:
+        """Bring both models to one committed prefix (also after an exception mid-round)
+        and drop the checkpoints. A ``complete`` request first feeds each model what it
+        lacks of the emitted tokens, so the trie records what plain decoding records
+        (all but the last token). Returns the prefix and whether it was reached; when it
+        was not, the check-in finds the caches inconsistent and keeps only what it can."""
+        t, d = self.t, self.d
+        end = len(self.seq) - 1
+        try:
+            for side in (t, d):
+                if side.busy or side.extra:
+                    side.rollback(side.n)
+            for side in (t, d) if complete else ():
+                if side.n < end:
+                    side.forward(mx.array(self.seq[side.n:end], mx.uint32), end - side.n)
+            lo, hi = sorted((t, d), key=lambda s: s.n)
+            if lo.n < hi.n:
+                # The draft catches up (a short pass of a small model); the target rewinds
+                # to the draft if it can, else it catches up too.
+                # (Never below the kv_bits switch: a switched cache's rows there are not
+                # the unquantized ones.)
+                below_switch = self.quant_start is not None and lo.n < self.quant_start
+                if lo is t and not below_switch and all(_rewinds_live(c) for c in hi.leaves):
+                    hi.rollback(lo.n)
+                else:
+                    lo.forward(mx.array(self.seq[lo.n:hi.n], mx.uint32), hi.n - lo.n)
+            ok = t.n == d.n and not (t.busy or d.busy)
+        except Exception:  # _Lost, or a failed catch-up pass
+            ok = False
+        finally:
+            t.drop()
+            d.drop()
+        self.stats.target_passes, self.stats.replayed_tokens = t.passes, t.replayed
+        return self.seq[: min(t.n, d.n)], ok

@@ -1,0 +1,324 @@
+"""Quantized KV (``kv_bits``) through `PrefixCache`: every answer equals the canonical cold
+run with mlx-lm's own caches, whatever was reused and wherever a restore landed.
+
+The canonical schedule (`KVQuantization`): rows before ``quantized_kv_start`` are computed
+with mlx-lm's ``KVCache``, which converts (``to_quantized``) exactly when its offset reaches
+the start; every later row is quantized. The reference below feeds mlx-lm's caches that
+way. (mlx-lm's own ``generate_step`` converts after the first prefill chunk crossing the
+start, so its answers depend on chunking; the test checks that this difference is real.)
+
+One more fact decides the reference: a row computed by a one-token forward pass (the
+prompt's last token, every decoded token) differs from the same row computed inside a
+prefill chunk by float noise (~1e-6 with OpenBLAS: matrix-vector vs matrix-matrix
+kernels), and quantization can turn that noise into a whole quantization step (~3e-4 in
+the log-probs here). A reused row is the row the cache computed, so the cold reference
+computes every reused position the way it was first computed: `History` remembers which
+positions of which prefixes were one-token passes, and the reference feeds exactly those
+one token at a time (everything else in chunks, which give identical rows).
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models import cache as mlc
+
+import mlx_kvcache as mk
+from mlx_kvcache.caches import KVSnapshot, QuantizedSnapshot
+from models import V, build
+from reference import TOK, assert_same, check_no_leaks, new_cache, run, track_snapshots  # noqa: F401
+
+BITS, GROUP = 8, 32
+_MODEL = {}
+
+
+def model():
+    if "m" not in _MODEL:
+        _MODEL["m"] = build("llama", head_dim=32)  # quantization groups of 32 need head_dim 32
+    return _MODEL["m"]
+
+
+def canonical(m, prompt, max_tokens, start, bits=BITS, group=GROUP, chunk=None, singles=()):
+    """Greedy tokens and log-probs of a cold run on mlx-lm's caches under the canonical
+    schedule (prefill in ``chunk``-token pieces, stopping at ``start``; the positions in
+    ``singles`` are fed one token at a time)."""
+    cache = mlc.make_prompt_cache(m)
+    singles = set(singles)
+
+    def convert():
+        for i, c in enumerate(cache):
+            if type(c) is mlc.KVCache and c.offset >= start:
+                cache[i] = c.to_quantized(group_size=group, bits=bits)
+
+    n, pos = len(prompt), 0
+    while pos < n - 1:
+        end = n - 1 if chunk is None else min(n - 1, pos + chunk)
+        if pos < start:
+            end = min(end, start)
+        if pos in singles:
+            end = pos + 1
+        else:
+            end = min([end] + [p for p in singles if p > pos])
+        convert()
+        m(mx.array(prompt[pos:end])[None], cache=cache)
+        pos = end
+    out, y = [], prompt[-1]
+    for _ in range(max_tokens):
+        convert()
+        logits = m(mx.array([y])[None], cache=cache)[:, -1, :]
+        lp = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).squeeze(0)
+        y = int(mx.argmax(lp).item())
+        out.append((y, lp))
+    return out
+
+
+class History:
+    """Which positions of which token prefixes a `PrefixCache` computed in one-token passes
+    (the first computation of a prefix is the one its snapshots keep)."""
+
+    def __init__(self):
+        self.single = {}
+
+    def record(self, prompt, generated, restored):
+        seq = list(prompt) + list(generated[:-1])  # the last answer token is never fed
+        for p in range(restored, len(seq)):
+            self.single.setdefault(tuple(seq[: p + 1]), p >= len(prompt) - 1)
+
+    def singles(self, prompt, restored):
+        return {p for p in range(restored) if self.single.get(tuple(prompt[: p + 1]))}
+
+
+def ask(pc, hist, m, prompt, max_tokens, start, chunk=None):
+    """Run ``prompt``, check it against the canonical cold run, remember its history."""
+    got, st = run(pc, prompt, max_tokens)
+    ref = canonical(m, prompt, max_tokens, start, chunk=chunk,
+                    singles=hist.singles(prompt, st.restored_tokens))
+    assert_same(ref, got)
+    hist.record(prompt, [t for t, _ in got], st.restored_tokens)
+    return got, st
+
+
+def prompt_of(rng, n):
+    return [rng.randrange(V) for _ in range(n)]
+
+
+def kinds(pc):
+    """Per node (start, end): the set of snapshot kinds of its full-attention layers."""
+    return {(n.start, n.end): {type(s).__name__ for s in n.snapshots if s is not None}
+            for n in pc.manager.trie.nodes()}
+
+
+def test_canonical_schedule_is_chunk_independent_and_mlx_lm_is_not():
+    m, rng = model(), random.Random(1)
+    p = prompt_of(rng, 40)
+    a = canonical(m, p, 4, start=10, chunk=None)
+    b = canonical(m, p, 4, start=10, chunk=7)
+    assert_same(a, b)
+    # mlx-lm's generate_step switches after the first chunk reaching the start: the
+    # answer changes with the chunk size (what the canonical schedule avoids).
+    lps = []
+    for step in (16, 32):
+        gen = generate_step(mx.array(p), m, prompt_cache=mlc.make_prompt_cache(m), max_tokens=2,
+                            kv_bits=BITS, kv_group_size=GROUP, quantized_kv_start=10,
+                            prefill_step_size=step)
+        lps.append(next(gen)[1])
+    assert mx.abs(lps[0] - lps[1]).max().item() > 1e-4
+
+
+@pytest.mark.parametrize("start, keep_live", [(0, False), (9, False), (23, False), (1000, False),
+                                              (9, True), (23, True)])
+def test_parity_with_canonical_cold_runs(start, keep_live):
+    """Repeats, extensions, divergences before and after the start, prompts shorter than
+    it (the switch then happens during decoding): each answer equals the cold run. With
+    ``keep_live`` the idle caches (quantized or not) are reused or swapped as needed."""
+    m, rng = model(), random.Random(start)
+    pc = new_cache(m, kv_bits=BITS, kv_group_size=GROUP, quantized_kv_start=start,
+                   prefill_step_size=5, max_bytes=1 << 30, keep_live=keep_live)
+    base = prompt_of(rng, 16)
+    long = base + prompt_of(rng, 20)
+    prompts = [
+        base, base,                                 # a repeat: 15 of 16 tokens restored
+        long,                                       # extends past the start
+        long[:30] + prompt_of(rng, 6),              # diverges after the start
+        long[:6] + prompt_of(rng, 10),              # diverges before it
+        long + prompt_of(rng, 3), long,             # extension, then the shorter repeat
+    ]
+    reused, hist = [], History()
+    for p in prompts:
+        got, st = ask(pc, hist, m, p, 5, start)
+        assert st.restored_tokens + st.prefilled_tokens == len(p)
+        reused.append(st.restored_tokens)
+        check_no_leaks(pc)
+    # Full-attention rows reach any token, quantized or not: every restore is exact.
+    # (A random extension may happen to match generated tokens: a lower bound there.)
+    assert reused[:5] == [0, 15, 16, 30, 6] and reused[5] >= 36 and reused[6] == 35
+    if 0 < start < 16:  # the last unquantized rows stay restorable for everyone
+        assert any(k == {"KVSnapshot"} for (a, b), k in kinds(pc).items() if b == start)
+
+
+def test_snapshot_before_start_restored_after_it_and_the_reverse():
+    """Unquantized rows (taken before the switch) serve a target past the start after
+    quantization; quantized rows never serve a target at or below the start."""
+    m, rng, start = model(), random.Random(7), 12
+    pc = new_cache(m, kv_bits=BITS, kv_group_size=GROUP, quantized_kv_start=start,
+                   prefill_step_size=64, max_bytes=1 << 30)
+    hist = History()
+    short = prompt_of(rng, 8)
+    got, _ = ask(pc, hist, m, short, 3, start)  # fed 0..9: all below the start
+    assert all(k == {"KVSnapshot"} for k in kinds(pc).values())
+    # Before -> after: extend it well past the start; the restore lands on 10 (below the
+    # start, unquantized), prefill stops at 12 and switches there.
+    longer = short + [t for t, _ in got][:2] + prompt_of(rng, 20)
+    got, st = ask(pc, hist, m, longer, 3, start)
+    assert st.restored_tokens == 10
+    # A divergence at 20 > start restores 20 from unquantized [0, 12) rows (quantized on
+    # the way) and quantized [12, 20) rows.
+    div = longer[:20] + prompt_of(rng, 5)
+    got, st = ask(pc, hist, m, div, 3, start)
+    assert st.restored_tokens == 20
+    # After -> before: a prompt shorter than the start whose answer crosses it switches
+    # during decoding and records quantized rows from 0 ...
+    pc2 = new_cache(m, kv_bits=BITS, kv_group_size=GROUP, quantized_kv_start=start,
+                    max_bytes=1 << 30)
+    hist = History()
+    p = prompt_of(rng, 9)
+    got, _ = ask(pc2, hist, m, p, 8, start)  # fed 9 + 7 = 16 tokens: switched at 12
+    fed = p + [t for t, _ in got][:7]
+    assert any("QuantizedSnapshot" in k for k in kinds(pc2).values())
+    # ... which never serve a target at or below the start (recomputed instead) ...
+    below = p[:7] + prompt_of(rng, 4)
+    got, st = ask(pc2, hist, m, below, 3, start)
+    assert st.restored_tokens == 0 and "no state" in st.reason
+    # ... but do serve one past it (rows 8..15 were one-token passes: see `History`).
+    past = fed + prompt_of(rng, 3)
+    got, st = ask(pc2, hist, m, past, 3, start)
+    assert st.restored_tokens == 16
+    assert hist.singles(past, 16) == set(range(8, 16))
+
+
+def test_per_request_kv_arguments_must_restate_the_schedule():
+    m = model()
+    pc = new_cache(m, kv_bits=BITS, kv_group_size=GROUP, quantized_kv_start=4)
+    p = list(range(10))
+    got, _ = run(pc, p, 2, kv_bits=BITS, kv_group_size=GROUP, quantized_kv_start=4)
+    assert_same(canonical(m, p, 2, 4), got)
+    with pytest.raises(ValueError, match="fixed per PrefixCache"):
+        run(pc, p, 2, kv_bits=4, kv_group_size=GROUP, quantized_kv_start=4)
+    plain = new_cache(m)
+    run(plain, p, 2, kv_bits=None)  # mlx-lm's default: accepted
+    with pytest.raises(ValueError, match="fixed per PrefixCache"):
+        run(plain, p, 2, kv_bits=8)
+    for bad, match in [(dict(kv_bits=7), "kv bits"), (dict(kv_bits=8, kv_group_size=16), "group size"),
+                       (dict(kv_bits=8, quantized_kv_start=-1), "quantized_kv_start")]:
+        with pytest.raises(ValueError, match=match):
+            mk.PrefixCache(m, **bad)
+
+
+def test_persisted_quantized_rows_round_trip(tmp_path):
+    """Quantized and unquantized rows go to disk and come back; a restart with another
+    schedule on the same directory loads nothing (the layer signature differs)."""
+    m, rng, start = model(), random.Random(3), 6
+    kw = dict(kv_bits=BITS, kv_group_size=GROUP, quantized_kv_start=start, max_bytes=1 << 30)
+    p = prompt_of(rng, 30)
+    pc = new_cache(m, cache_dir=str(tmp_path), **kw)
+    hist = History()
+    ask(pc, hist, m, p, 4, start)
+    pc.close()
+    kinds_saved = {type(s) for n in pc.manager.trie.nodes() for s in n.snapshots if s is not None}
+    assert kinds_saved == {KVSnapshot, QuantizedSnapshot}
+    pc2 = new_cache(m, cache_dir=str(tmp_path), **kw)
+    q = p[:25] + prompt_of(rng, 4)
+    got, st = ask(pc2, hist, m, q, 4, start)
+    assert st.restored_tokens == 25
+    pc2.close()
+    with pytest.warns(RuntimeWarning, match="layers do not match"):
+        pc3 = new_cache(m, cache_dir=str(tmp_path), **{**kw, "quantized_kv_start": start + 1})
+    got, st = run(pc3, q, 4)
+    assert st.restored_tokens == 0
+    assert_same(canonical(m, q, 4, start + 1), got)
+    pc3.close()
+
+
+def test_chat_cli_kv_bits(tmp_path):
+    """``mlx-kvcache chat --kv-bits`` passes the schedule to its PrefixCache: turns reuse
+    the conversation; a setting mlx cannot quantize with is a clear error (exit 2)."""
+    from test_cli import build_tiny_model_dir, run_chat, status_lines
+
+    d = build_tiny_model_dir(tmp_path / "model", head_dim=32)
+    args = ["--model", str(d), "--max-tokens", "6", "--kv-bits", "8", "--kv-group-size", "32",
+            "--quantized-kv-start", "12"]
+    rc, out, err = run_chat(args, "hello there\nsecond turn\n", tmp_path, timeout=120)
+    assert rc == 0 and "Traceback" not in out + err, err
+    t1, t2 = status_lines(out)
+    assert t2["reused"] >= t1["prompt"] + t1["answer"] - 1 > 12  # reused past the start
+    rc, out, err = run_chat(args[:2] + ["--kv-bits", "7"], "hi\n", tmp_path, timeout=120)
+    assert rc == 2 and "kv bits must be one of" in err and "Traceback" not in err
+
+
+class _ListWrapped(nn.Module):
+    """A llama whose first layer's cache sits inside a ``CacheList`` (as falcon_h1's and
+    deepseek_v32's do): mlx-lm's switch converts only top-level ``KVCache`` entries, so
+    that layer stays in full precision while the other one is quantized."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def layers(self):
+        return self.inner.layers
+
+    def make_cache(self):
+        return [mlc.CacheList(mlc.KVCache()), mlc.KVCache()]
+
+    def __call__(self, inputs, cache=None):
+        cache = cache or self.make_cache()
+        return self.inner(inputs, cache=[cache[0][0], cache[1]])
+
+
+def test_layers_inside_a_cache_list_stay_in_full_precision():
+    m, rng, start = _ListWrapped(model()), random.Random(11), 10
+    pc = new_cache(m, kv_bits=BITS, kv_group_size=GROUP, quantized_kv_start=start,
+                   prefill_step_size=6, max_bytes=1 << 30)
+    hist = History()
+    p = prompt_of(rng, 30)
+    ask(pc, hist, m, p, 4, start)
+    kinds_of = {type(s).__name__ for n in pc.manager.trie.nodes() for s in n.snapshots[:1] if s}
+    assert kinds_of == {"KVSnapshot"}  # the CacheList layer
+    got, st = ask(pc, hist, m, p[:25] + prompt_of(rng, 3), 4, start)
+    assert st.restored_tokens == 25  # past the start, both layers
+
+
+def test_sliding_window_model_quantizes_only_its_full_attention_layers():
+    """gemma3 (window 8 / full attention): mlx-lm's generate raises for rotating caches
+    with kv_bits; here the full-attention layers follow the schedule and the windows stay
+    in full precision (the reference converts only mlx-lm's ``KVCache`` entries).
+
+    A window's buffer layout depends on the prefill chunking, which moves its rows by
+    float noise (~1e-5) that quantization can round to a step: mlx-lm's own cold runs
+    with 5-token and whole-prompt chunks differ by 1.2e-4 here. The reference therefore
+    prefills in the cache's chunk size."""
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(2)
+    m = gemma3_text.Model(gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=2, head_dim=32, num_key_value_heads=1, vocab_size=V,
+        query_pre_attn_scalar=32, sliding_window=8, sliding_window_pattern=2))
+    mx.eval(m.parameters())
+    rng, start = random.Random(12), 14
+    pc = new_cache(m, kv_bits=BITS, kv_group_size=GROUP, quantized_kv_start=start,
+                   prefill_step_size=5, snapshot_interval=8, max_bytes=1 << 30)
+    hist = History()
+    conv = prompt_of(rng, 20)
+    for _ in range(3):
+        got, st = ask(pc, hist, m, conv, 4, start, chunk=5)
+        conv = conv + [t for t, _ in got][:3] + prompt_of(rng, 5)
+    assert st.restored_tokens > start
+    got, st = ask(pc, hist, m, conv[:17] + prompt_of(rng, 4), 4, start, chunk=5)
+    assert 8 < st.restored_tokens <= 17
+    check_no_leaks(pc)
