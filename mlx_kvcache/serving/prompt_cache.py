@@ -296,7 +296,8 @@ class TriePromptCache:
                     st.store.clear_disk()
                 except OSError as e:
                     mine["disk_cleared"] = False
-                    mine["error"] = f"could not clear {st.store.directory()}: {e}"
+                    d = str(st.store.directory())
+                    mine["error"] = str(e) if d in str(e) else f"could not clear {d}: {e}"
                     log.error("mlx_kvcache: DELETE /v1/cache: %s (memory was cleared)", mine["error"])
         ranks = [mine]
         if self.agree.size > 1:
