@@ -61,7 +61,10 @@ def open_model(provider, key, agree: Agreement, *, max_bytes: int, checkpoint_in
     if not every(agree, manager is not None):  # a rank that cannot cache turns it off for all
         manager, why_not = None, why_not or "another rank cannot snapshot its layers"
     track = False
-    if manager is not None and every(agree, bool(getattr(provider, "is_batchable", False))):
+    # Only models with recurrent layers are checked (attention masks its padding; that is
+    # mlx-lm's batch path for every model). The forward passes involve every rank.
+    if manager is not None and every(agree, bool(getattr(provider, "is_batchable", False))) \
+            and any_rank(agree, bool(recurrent_kinds(model))):
         attention_ok, recurrent_ok = _padding_exact(model, agree)
         if not every(agree, attention_ok):
             manager, why_not = None, ("mlx-lm's batch path does not compute exact attention "
