@@ -2,8 +2,7 @@
 segments, requests checked before they can end the generation thread, commands that reach
 every rank (``DELETE /v1/cache``, stop), and answers that end properly on a stop.
 
-Checkpoints.
-The batch path of mlx-lm's server pauses prefill at the end of every prompt *segment*
+Checkpoints: the batch path of mlx-lm's server pauses prefill at the end of every prompt *segment*
 (system prompt, user context, thinking tail) and inserts the cache there — the only
 places a hybrid or sliding-window model can later restore. We split the segments further
 at the offsets the prompt cache asks for (`TriePromptCache.checkpoints`: every
@@ -24,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from queue import Empty, Queue
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from mlx_lm.server import GenerationContext, ResponseGenerator
 

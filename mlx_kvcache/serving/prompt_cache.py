@@ -283,6 +283,11 @@ class TriePromptCache:
         sharded model every rank calls it at the same point and the results are gathered.
         Returns ``cleared``, ``memory_cleared``, ``disk_cleared`` and, when a directory
         could not be cleared, ``error`` naming it (per rank under ``ranks``)."""
+        return self._guard("clearing the prompt cache", self._clear_here,
+                           {"cleared": False, "memory_cleared": False, "disk_cleared": False,
+                            "error": "clearing the prompt cache failed (see the log)"})
+
+    def _clear_here(self) -> Dict[str, Any]:
         st = self._model
         mine: Dict[str, Any] = {"rank": self.agree.rank, "memory_cleared": True,
                                 "disk_cleared": True}
