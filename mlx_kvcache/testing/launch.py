@@ -63,7 +63,10 @@ class Launch:
                                      stderr=subprocess.STDOUT, env=e, cwd=str(ROOT),
                                      start_new_session=True)
         self.pgid = self.proc.pid
-        self.watch = Watch(self.pgid, self.log, self.output, cpu_counts=False)  # ranks spin
+        # The launcher lives while every rank does (it stops the job when one fails). The
+        # ranks spin in their collectives: their CPU use is no sign of progress.
+        self.watch = Watch(self.pgid, self.log, self.output,
+                           alive=lambda: self.proc.poll() is None, cpu_counts=False)
 
     def output(self) -> str:
         try:

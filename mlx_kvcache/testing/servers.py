@@ -196,7 +196,7 @@ class Server(Client):
             [*argv, "--host", "127.0.0.1", "--port", str(self.port)], stdin=subprocess.DEVNULL,
             stdout=self._out, stderr=subprocess.STDOUT, env=e, cwd=str(ROOT),
             start_new_session=True)
-        self.watch = Watch(self.proc.pid, log, self.tail)
+        self.watch = Watch(self.proc.pid, log, self.tail, alive=lambda: self.proc.poll() is None)
         try:
             self.wait_healthy(start_timeout)
         except Exception:

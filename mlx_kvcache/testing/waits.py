@@ -72,22 +72,27 @@ class Watch:
         pgid: the server's process group.
         log: its log file.
         tail: the end of its output, for error messages.
+        alive: whether the server still runs (cheap: polled every tick).
         cpu_counts: CPU use counts as progress (not for ``mlx.launch`` ranks, which spin).
     """
 
-    def __init__(self, pgid: int, log: Path, tail: Callable[[], str], cpu_counts: bool = True) -> None:
+    def __init__(self, pgid: int, log: Path, tail: Callable[[], str],
+                 alive: Optional[Callable[[], bool]] = None, cpu_counts: bool = True) -> None:
         self.pgid, self.log, self.tail, self.cpu_counts = pgid, Path(log), tail, cpu_counts
+        self._alive = alive or (lambda: bool(group_members(pgid)))
 
     def alive(self) -> bool:
-        return bool(group_members(self.pgid))
+        return self._alive()
 
-    def sample(self):
+    def log_size(self) -> int:
         try:
-            size = self.log.stat().st_size
+            return self.log.stat().st_size
         except OSError:
-            size = 0
-        cpu, io = group_usage(self.pgid)
-        return time.monotonic(), size, cpu, io
+            return 0
+
+    def usage(self):
+        """(CPU seconds, bytes read and written) of the group so far (a scan of /proc)."""
+        return group_usage(self.pgid)
 
     def wait(self, what: str, stall: Optional[float] = None, cap: Optional[float] = None,
              need_alive: bool = True) -> "Wait":
@@ -101,15 +106,16 @@ class Wait:
     def __init__(self, watch: Watch, what: str, stall: float, cap: float, need_alive: bool):
         self.watch, self.what, self.stall, self.cap, self.need_alive = (
             watch, what, stall, cap, need_alive)
-        t, size, cpu, io = watch.sample()
-        self.start = self.progress_at = self.window_at = t
-        self.size, self.window_cpu, self.window_io = size, cpu, io
+        self.start = self.progress_at = self.window_at = time.monotonic()
+        self.size = watch.log_size()
+        self.window_cpu, self.window_io = watch.usage()
 
     def tick(self) -> None:
-        t, size, cpu, io = self.watch.sample()
+        t, size = time.monotonic(), self.watch.log_size()
         if size > self.size:
             self.size, self.progress_at = size, t
-        if t - self.window_at >= _WINDOW:
+        if t - self.window_at >= _WINDOW:  # the /proc scan, once a window
+            cpu, io = self.watch.usage()
             busy = self.watch.cpu_counts and cpu - self.window_cpu >= MIN_CPU_SHARE * (t - self.window_at)
             if busy or io - self.window_io >= MIN_IO:
                 self.progress_at = t
