@@ -126,6 +126,12 @@ def test_serve_options_join_mlx_lm_parser():
     app.add_options(p)
     a = p.parse_args(["--checkpoint-interval", "64", "--no-persist", "--max-disk-bytes", "2G"])
     assert a.checkpoint_interval == 64 and a.no_persist and a.max_disk_bytes == 2e9
+    assert a.shutdown_grace == 30 and a.admin_token is None
+    a = p.parse_args(["--shutdown-grace", "2.5", "--admin-token", "t"])
+    assert a.shutdown_grace == 2.5 and a.admin_token == "t"
+    for bad in (["--shutdown-grace", "-1"], ["--shutdown-grace", "nan"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
     with pytest.raises(SystemExit):
         p.parse_args(["--checkpoint-interval", "0"])
     assert "DEFAULT_CHECKPOINT_INTERVAL" in inspect.getsource(app)
