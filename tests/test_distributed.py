@@ -8,6 +8,8 @@ stop that leaves no process behind."""
 from __future__ import annotations
 
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,11 @@ import pytest
 from mlx_kvcache.testing import write_model_dir
 from mlx_kvcache.testing.launch import LaunchedServer
 from mlx_kvcache.testing.servers import Server, answer, same_answer
+from mlx_kvcache.testing.waits import CAP
+
+# Every wait here is bounded by the servers' progress (`mlx_kvcache.testing.waits`); the
+# suite-wide pytest-timeout is a wall-clock guess a slow or busy CI runner can miss.
+pytestmark = pytest.mark.timeout(CAP)
 
 SYSTEM = "You are terse. Reply with one short line."
 LONG = "Tell me about the weather in the mountains and the rivers near the lake in spring"
@@ -92,3 +99,67 @@ def test_a_damaged_rank_directory_makes_all_ranks_agree(damage, dirs, tmp_path):
     assert lines[0] == lines[1], lines
     if damage == "missing":  # the other rank's intact files are dropped too
         assert lines[0][0]["cached"] == 0, lines
+
+
+def test_delete_and_stop_reach_every_rank(dirs, tmp_path):
+    """DELETE /v1/cache clears memory and disk on every rank before it answers, so a stop
+    right after it does not bring the prompts back; a stop ends rank 0's open answer
+    properly (finish_reason "length", [DONE]) and every rank exits 0."""
+    args = ["--cache-dir", str(tmp_path / "c"), "--shutdown-grace", "600"]
+    msg = requests()[0]
+    with LaunchedServer(dirs["llama"], *args, home=tmp_path) as s:
+        first = s.chat(msg, max_tokens=6)
+        assert answer(s.chat(msg, max_tokens=6))[2] > 0  # stored on every rank
+        status, r = s.request("DELETE", "/v1/cache")
+        assert status == 200 and r["cleared"], r
+        assert [x["nodes"] for x in r["ranks"]] == [0, 0], r["ranks"]
+        assert [x["disk_cleared"] for x in r["ranks"]] == [True, True], r["ranks"]
+        chunks, box = [], {}
+
+        def stream():
+            try:
+                for c in s.stream_chat([{"role": "user", "content": "Tell me a long story."}],
+                                       max_tokens=100_000):
+                    chunks.append(c)
+            except BaseException as e:  # checked below
+                box["error"] = e
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        s.watch.wait("the first streamed chunk").until(lambda: chunks)
+        s.job.signal_ranks(signal.SIGTERM)
+
+        def refusing():
+            try:
+                return s.request("GET", "/health", timeout=10)[0] == 503
+            except OSError:
+                return False
+        s.watch.wait("rank 0 to refuse new requests").until(refusing)
+        assert t.is_alive()  # the open answer goes on through the grace period
+        s.job.signal_ranks(signal.SIGTERM)  # a second signal ends it
+        s.watch.wait("the stream to end").until(lambda: not t.is_alive())
+        assert "error" not in box, box  # e.g. StreamCut: no [DONE]
+        reasons = [c["choices"][0].get("finish_reason") for c in chunks if c.get("choices")]
+        assert reasons[-1] == "length"
+        s.watch.wait("every rank to exit", need_alive=False).until(lambda: not s.job.members())
+        out = s.job.output()
+    assert "rank 0 stopped (exit 0)" in out and "rank 1 stopped (exit 0)" in out, out[-3000:]
+    assert "exited with code" not in out and "was killed" not in out, out[-3000:]
+    with LaunchedServer(dirs["llama"], *args, home=tmp_path) as s:
+        again = s.chat(msg, max_tokens=6)
+        lines = s.wait_for_lines(1)
+    same_answer(first, again)
+    assert [lines[0][0]["cached"], lines[1][0]["cached"]] == [0, 0], lines
+
+
+def test_a_client_leaving_a_seeded_request_does_not_hang_the_ranks(dirs, tmp_path):
+    """A seeded request runs on mlx-lm's sequential path; a client hanging up there made
+    rank 0 alone stop it, and the next request hung every rank."""
+    msgs = requests()
+    with Server.ours(dirs["llama"], tmp_path / "one.log", tmp_path, "--no-persist") as s:
+        ref = s.chat(msgs[4], max_tokens=6)
+    with LaunchedServer(dirs["llama"], "--no-persist", home=tmp_path) as s:
+        got = list(s.stream_chat(msgs[0], max_tokens=120, seed=0, stop_after=2))
+        assert len(got) == 2
+        after = s.chat(msgs[4], max_tokens=6)
+        assert s.request("GET", "/health")[0] == 200
+    same_answer(ref, after, tol=2e-3)  # tensor parallel: reduced in parts

@@ -14,6 +14,11 @@ import pytest
 from mlx_kvcache.models.default import default_model_path
 from mlx_kvcache.testing import write_model_dir
 from mlx_kvcache.testing.servers import Server, answer, same_answer
+from mlx_kvcache.testing.waits import CAP
+
+# Every wait here is bounded by the servers' progress (`mlx_kvcache.testing.waits`); the
+# suite-wide pytest-timeout is a wall-clock guess a slow or busy CI runner can miss.
+pytestmark = pytest.mark.timeout(CAP)
 
 SYSTEM = "You are a terse assistant. Reply with one short line, always."
 LONG = ("Here is a long message about the weather in the mountains, the rivers that run "
@@ -131,9 +136,7 @@ def test_concurrent_clients_and_a_disconnect(model_dirs, tmp_path):
         threads.append(threading.Thread(target=quitter))
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert not any(t.is_alive() for t in threads)
+        s.watch.wait("the clients").until(lambda: not any(t.is_alive() for t in threads))
         assert not errors, errors
         for i, ref in enumerate(refs):
             if i % 2:

@@ -126,6 +126,134 @@ def test_serve_options_join_mlx_lm_parser():
     app.add_options(p)
     a = p.parse_args(["--checkpoint-interval", "64", "--no-persist", "--max-disk-bytes", "2G"])
     assert a.checkpoint_interval == 64 and a.no_persist and a.max_disk_bytes == 2e9
+    assert a.shutdown_grace == 30 and a.admin_token is None
+    a = p.parse_args(["--shutdown-grace", "2.5", "--admin-token", "t"])
+    assert a.shutdown_grace == 2.5 and a.admin_token == "t"
+    for bad in (["--shutdown-grace", "-1"], ["--shutdown-grace", "nan"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
     with pytest.raises(SystemExit):
         p.parse_args(["--checkpoint-interval", "0"])
     assert "DEFAULT_CHECKPOINT_INTERVAL" in inspect.getsource(app)
+
+
+# -- hardening: request checks, the admin route, the stop, padded batch rows -----------------
+def test_request_fields_that_would_end_the_generation_thread():
+    from mlx_kvcache.serving.validation import body_problem, generation_problem
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert body_problem("chat", chat) is None
+    assert body_problem("text", {"prompt": "hi", "stop": ["a", "b"], "seed": 3}) is None
+    bad = [("text", {"prompt": "hi", "stop": 123}, "stop"),
+           ("text", {"prompt": "hi", "stop": [1]}, "stop"),
+           ("chat", dict(chat, stop=["\ud800"]), "stop"),
+           ("text", {"prompt": ""}, "prompt"), ("text", {"prompt": ["a", "b"]}, "prompt"),
+           ("text", {}, "prompt"), ("chat", {"messages": []}, "messages"),
+           ("chat", dict(chat, seed=-1), "seed"), ("chat", dict(chat, seed=1 << 64), "seed"),
+           ("chat", dict(chat, logit_bias={"5": 1.0}), None),
+           ("chat", dict(chat, logit_bias={"500": 1.0}), "logit_bias"),
+           ("chat", dict(chat, logit_bias={"-1": 1.0}), "logit_bias"),
+           ("chat", dict(chat, logit_bias={"x": 1.0}), "logit_bias"),
+           ("chat", dict(chat, tools=5), "tools"),
+           ("chat", dict(chat, chat_template_kwargs=[]), "chat_template_kwargs"),
+           ("chat", dict(chat, stream_options={"include_usage": "yes"}), "include_usage")]
+    for route, body, field in bad:
+        problem = body_problem(route, body, vocab=100)
+        assert (problem is None) if field is None else (field in problem), (body, problem)
+    m = build("llama")
+    args = types.SimpleNamespace(seed=None, logits=types.SimpleNamespace(logit_bias={V: 1.0}))
+    assert "logit_bias" in generation_problem([1, 2], args, m)  # V is one past the last id
+    args.logits.logit_bias = {V - 1: 1.0}
+    assert generation_problem([1, 2], args, m) is None
+    assert "empty" in generation_problem([], args, m)
+
+
+def test_admin_policy():
+    from mlx_kvcache.serving.admin import AdminPolicy
+
+    open_ = AdminPolicy.make(None, "127.0.0.1")
+    ok = {"Host": "127.0.0.1:8080"}
+    assert open_.refusal("GET", ok) is None
+    assert open_.refusal("DELETE", {}) is None  # curl over HTTP/1.0: no Host, no Origin
+    assert open_.refusal("GET", {"Host": "localhost:8080"}) is None
+    assert open_.refusal("GET", {"Host": "[::1]:8080"}) is None
+    assert open_.refusal("GET", {**ok, "Origin": "http://127.0.0.1:8080"}) is None
+    for headers in ({**ok, "Origin": "http://evil.example"}, {**ok, "Origin": "null"},
+                    {"Host": "evil.example:8080", "Origin": "http://evil.example:8080"},
+                    {"Host": "evil.example:8080"}):
+        assert open_.refusal("DELETE", headers)[0] == 403, headers
+    assert open_.refusal("OPTIONS", ok)[0] == 403
+    locked = AdminPolicy.make("t0ken", "0.0.0.0")
+    assert locked.refusal("GET", ok)[0] == 401
+    assert locked.refusal("GET", {**ok, "Authorization": "Bearer nope"})[0] == 401
+    assert locked.refusal("GET", {**ok, "Authorization": "Basic t0ken"})[0] == 401
+    assert locked.refusal("GET", {"Host": "proxy.example", "Authorization": "Bearer t0ken"}) is None
+    assert locked.refusal("GET", {"Host": "proxy.example", "Origin": "http://evil.example",
+                                  "Authorization": "Bearer t0ken"})[0] == 403
+
+
+def test_lifecycle_admits_until_stopping():
+    import time
+
+    from mlx_kvcache.serving.lifecycle import Lifecycle
+
+    life = Lifecycle(grace=5)
+    assert life.admit() and life.inflight == 1
+    life.on_signal()
+    assert life.asked and life.signals == 1 and not life.cut.is_set()
+    life.stopping.set()
+    assert not life.admit() and life.inflight == 1
+    assert not life.wait_idle(time.monotonic() + 0.05)
+    assert not life.wait_idle(time.monotonic() + 60, interrupt=lambda: True)
+    life.done()
+    assert life.wait_idle(time.monotonic() + 0.05) and life.inflight == 0
+
+
+def test_tracked_arrays_cache_remembers_padded_rows():
+    from mlx_kvcache.serving.padding import TrackedArraysCache, was_padded
+
+    rows = [TrackedArraysCache(2) for _ in range(3)]
+    b = TrackedArraysCache.merge(rows)
+    assert isinstance(b, TrackedArraysCache) and b.padded == [False] * 3
+    b.prepare(lengths=[4, 2, 4], right_padding=[0, 2, 0])
+    b[0], b[1] = mx.zeros((3, 4)), mx.zeros((3, 2))
+    assert b.padded == [False, True, False]
+    b.filter([1, 2])
+    assert b.padded == [True, False]
+    other = TrackedArraysCache.merge([TrackedArraysCache(2)])
+    other[0], other[1] = mx.zeros((1, 4)), mx.zeros((1, 2))
+    b.extend(other)
+    assert b.padded == [True, False, False]
+    assert was_padded([b.extract(0)]) and not was_padded([b.extract(2)])
+
+
+@pytest.mark.parametrize("name,exact", [("mamba", False), ("qwen3_next", True), ("llama", True)])
+def test_a_padded_batch_row_is_stored_only_where_exact(name, exact):
+    """mlx-lm's batch path with two prompts of different lengths, through the server's
+    seam: the longer row is never padded and is stored; the shorter one is padded, and its
+    state is stored only where the check at load found padded rows exact."""
+    from mlx_lm.generate import BatchGenerator
+
+    from mlx_kvcache.serving.padding import padded_rows_exact
+
+    m = build(name)
+    assert all(padded_rows_exact(m, V).values()) == exact
+    pc = TriePromptCache(types.SimpleNamespace(model=m, tokenizer=None, draft_model=None,
+                                               model_key=KEY, is_batchable=True),
+                         max_bytes=1 << 30, checkpoint_interval=1 << 20)
+    long, short = [(5 * i + 1) % V for i in range(40)], [(3 * i + 2) % V for i in range(12)]
+    fetched = [pc.fetch_nearest_cache(KEY, p) for p in (long, short)]
+    bg = BatchGenerator(m, completion_batch_size=4, prefill_batch_size=4)
+    bg.insert([long, short], max_tokens=[2, 2], caches=[c for c, _ in fetched],
+              all_tokens=[[], []])
+    done = {}
+    while len(done) < 2:
+        for r in bg.next()[1]:
+            if r.finish_reason is not None:
+                done[r.uid] = r
+    for r in done.values():
+        pc.insert_cache(KEY, r.all_tokens, r.prompt_cache)
+    tokens = [done[u].all_tokens for u in sorted(done)]
+    assert len(pc.fetch_nearest_cache(KEY, tokens[0] + [7])[1]) == 1  # the long row: a hit
+    restored = len(tokens[1]) + 1 - len(pc.fetch_nearest_cache(KEY, tokens[1] + [7])[1])
+    assert (restored == len(tokens[1])) == exact, restored

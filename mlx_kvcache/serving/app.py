@@ -1,9 +1,11 @@
 """Running mlx-lm's server with our prompt cache: its options plus ours, its HTTP server
-with our handler, and a clean stop (SIGTERM / SIGINT) that flushes the disk tier.
+with our handler, and a clean stop (SIGTERM / SIGINT) on every rank.
 
-mlx-lm's own ``run`` has no signal handling (SIGTERM kills it mid-write) and its
-interpreter exit can abort; ours stops the HTTP server, lets the generation thread finish
-(bounded), waits for the background writes, then exits with status 0.
+mlx-lm's own ``run`` has no signal handling: SIGTERM kills it mid-answer and mid-write.
+Ours (see `lifecycle`): the first signal stops admitting requests (503), lets the open
+ones finish for ``--shutdown-grace`` seconds, then ends what is left properly (a second
+signal ends them at once); then a stop command takes every rank's generation thread out of
+its loop at the same turn, each rank flushes its cache writes and exits with status 0.
 """
 
 from __future__ import annotations
@@ -23,6 +25,31 @@ log = logging.getLogger("mlx_kvcache")
 DEFAULT_CHECKPOINT_INTERVAL = 2048
 
 
+#: Listen backlog: a burst of clients connecting at once must not be reset (the standard
+#: library's default is 5).
+BACKLOG = 1024
+#: Seconds the cut answers get to reach their clients.
+CUT_WAIT = 5.0
+
+
+def _gen_wait(grace: float) -> float:
+    """Seconds the generation thread gets to take the stop command after the cut (a
+    sequential prefill, or a sharded sequential request, runs to its end)."""
+    return max(10.0, grace)
+
+
+def non_negative_float(s: str) -> float:
+    import argparse
+
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
 def positive_int(s: str) -> int:
     import argparse
 
@@ -40,6 +67,8 @@ def add_options(parser) -> None:
     from mlx_lm.server import _parse_size
 
     from ..store import default_root
+    from .admin import TOKEN_ENV
+    from .lifecycle import DEFAULT_GRACE
 
     g = parser.add_argument_group(
         "mlx_kvcache", "the prefix-trie prompt cache (replaces mlx-lm's LRU prompt cache; "
@@ -57,6 +86,15 @@ def add_options(parser) -> None:
                    f"{DEFAULT_CHECKPOINT_INTERVAL}, one per default prefill chunk)")
     g.add_argument("--dequantize", action="store_true", default=None,
                    help="GGUF models only: dequantize to float (default: on MLX's CPU build)")
+    g.add_argument("--shutdown-grace", type=non_negative_float, default=DEFAULT_GRACE,
+                   metavar="SECONDS",
+                   help="on SIGTERM / SIGINT, open requests get this long to finish before "
+                   "their answers are ended (finish_reason \"length\"); a second signal ends "
+                   f"them at once (default: {DEFAULT_GRACE:g})")
+    g.add_argument("--admin-token", default=None, metavar="TOKEN",
+                   help="require 'Authorization: Bearer TOKEN' on /v1/cache (default: "
+                   f"${TOKEN_ENV}, else none: only requests addressed to this machine, never "
+                   "from a web page)")
 
 
 def run(host: str, port: int, model_provider, server_class=None, handler_class=None) -> None:
@@ -65,12 +103,18 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
 
     from ..store import default_root
     from ..prefix.manager import default_max_bytes
+    from .admin import AdminPolicy
     from .distributed import agreement
-    from .generator import CheckpointingResponseGenerator
+    from .generator import ServerResponseGenerator
     from .handler import CacheAPIHandler
+    from .lifecycle import Lifecycle
     from .prompt_cache import TriePromptCache
 
     args = model_provider.cli_args
+    life = Lifecycle(args.shutdown_grace)
+    # Before the model loads: a signal during the load is a stop like any other.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: life.on_signal())
     cache_dir = None if args.no_persist else str(args.cache_dir or default_root())
     max_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else default_max_bytes()
     agree = agreement()
@@ -89,62 +133,84 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
         if model_provider.model_key is not None:
             cache.prepare(model_provider.model_key)
     model_provider.load_default = load_then_open_cache
-    generator = CheckpointingResponseGenerator(model_provider, cache)
+    generator = ServerResponseGenerator(model_provider, cache, lifecycle=life, agree=agree)
     if agree.rank != 0:
-        _follow(generator, cache)
+        _follow(generator, cache, life)
         return
-    _serve(host, port, generator, cache, server_class or ThreadingHTTPServer,
-           handler_class or CacheAPIHandler)
+    handler = type("CacheAPIHandler", (handler_class or CacheAPIHandler,),
+                   {"admin": AdminPolicy.make(args.admin_token, host)})
+    _serve(host, port, generator, cache, server_class or ThreadingHTTPServer, handler, life)
 
 
-def _follow(generator, cache) -> None:
-    """A rank other than 0: no HTTP; its generation thread follows rank 0's requests. On
-    SIGTERM / SIGINT (the launcher stops every rank) it flushes its cache writes and exits."""
-    def stop(signum, frame):
-        log.info("mlx_kvcache: rank stopping (signal %d): flushing cache writes", signum)
-        cache.close(timeout=60)
-        logging.shutdown()
-        os._exit(0)
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    while generator.generation_available():
-        time.sleep(0.5)
-    cache.close(timeout=60)
+def _exit(code: int) -> None:
     logging.shutdown()
-    os._exit(1)  # the generation thread ended without a signal: rank 0 is gone
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # MLX's per-thread state can abort a normal interpreter exit here; all is written.
+    os._exit(code)
 
 
-def _serve(host, port, generator, cache, server_class, handler_class) -> None:
+def _follow(generator, cache, life) -> None:
+    """A rank other than 0: no HTTP; its generation thread follows rank 0's requests and
+    leaves its loop on rank 0's stop command (a signal here is forwarded to rank 0). Then
+    it flushes its cache writes and exits 0; 1 when rank 0 went away or never stopped it."""
+    limit = None
+    while generator.generation_available():
+        time.sleep(0.1)
+        if life.signalled_at is not None and limit is None:
+            limit = life.signalled_at + life.grace + CUT_WAIT + _gen_wait(life.grace) + 10.0
+            log.info("mlx_kvcache: rank stopping (signal): waiting for rank 0's stop")
+        if limit is not None and time.monotonic() > limit:
+            log.error("mlx_kvcache: rank 0 did not stop this rank in time")
+            break
+    cache.close(timeout=60)
+    code = 0 if life.stopped.is_set() else 1
+    log.info("mlx_kvcache: rank %d stopped (exit %d)", generator._rank, code)
+    _exit(code)
+
+
+def _serve(host, port, generator, cache, server_class, handler_class, life) -> None:
     from mlx_lm.server import get_system_fingerprint
 
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    server_class.address_family, _, _, _, address = next(iter(infos))
+    family, _, _, _, address = next(iter(infos))
+    server_class = type("HTTPServer", (server_class,),
+                        {"address_family": family, "request_queue_size": BACKLOG})
     fingerprint = get_system_fingerprint()
     httpd = server_class(address, lambda *a, **k: handler_class(
         generator, *a, system_fingerprint=fingerprint, **k))
-    stopping = threading.Event()
-
-    def stop(signum, frame):
-        if not stopping.is_set():
-            stopping.set()
-            log.info("mlx_kvcache: stopping (signal %d): finishing requests and cache writes", signum)
-            threading.Thread(target=httpd.shutdown, daemon=True).start()
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    threading.Thread(target=httpd.serve_forever, name="mlx_kvcache-http", daemon=True).start()
     log.info("Starting httpd at %s on port %d...", host, port)
+    while not life.asked:
+        time.sleep(0.1)
+    code = _stop(httpd, generator, cache, life)
+    log.info("mlx_kvcache: %sstopped (exit %d)", "rank 0 " if generator._is_distributed else "", code)
+    _exit(code)
+
+
+def _stop(httpd, generator, cache, life) -> int:
+    """The stop on rank 0 (see the module doc); returns the exit status."""
+    life.stopping.set()
+    log.info("mlx_kvcache: stopping: new requests get 503; %d open, %g s to finish "
+             "(a second signal ends them now)", life.inflight, life.grace)
+    if not life.wait_idle(time.monotonic() + life.grace, interrupt=lambda: life.signals >= 2):
+        log.info("mlx_kvcache: ending %d open answers", life.inflight)
+        life.cut.set()
+        life.wait_idle(time.monotonic() + CUT_WAIT)
+    stopped = True
     try:
-        httpd.serve_forever()
-    finally:
-        httpd.server_close()
-        t = threading.Thread(target=generator.stop_and_join, daemon=True)
-        t.start()
-        t.join(timeout=10)  # a sequential request in flight does not look at the stop flag
-        cache.close(timeout=60)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # MLX's per-thread state can abort a normal interpreter exit here; all is written.
-        os._exit(0)
+        generator.command("stop", timeout=_gen_wait(life.grace))
+    except TimeoutError:
+        stopped = False
+        log.warning("mlx_kvcache: the generation thread did not stop in time; exiting")
+    except RuntimeError:
+        pass  # it had already ended
+    httpd.shutdown()
+    httpd.server_close()
+    log.info("mlx_kvcache: flushing cache writes")
+    cache.close(timeout=60)
+    sharded = getattr(generator, "_is_distributed", False)
+    return 0 if stopped or not sharded else 1  # a rank left behind: the launcher stops it
 
 
 def main(argv) -> int:

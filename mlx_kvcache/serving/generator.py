@@ -1,19 +1,36 @@
-"""mlx-lm's `ResponseGenerator`, with checkpoints inside long prompt segments.
+"""mlx-lm's `ResponseGenerator` with our overrides: checkpoints inside long prompt
+segments, requests checked before they can end the generation thread, commands that reach
+every rank (``DELETE /v1/cache``, stop), and answers that end properly on a stop.
 
-The batch path of mlx-lm's server pauses prefill at the end of every prompt *segment*
+Checkpoints: the batch path of mlx-lm's server pauses prefill at the end of every prompt *segment*
 (system prompt, user context, thinking tail) and inserts the cache there — the only
 places a hybrid or sliding-window model can later restore. We split the segments further
 at the offsets the prompt cache asks for (`TriePromptCache.checkpoints`: every
 ``--checkpoint-interval`` tokens and the branch point of this prompt), so a prompt that
 diverges inside a long message restores to within one interval of the divergence, and
-exactly from the second time. Everything else is mlx-lm's own code.
+exactly from the second time.
+
+The rest (see `lifecycle`): `_next_request` is where mlx-lm's generation thread of every
+rank receives each request in lockstep (rank 0 reads its queue and shares the request), so
+a `Control` put on that queue reaches every rank at the same turn of its loop; one small
+collective there also carries a stop signal from any rank to rank 0. `_await_response` is
+where an HTTP thread waits for its answer, so that is where the stop's cut ends it.
+Everything else is mlx-lm's own code.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+import logging
+import time
+from queue import Empty, Queue
+from typing import Any, List, Optional, Sequence, Tuple
 
-from mlx_lm.server import ResponseGenerator
+from mlx_lm.server import GenerationContext, ResponseGenerator
+
+from .lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
+from .validation import generation_problem
+
+log = logging.getLogger("mlx_kvcache")
 
 
 def split_segments(segments: List[List[int]], types: List[str],
@@ -38,14 +55,134 @@ def split_segments(segments: List[List[int]], types: List[str],
     return out, out_types
 
 
-class CheckpointingResponseGenerator(ResponseGenerator):
-    """`ResponseGenerator` whose prompt segments also end at the cache's checkpoints."""
+class _KeepGoing:
+    """A sequential request's answer queue on a sharded model: the request runs to its end
+    even when its client leaves (its output is dropped). mlx-lm stops it on rank 0 only
+    (NotImplementedError), which leaves the other ranks one request behind, hung."""
 
+    def __init__(self, queue: Queue) -> None:
+        self._queue = queue
+
+    def put(self, item, *args, **kwargs) -> None:
+        if isinstance(item, GenerationContext):
+            item.stop = lambda: None  # the handler's ``ctx.stop()`` must not stop rank 0 alone
+        self._queue.put(item, *args, **kwargs)
+
+
+class ServerResponseGenerator(ResponseGenerator):
+    """`ResponseGenerator` with checkpoints, request checks, commands shared by every rank
+    and a stop that ends answers properly.
+
+    Args:
+        model_provider, prompt_cache: as mlx-lm's.
+        lifecycle: the stop state shared with the HTTP handler and the app.
+        agree: the ranks' `Agreement` (forwards stop signals to rank 0).
+    """
+
+    def __init__(self, model_provider, prompt_cache, lifecycle: Optional[Lifecycle] = None,
+                 agree=None) -> None:
+        # Set before mlx-lm's __init__, which starts the generation thread.
+        self.lifecycle = lifecycle or Lifecycle()
+        self._agree = agree
+        super().__init__(model_provider, prompt_cache)
+
+    # -- prompts ------------------------------------------------------------------------------
     def _tokenize(self, tokenizer, request, args):
         prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
+        # Here mlx-lm's ``try`` still catches (the request fails, the thread lives on); the
+        # same problems past this point would end the generation thread.
+        problem = generation_problem(prompt, args, self.model_provider.model)
+        if problem:
+            raise ValueError(problem)
+        self._make_state_machine(self.model_provider.model_key, tokenizer, args.stop_words)
         checkpoints = getattr(self.prompt_cache, "checkpoints", None)
         if vision is None and checkpoints is not None and self.model_provider.model is not None:
             cuts = checkpoints(self.model_provider.model_key, prompt)
             if cuts:
                 segments, types = split_segments(segments, types, cuts)
         return prompt, segments, types, state, vision
+
+    def _serve_single(self, request, stream):
+        if self._is_distributed:
+            rqueue, req, args = request
+            request = (_KeepGoing(rqueue), req, args)
+        super()._serve_single(request, stream)
+
+    # -- commands shared with every rank ------------------------------------------------------
+    def _next_request(self, timeout=None):
+        if self._is_distributed and self._agree is not None:
+            # A stop signal on any rank reaches rank 0 here (one tiny collective a turn).
+            if self._agree.all_max([int(self.lifecycle.signals > 0)])[0] and self._rank == 0:
+                self.lifecycle.stop_asked.set()
+        request = super()._next_request(timeout)
+        if request is None or not isinstance(request[1], Control):
+            return request
+        self._run_control(request[0], request[1])
+        return None
+
+    def _run_control(self, rqueue: Queue, control: Control) -> None:
+        if control.kind == "stop":
+            self._stop = True
+            self.lifecycle.stopped.set()
+            rqueue.put(None)
+        elif control.kind == "clear":
+            clear = getattr(self.prompt_cache, "clear", None)
+            try:
+                result = clear() if clear is not None else {"error": "no prompt cache"}
+            except Exception as e:  # never into the generation loop
+                log.exception("mlx_kvcache: clearing the prompt cache failed")
+                result = {"error": f"clearing the prompt cache failed: {e}"}
+            rqueue.put(result)
+
+    def command(self, kind: str, timeout: Optional[float] = None) -> Any:
+        """Run a `Control` on every rank's generation thread and return rank 0's result;
+        waits while the generation thread lives (requests ahead of it run first), at most
+        ``timeout`` seconds (then `TimeoutError`)."""
+        q: Queue = Queue()
+        if not self.generation_available():
+            raise RuntimeError("the generation thread is not running")
+        self.requests.put((q, Control(kind), None))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return q.get(timeout=0.1)
+            except Empty:
+                if not self.generation_available():
+                    if kind == "stop" and self.lifecycle.stopped.is_set():
+                        return None
+                    raise RuntimeError("the generation thread ended first") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"the generation thread did not take {kind!r} in time")
+
+    # -- answers end properly on a stop -------------------------------------------------------
+    def generate(self, request, generation_args, progress_callback=None):
+        ticket = Ticket()
+        set_ticket(ticket)
+        if self.lifecycle.cut.is_set():
+            self._refuse(ticket)
+        ctx, response = super().generate(request, generation_args, progress_callback)
+        if self.lifecycle.cut.is_set():  # it started just as the stop cut everything
+            ctx.stop()
+            self._refuse(ticket)
+        ticket.started = True
+        return ctx, response
+
+    @staticmethod
+    def _refuse(ticket: Ticket) -> None:
+        ticket.refused = True
+        raise ServerStopping("the server is stopping; this request was not started")
+
+    def _await_response(self, response_queue):
+        ticket = current_ticket()
+        while True:
+            if ticket is not None and self.lifecycle.cut.is_set():
+                if ticket.started:  # the answer ends here: mlx-lm's handler sends its end
+                    ticket.cut = True
+                    return None
+                self._refuse(ticket)
+            try:
+                return response_queue.get(timeout=0.1)
+            except Empty:
+                if not self.generation_available():
+                    raise RuntimeError("generation thread died") from None
+

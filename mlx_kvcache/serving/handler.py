@@ -1,16 +1,106 @@
 """mlx-lm's HTTP handler plus ``GET /v1/cache`` (what the prompt cache holds, as JSON) and
-``DELETE /v1/cache`` (drop it, in memory and on disk). Every other route is mlx-lm's."""
+``DELETE /v1/cache`` (drop it, in memory and on disk, on every rank, before answering).
+
+Every other route is mlx-lm's, CORS headers included. Ours add: the admin route's access
+rules (`admin`), a 400 for request fields that would end mlx-lm's generation thread
+(`validation`), and the stop (`lifecycle`): a request that arrives while the server stops
+gets a 503; an answer the stop cuts short ends with ``finish_reason: "length"``.
+"""
 
 from __future__ import annotations
 
 import json
+from typing import Any, Dict, Optional
 
 from mlx_lm.server import APIHandler
 
+from .admin import AdminPolicy
+from .lifecycle import current_ticket, set_ticket
+from .validation import body_problem, vocab_size
+
+#: The most request body read (and dropped) before refusing a request.
+_DRAIN_LIMIT = 64 << 20
+
 
 class CacheAPIHandler(APIHandler):
-    def _cache(self):
-        return getattr(self.response_generator, "prompt_cache", None)
+    #: Who may use ``/v1/cache`` (the app sets it from ``--admin-token`` and ``--host``).
+    admin: AdminPolicy = AdminPolicy.make(None, "127.0.0.1")
+
+    # -- admitting requests (a stop refuses new ones) ----------------------------------------
+    def handle(self):
+        set_ticket(None)
+        life = getattr(self.response_generator, "lifecycle", None)
+        self._admitted = life is None or life.admit()
+        try:
+            super().handle()
+        finally:
+            if self._admitted and life is not None:
+                life.done()
+
+    def _refused_while_stopping(self) -> bool:
+        if self._admitted:
+            return False
+        self._drain_body()
+        body = {"error": "the server is stopping"}
+        if self._is_cache_route():
+            self._send_admin(503, body)
+        else:
+            self._send_json(503, body)
+        return True
+
+    def _drain_body(self) -> None:
+        # Answering before reading the body makes the kernel reset the connection (unread
+        # data at close), and the client may never see the answer.
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            return
+        while 0 < n:
+            chunk = self.rfile.read(min(n, 1 << 16, _DRAIN_LIMIT))
+            if not chunk:
+                return
+            n -= len(chunk)
+
+    # -- mlx-lm's routes --------------------------------------------------------------------
+    def do_POST(self):
+        if not self._refused_while_stopping():
+            super().do_POST()
+
+    def do_OPTIONS(self):
+        if self._refused_while_stopping():
+            return
+        if self._is_cache_route():
+            return self._admin_route("OPTIONS")
+        super().do_OPTIONS()
+
+    def validate_model_parameters(self) -> None:
+        super().validate_model_parameters()
+        route = "text" if self.path == "/v1/completions" else "chat"  # mlx-lm's two kinds
+        problem = body_problem(route, self.body, self._vocab())
+        if problem:
+            raise ValueError(problem)
+        if isinstance(self.stream_options, dict):  # mlx-lm reads the key without a default
+            self.stream_options = {"include_usage": False, **self.stream_options}
+
+    def _vocab(self) -> Optional[int]:
+        provider = self.response_generator.model_provider
+        requested = getattr(self, "requested_model", "default_model")
+        if requested != "default_model" and provider.model_key is not None \
+                and requested != provider.model_key[0]:
+            return None  # another model: checked in the generation thread once loaded
+        return vocab_size(provider.model)
+
+    def generate_response(self, text, finish_reason, *args, **kwargs):
+        ticket = current_ticket()
+        if finish_reason is not None and ticket is not None and ticket.cut:
+            finish_reason = "length"  # the stop cut the answer short
+        return super().generate_response(text, finish_reason, *args, **kwargs)
+
+    def _set_completion_headers(self, status_code: int = 200):
+        ticket = current_ticket()
+        if status_code == 404 and ticket is not None and ticket.refused:
+            status_code = 503  # mlx-lm answers 404 to any error before the answer starts
+        super()._set_completion_headers(status_code)
 
     def _send_json(self, status: int, body) -> None:
         data = json.dumps(body).encode()
@@ -20,22 +110,62 @@ class CacheAPIHandler(APIHandler):
         self.wfile.write(data)
         self.wfile.flush()
 
+    # -- the admin route ----------------------------------------------------------------------
     def _is_cache_route(self) -> bool:
         return self.path.split("?", 1)[0].rstrip("/") == "/v1/cache"
 
+    def _send_admin(self, status: int, body: Dict[str, Any], headers: Optional[dict] = None) -> None:
+        """JSON without mlx-lm's CORS headers: a browser may not read or call this route."""
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Cache-Control", "no-store")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def _admin_route(self, method: str) -> None:
+        self._drain_body()
+        refusal = self.admin.refusal(method, self.headers)
+        if refusal is not None:
+            status, message, headers = refusal
+            return self._send_admin(status, {"error": message}, headers)
+        cache = getattr(self.response_generator, "prompt_cache", None)
+        if cache is None or not hasattr(cache, "report"):
+            return self._send_admin(503, {"error": "the prompt cache is not available"})
+        if method == "GET":
+            report = cache.report()
+            # Requests not yet taken by the generation thread, and requests open (this one
+            # aside): what an operator waits on before a stop.
+            report["queued_requests"] = self.response_generator.requests.qsize()
+            life = getattr(self.response_generator, "lifecycle", None)
+            if life is not None:
+                report["open_requests"] = max(life.inflight - 1, 0)
+            return self._send_admin(200, report)
+        try:
+            result = self.response_generator.command("clear")
+        except RuntimeError as e:
+            return self._send_admin(503, {"error": f"the cache was not cleared: {e}"})
+        body = {**cache.report(), **result}
+        if "ranks" in result:  # each rank's counters and what its clear did
+            counters = {r.get("rank"): r for r in cache.report().get("ranks", [])}
+            body["ranks"] = [{**counters.get(r["rank"], {}), **r} for r in result["ranks"]]
+        self._send_admin(500 if result.get("error") else 200, body)
+
     def do_GET(self):
+        if self._refused_while_stopping():
+            return
         if not self._is_cache_route():
             return super().do_GET()
-        cache = self._cache()
-        if cache is None or not hasattr(cache, "report"):
-            return self._send_json(503, {"error": "the prompt cache is not available"})
-        self._send_json(200, cache.report())
+        self._admin_route("GET")
 
     def do_DELETE(self):
+        if self._refused_while_stopping():
+            return
         if not self._is_cache_route():
+            self._drain_body()
             return self._send_json(404, {"error": f"no DELETE route {self.path}"})
-        cache = self._cache()
-        if cache is None or not hasattr(cache, "clear"):
-            return self._send_json(503, {"error": "the prompt cache is not available"})
-        cache.clear()
-        self._send_json(200, {"cleared": True, **cache.report()})
+        self._admin_route("DELETE")

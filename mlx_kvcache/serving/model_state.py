@@ -23,6 +23,8 @@ from ..prefix.manager import PrefixManager
 from ..prefix.stats import human_bytes
 from ..store import PersistentStore, directory_fingerprint, model_fingerprint
 from ..store.autosave import Autosaver
+from .padding import padded_rows_exact, recurrent_kinds
+from .validation import vocab_size
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -34,6 +36,9 @@ class ModelState:
     store: Optional[PersistentStore] = None
     writer: Optional[Autosaver] = None
     why_not: Optional[str] = None
+    #: mlx-lm's batch path is not exact for this model's padded recurrent rows: hand out
+    #: `TrackedArraysCache` and store no padded row (`serving.padding`).
+    track_padding: bool = False
     #: The server's segment type of each recorded node (``stats_by_type``).
     types: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
 
@@ -55,16 +60,50 @@ def open_model(provider, key, agree: Agreement, *, max_bytes: int, checkpoint_in
             why_not = str(e)
     if not every(agree, manager is not None):  # a rank that cannot cache turns it off for all
         manager, why_not = None, why_not or "another rank cannot snapshot its layers"
-    st = ModelState(key, manager, why_not=why_not)
+    track = False
+    # Only models with recurrent layers are checked (attention masks its padding; that is
+    # mlx-lm's batch path for every model). The forward passes involve every rank.
+    if manager is not None and every(agree, bool(getattr(provider, "is_batchable", False))) \
+            and any_rank(agree, bool(recurrent_kinds(model))):
+        attention_ok, recurrent_ok = _padding_exact(model, agree)
+        if not every(agree, attention_ok):
+            manager, why_not = None, ("mlx-lm's batch path does not compute exact attention "
+                                      "caches for padded rows of this model")
+        track = not every(agree, recurrent_ok)
+    st = ModelState(key, manager, why_not=why_not, track_padding=track)
     if manager is None:
         log.warning("mlx_kvcache: prompt caching is off for this model: %s", why_not)
         return st
+    if track:
+        log.info("mlx_kvcache: mlx-lm's batch path computes wrong recurrent states for "
+                 "padded rows of this model: states of requests batched with longer ones "
+                 "are not stored")
     manager.agree = agree
     # Checkpoints are planned where any rank has a layer that needs them.
     manager.whole_state = any_rank(agree, manager.whole_state)
     if cache_dir is not None:
         _open_store(st, provider, key, agree, cache_dir, max_disk_bytes, sharding)
     return st
+
+
+def _padding_exact(model, agree):
+    """(attention layers exact, recurrent layers exact) for padded batch rows. A check
+    that cannot run counts the recurrent layers as not exact (their padded rows are then
+    not stored); the attention layers as exact (mlx-lm's own batch path for every model)."""
+    try:
+        verdict = padded_rows_exact(model, vocab_size(model) or 2)
+    except Exception as e:  # the batch path itself will tell; store conservatively
+        if agree.size > 1:
+            raise  # a rank that left a collective early hangs the others: exit instead
+        log.warning("mlx_kvcache: could not check mlx-lm's batch path on padded rows (%s); "
+                    "recurrent states of padded rows will not be stored", e)
+        return True, False
+    recurrent = recurrent_kinds(model)
+    log.debug("mlx_kvcache: padded batch rows exact, per layer kind: %s", verdict)
+    if not all(verdict.values()):
+        log.info("mlx_kvcache: padded batch rows exact, per layer kind: %s", verdict)
+    return (all(ok for k, ok in verdict.items() if k not in recurrent),
+            all(ok for k, ok in verdict.items() if k in recurrent))
 
 
 def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes, sharding) -> None:

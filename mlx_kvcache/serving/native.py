@@ -20,16 +20,18 @@ from ..caches import (
     CacheError, ChunkedKVCache, GenericCache, KVCache, QuantizedKVCache, RecurrentCache,
     RotatingKVCache, convert, leaf_caches,
 )
+from .padding import TrackedArraysCache
 
 
-def to_native(caches: List[Any]) -> List[Any]:
-    """mlx-lm cache objects holding the same state as ``caches`` (ours)."""
-    return [_native(c) for c in caches]
+def to_native(caches: List[Any], track_padding: bool = False) -> List[Any]:
+    """mlx-lm cache objects holding the same state as ``caches`` (ours); with
+    ``track_padding`` recurrent layers are `TrackedArraysCache` (remembers batch padding)."""
+    return [_native(c, track_padding) for c in caches]
 
 
-def _native(c: Any) -> Any:
+def _native(c: Any, track: bool = False) -> Any:
     if isinstance(c, mlc.CacheList):
-        return mlc.CacheList(*(_native(x) for x in c.caches))
+        return mlc.CacheList(*(_native(x, track) for x in c.caches))
     if isinstance(c, KVCache):
         n = mlc.KVCache()
         if c.keys is not None and c.offset:
@@ -42,7 +44,7 @@ def _native(c: Any) -> Any:
             n.keys, n.values, n.offset, n._idx = c.keys, c.values, c.offset, c._idx
         return n
     if isinstance(c, RecurrentCache):
-        n = mlc.ArraysCache(len(c.cache))
+        n = (TrackedArraysCache if track else mlc.ArraysCache)(len(c.cache))
         n.cache = list(c.cache)
         return n
     if isinstance(c, QuantizedKVCache):
@@ -64,7 +66,7 @@ def from_native(caches: List[Any], length: int) -> Optional[List[Any]]:
     """Our cache objects sharing the arrays of mlx-lm ``caches`` that hold ``length``
     tokens; None when a layer does not hold exactly ``length`` tokens (then nothing must
     be stored from it)."""
-    ours = [convert(c) for c in caches]
+    ours = [convert(_untracked(c)) for c in caches]
     try:
         leaves = leaf_caches(ours)
     except CacheError:  # a class whose state cannot be snapshotted
@@ -82,3 +84,14 @@ def from_native(caches: List[Any], length: int) -> Optional[List[Any]]:
             return None
     return ours
 
+
+
+def _untracked(c: Any) -> Any:
+    """A `TrackedArraysCache` as mlx-lm's plain class (same arrays), for `convert`."""
+    if isinstance(c, mlc.CacheList):
+        return mlc.CacheList(*(_untracked(x) for x in c.caches))
+    if isinstance(c, TrackedArraysCache):
+        plain = mlc.ArraysCache(len(c.cache))
+        plain.cache, plain.left_padding, plain.lengths = c.cache, c.left_padding, c.lengths
+        return plain
+    return c

@@ -19,11 +19,12 @@ n_bytes=)``, ``nbytes``, ``len()`` and ``stats_by_type()``. Here:
 
 On the ranks of a sharded model (``mlx.launch``) every decision is agreed between ranks
 (`mlx_kvcache.prefix.agreement`), so every rank restores, stores and evicts alike. The
-HTTP threads (rank 0) only read counters and ask for a `clear`.
+HTTP threads (rank 0) only read counters; `clear` runs on every rank's generation thread.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import struct
@@ -31,10 +32,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..prefix.agreement import SOLO, Agreement, any_rank, every
+from ..prefix.agreement import SOLO, Agreement, every
 from ..prefix.stats import human_bytes
 from .model_state import ModelState, open_model
 from .native import from_native, to_native
+from .padding import was_padded
 
 __all__ = ["TriePromptCache"]
 
@@ -87,7 +89,7 @@ class TriePromptCache:
         self._fetches: "OrderedDict[int, _Fetch]" = OrderedDict()
         self._seq = 0
         self._told: List[str] = []
-        self._clear_asked = False
+        self._told_padded = False
         self._ranks: List[Tuple[int, ...]] = []  # every rank's counters, as last shared
 
     # -- the model's trie, made when the model loads (in the generation thread) ----------
@@ -148,8 +150,6 @@ class TriePromptCache:
         st = self._state(model_key)
         if st.manager is None or not tokens:
             return None, tokens
-        if any_rank(self.agree, self._clear_asked):  # DELETE /v1/cache, applied everywhere at once
-            self._clear(st)
         live, plan = st.manager.checkout(tokens)
         st.manager.forget(live)  # the server owns these caches from here on
         self.requests += 1
@@ -159,16 +159,23 @@ class TriePromptCache:
         self._fetches[self._seq] = _Fetch(tokens, plan.matched, plan.restored, plan.reason)
         while len(self._fetches) > 256:
             self._fetches.popitem(last=False)
-        if plan.restored == 0:
+        if plan.restored == 0 and not st.track_padding:
             return None, tokens
-        return to_native(live.caches), tokens[plan.restored:]
+        # Tracking batch padding needs our recurrent class in every row, a miss included.
+        return to_native(live.caches, st.track_padding), tokens[plan.restored:]
 
     def _insert(self, model_key, tokens: List[int], prompt_cache: List[Any], cache_type: str) -> None:
         st = self._state(model_key)
         if st.manager is None or not tokens:
             return
         caches = from_native(prompt_cache, len(tokens))
-        if caches is None:
+        if caches is not None and st.track_padding and was_padded(prompt_cache):
+            caches = None  # mlx-lm computed this row's recurrent state over its padding
+            if not self._told_padded:
+                self._told_padded = True
+                log.info("mlx_kvcache: not storing a recurrent state computed in a padded "
+                         "batch row (said once)")
+        elif caches is None:
             kinds = sorted({type(c).__name__ for c in prompt_cache})
             if kinds != self._told:  # once per kind of cache, not once per request
                 self._told = kinds
@@ -268,26 +275,50 @@ class TriePromptCache:
             out["ranks"] = [dict(zip(("bytes_held", "nodes", "disk_bytes", "evicted_bytes",
                                       "requests", "cached_tokens"), r), rank=i)
                             for i, r in enumerate(self._ranks)]
-            out["clear_pending"] = self._clear_asked
         return out
 
-    def clear(self) -> None:
-        """Drop every snapshot, in memory and on disk (``DELETE /v1/cache``). On a sharded
-        model the ranks clear together, before the next request."""
-        if self.agree.size > 1:
-            self._clear_asked = True
-            return
-        st = self._model
-        if st is not None and st.manager is not None:
-            self._clear(st)
+    def clear(self) -> Dict[str, Any]:
+        """Drop every snapshot, in memory and on disk, durably, before returning
+        (``DELETE /v1/cache``). Runs where the model lives (the generation thread); on a
+        sharded model every rank calls it at the same point and the results are gathered.
+        Returns ``cleared``, ``memory_cleared``, ``disk_cleared`` and, when a directory
+        could not be cleared, ``error`` naming it (per rank under ``ranks``)."""
+        return self._guard("clearing the prompt cache", self._clear_here,
+                           {"cleared": False, "memory_cleared": False, "disk_cleared": False,
+                            "error": "clearing the prompt cache failed (see the log)"})
 
-    def _clear(self, st: ModelState) -> None:
-        self._clear_asked = False
-        st.manager.clear()
-        if st.store is not None:
-            if st.writer is not None:
-                st.writer.flush(timeout=60)
-            st.store.clear_disk()
+    def _clear_here(self) -> Dict[str, Any]:
+        st = self._model
+        mine: Dict[str, Any] = {"rank": self.agree.rank, "memory_cleared": True,
+                                "disk_cleared": True}
+        if st is not None and st.manager is not None:
+            st.manager.clear()
+            if st.store is not None:
+                mine["directory"] = str(st.store.directory())
+                try:
+                    if st.writer is not None:  # a capture taken before the clear lands first
+                        st.writer.flush(timeout=None)
+                    st.store.clear_disk()
+                except OSError as e:
+                    mine["disk_cleared"] = False
+                    d = str(st.store.directory())
+                    mine["error"] = str(e) if d in str(e) else f"could not clear {d}: {e}"
+                    log.error("mlx_kvcache: DELETE /v1/cache: %s (memory was cleared)", mine["error"])
+        ranks = [mine]
+        if self.agree.size > 1:
+            ranks = [json.loads(b) for b in self.agree.all_gather(json.dumps(mine).encode())]
+            self._share_stats()
+        out: Dict[str, Any] = {
+            "cleared": all(r["disk_cleared"] for r in ranks),
+            "memory_cleared": all(r["memory_cleared"] for r in ranks),
+            "disk_cleared": all(r["disk_cleared"] for r in ranks)}
+        errors = [(f"rank {r['rank']}: " if self.agree.size > 1 else "") + r["error"]
+                  for r in ranks if r.get("error")]
+        if errors:
+            out["error"] = "; ".join(errors)
+        if self.agree.size > 1:
+            out["ranks"] = ranks
+        return out
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait for the background writes submitted so far."""

@@ -12,6 +12,7 @@ version whose seam changed gets one clear line instead of a server that misbehav
 from __future__ import annotations
 
 import argparse
+import importlib
 import inspect
 from contextlib import contextmanager
 from typing import Callable, Iterator, List, Optional
@@ -56,6 +57,30 @@ def check() -> Optional[str]:
     tok = getattr(S.ResponseGenerator, "_tokenize", None)
     if tok is None or list(inspect.signature(tok).parameters) != ["self", "tokenizer", "request", "args"]:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: ResponseGenerator._tokenize changed")
+    # What the stop, the shared commands and the request checks override (`generator`,
+    # `handler`) and what the padding check reuses (`padding`).
+    for owner, name, params in (
+            (S.ResponseGenerator, "_next_request", ["self", "timeout"]),
+            (S.ResponseGenerator, "_serve_single", ["self", "request", "stream"]),
+            (S.ResponseGenerator, "_await_response", ["self", "response_queue"]),
+            (S.ResponseGenerator, "generate", ["self", "request", "generation_args",
+                                              "progress_callback"]),
+            (S.ResponseGenerator, "_make_state_machine", ["self", "model_key", "tokenizer",
+                                                         "stop_words"]),
+            (S.APIHandler, "validate_model_parameters", ["self"]),
+            (S.APIHandler, "_set_completion_headers", ["self", "status_code"]),
+            (S.APIHandler, "handle_completion", ["self", "request", "stop_words"])):
+        fn = getattr(owner, name, None)
+        if fn is None or list(inspect.signature(fn).parameters)[:len(params)] != params:
+            raise SeamError(f"mlx_lm {mlx_lm.__version__}: {owner.__name__}.{name} changed")
+    gen = getattr(S.APIHandler, "generate_response", None)
+    if gen is None or list(inspect.signature(gen).parameters)[:3] != ["self", "text", "finish_reason"]:
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: APIHandler.generate_response changed")
+    if not callable(getattr(getattr(S, "GenerationContext", None), "stop", None)):
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server has no GenerationContext.stop")
+    G = importlib.import_module("mlx_lm.generate")  # ``mlx_lm.generate`` is also a function
+    if not hasattr(G, "PromptProcessingBatch"):
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.generate has no PromptProcessingBatch")
     src = inspect.getsource(S.main)
     if "argparse.ArgumentParser(" not in src or "run(" not in src:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server.main no longer builds "

@@ -53,6 +53,11 @@ DIR_CONFIGS = {
         full_attention_interval=2, tie_word_embeddings=True,
         rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                          "rope_type": "default"})},
+    # Mamba-1: recurrent layers only, which ignore the batch path's padding masks
+    "mamba": dict(model_type="mamba", vocab_size=DIR_VOCAB, hidden_size=64,
+                  intermediate_size=128, state_size=8, num_hidden_layers=2, conv_kernel=4,
+                  use_bias=False, use_conv_bias=True, time_step_rank=4,
+                  tie_word_embeddings=True),
 }
 
 

@@ -1,10 +1,11 @@
-"""``mlx.launch`` jobs on loopback for tests and benchmarks: one process group, bounded
-waits, nothing left behind.
+"""``mlx.launch`` jobs on loopback for tests and benchmarks: one process group, waits
+bounded by the job's progress (`waits`), nothing left behind.
 
 The launcher starts every rank as its child; signalled alone it dies and leaves the ranks
-running, so a job is its own process group (``start_new_session``) and is stopped with
-SIGTERM to the whole group (SIGKILL after a grace period), then checked through
-``/proc`` until no member is left. The ring backend needs one free port per rank.
+running, so a job is its own process group (``start_new_session``). A stop signals the
+ranks (the launcher then exits on its own and keeps relaying their output to the end),
+then the whole group if anything is left, SIGKILL once nothing progresses, and checks
+through ``/proc`` until no member is left. The ring backend needs one free port per rank.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from .servers import BLAS, ROOT, Client, free_port
+from .waits import Watch, group_members
 
 
 def free_port_block(n: int, lo: int = 20000, hi: int = 60000) -> int:
@@ -47,9 +48,8 @@ def free_port_block(n: int, lo: int = 20000, hi: int = 60000) -> int:
 class Launch:
     """``mlx.launch -n N --backend ring -- COMMAND`` as one process group."""
 
-    def __init__(self, command: Sequence[str], n: int = 2, env: Optional[Dict[str, str]] = None,
-                 grace: float = 10.0):
-        self.n, self.grace = n, grace
+    def __init__(self, command: Sequence[str], n: int = 2, env: Optional[Dict[str, str]] = None):
+        self.n = n
         self.tmp = Path(tempfile.mkdtemp(prefix="mlxlaunch-"))
         self.log = self.tmp / "ranks.log"
         e = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp), **(env or {}))
@@ -63,6 +63,10 @@ class Launch:
                                      stderr=subprocess.STDOUT, env=e, cwd=str(ROOT),
                                      start_new_session=True)
         self.pgid = self.proc.pid
+        # The launcher lives while every rank does (it stops the job when one fails). The
+        # ranks spin in their collectives: their CPU use is no sign of progress.
+        self.watch = Watch(self.pgid, self.log, self.output,
+                           alive=lambda: self.proc.poll() is None, cpu_counts=False)
 
     def output(self) -> str:
         try:
@@ -72,36 +76,46 @@ class Launch:
 
     def members(self) -> List[int]:
         """Live (non-zombie) processes of the job's group."""
-        pids = []
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
+        return group_members(self.pgid)
+
+    def ranks(self) -> List[int]:
+        """The rank processes (the group without the launcher)."""
+        return [p for p in self.members() if p != self.proc.pid]
+
+    def signal_ranks(self, sig=signal.SIGTERM) -> None:
+        for pid in self.ranks():
             try:
-                with open(f"/proc/{d}/stat") as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(rest[2]) == self.pgid and rest[0] != "Z":
-                pids.append(int(d))
-        return pids
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
     def stop(self, sig=signal.SIGTERM) -> None:
-        """Signal the whole group; SIGKILL what is left after the grace period."""
-        for s, wait in ((sig, self.grace), (signal.SIGKILL, 5.0)):
+        """Signal the ranks and wait for the job to end; then the whole group; SIGKILL
+        what is left once it stops making progress."""
+        if self.members():
+            self.signal_ranks(sig)
+            try:
+                self.watch.wait("the job to end", need_alive=False).until(lambda: not self.members())
+            except TimeoutError:
+                pass
+        for s in (sig, signal.SIGKILL):
             if not self.members():
                 break
             try:
                 os.killpg(self.pgid, s)
             except ProcessLookupError:
                 break
-            deadline = time.monotonic() + wait
-            while self.members() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            try:
+                self.watch.wait("the job to end", need_alive=False, stall=30).until(
+                    lambda: not self.members())
+            except TimeoutError:
+                pass
         try:
-            self.proc.wait(timeout=5)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:  # pragma: no cover
             pass
-        self._out.close()
+        if not self._out.closed:
+            self._out.close()
         if self.members():  # pragma: no cover
             raise RuntimeError(f"process group {self.pgid} survived SIGKILL")
 
@@ -122,15 +136,16 @@ class LaunchedServer(Client):
     """``mlx-kvcache serve`` (or ``mlx_lm server``) on ``n`` ranks; rank 0 speaks HTTP."""
 
     def __init__(self, model_dir, *extra: str, n: int = 2, stock: bool = False,
-                 home: Optional[Path] = None, start_timeout: float = 180.0):
+                 home: Optional[Path] = None, start_timeout: Optional[float] = None):
         self.port = free_port()
         cmd = ([sys.executable, "-m", "mlx_lm", "server"] if stock
                else [sys.executable, "-m", "mlx_kvcache.cli", "serve"])
         cmd += ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port), *extra]
         env = {"XDG_CACHE_HOME": str(home)} if home is not None else {}
         self.job = Launch(cmd, n=n, env=env)
+        self.watch = self.job.watch
         try:
-            self.wait_healthy(start_timeout, lambda: bool(self.job.members()), self.job.output)
+            self.wait_healthy(start_timeout)
         except Exception:
             self.job.stop()
             raise
@@ -144,16 +159,14 @@ class LaunchedServer(Client):
                 {"prompt": int(m.group(2)), "cached": int(m.group(3)), "prefilled": int(m.group(4))})
         return out
 
-    def wait_for_lines(self, count: int, timeout: float = 60.0) -> Dict[int, List[Dict[str, int]]]:
+    def wait_for_lines(self, count: int) -> Dict[int, List[Dict[str, int]]]:
         """`cache_lines` once every rank has logged ``count`` requests (a request's line is
         written at its final insert, just after its answer went out)."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def enough():
             lines = self.cache_lines()
-            if (len(lines) == self.job.n and all(len(v) >= count for v in lines.values())) \
-                    or time.monotonic() > deadline:
-                return lines
-            time.sleep(0.1)
+            ok = len(lines) == self.job.n and all(len(v) >= count for v in lines.values())
+            return lines if ok else None
+        return self.watch.wait(f"{count} cache lines from every rank").until(enough)
 
     def stop(self, sig=signal.SIGTERM) -> None:
         self.job.stop(sig)

@@ -1,18 +1,22 @@
 """Server processes on loopback for tests and benchmarks: started on a free port, stopped
-by their user, spoken to over HTTP with the standard library; every wait is bounded."""
+by their user, spoken to over HTTP with the standard library; every wait is bounded by the
+server's progress (`waits`)."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+from .waits import Watch, call
 
 ROOT = Path(__file__).resolve().parents[2]
 BLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
@@ -24,37 +28,63 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class StreamCut(AssertionError):
+    """A streamed answer ended without ``data: [DONE]`` (the connection closed first)."""
+
+
 class Client:
-    """HTTP to a server on 127.0.0.1:``port`` (standard library only)."""
+    """HTTP to a server on 127.0.0.1:``port`` (standard library only). Every wait is
+    bounded by the server's progress (`waits`), unless a ``timeout`` is given."""
 
     port: int
+    watch: Optional[Watch] = None
 
-    def wait_healthy(self, timeout: float, alive=lambda: True, tail=lambda: "") -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if not alive():
-                raise RuntimeError(f"server exited:\n{tail()}")
+    def tail(self, n: int = 4000) -> str:
+        return self.watch.tail()[-n:] if self.watch is not None else ""
+
+    def _wait(self, what: str):
+        return self.watch.wait(what) if self.watch is not None else None
+
+    def wait_healthy(self, cap: Optional[float] = None) -> None:
+        """Until ``GET /health`` answers 200, while the server lives and makes progress."""
+        def healthy():
             try:
-                if self.request("GET", "/health", timeout=2)[0] == 200:
-                    return
+                return self.request("GET", "/health", timeout=5)[0] == 200
             except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server did not start:\n{tail()}")
-            time.sleep(0.2)
+                return False
+        self.watch.wait("starting the server", cap=cap).until(healthy, poll=0.2)
 
-    def request(self, method: str, path: str, body: Any = None, timeout: float = 120.0,
-                raw: Optional[bytes] = None):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
+    def request(self, method: str, path: str, body: Any = None, timeout: Optional[float] = None,
+                raw: Optional[bytes] = None, headers: Optional[Dict[str, str]] = None):
+        """(status, JSON body or raw bytes). ``timeout``: a plain socket timeout instead of
+        a wait bounded by progress."""
+        status, _, payload = self.exchange(method, path, body, timeout, raw, headers)
+        return status, payload
+
+    def exchange(self, method: str, path: str, body: Any = None, timeout: Optional[float] = None,
+                 raw: Optional[bytes] = None, headers: Optional[Dict[str, str]] = None):
+        """(status, response headers (lower-case names), JSON body or raw bytes)."""
+        wait = None if timeout is not None else self._wait(f"{method} {path}")
+        conn = http.client.HTTPConnection(
+            "127.0.0.1", self.port, timeout=timeout if timeout is not None or wait else 120)
+
+        held: List[socket.socket] = []  # http.client drops conn.sock once a response reads
+
+        def go():
             data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            conn.connect()
+            held.append(conn.sock)
+            conn.request(method, path, body=data,
+                         headers={"Content-Type": "application/json", **(headers or {})})
             r = conn.getresponse()
             payload = r.read()
+            head = {k.lower(): v for k, v in r.getheaders()}
             try:
-                return r.status, json.loads(payload)
+                return r.status, head, json.loads(payload)
             except ValueError:
-                return r.status, payload
+                return r.status, head, payload
+        try:
+            return call(go, wait, lambda: held[0] if held else None)
         finally:
             conn.close()
 
@@ -73,64 +103,110 @@ class Client:
         return r
 
     def stream_chat(self, messages, max_tokens=8, stop_after: Optional[int] = None,
-                    timeout: float = 120.0, **extra) -> Iterator[Dict[str, Any]]:
+                    timeout: Optional[float] = None, **extra) -> Iterator[Dict[str, Any]]:
         """Server-sent events of a streamed chat; closing early (``stop_after`` chunks) is
-        a client disconnecting mid-stream."""
+        a client disconnecting mid-stream. Raises `StreamCut` if the stream ends without
+        ``[DONE]``."""
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}, **extra}
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
-                         headers={"Content-Type": "application/json"})
-            r = conn.getresponse()
-            assert r.status == 200, (r.status, r.read())
-            n = 0
-            for line in r:
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
+        return self.stream("/v1/chat/completions", body, stop_after, timeout)
+
+    def stream(self, path: str, body: Dict[str, Any], stop_after: Optional[int] = None,
+               timeout: Optional[float] = None) -> Iterator[Dict[str, Any]]:
+        """The ``data:`` events of a streamed answer, as JSON (see `stream_chat`)."""
+        wait = None if timeout is not None else self._wait(f"streaming {path}")
+        conn = http.client.HTTPConnection(
+            "127.0.0.1", self.port, timeout=timeout if timeout is not None or wait else 120)
+        events: "queue.Queue" = queue.Queue()
+        held: List[socket.socket] = []  # http.client drops conn.sock once a response reads
+
+        def read():
+            try:
+                conn.connect()
+                held.append(conn.sock)
+                conn.request("POST", path, body=json.dumps(body).encode(),
+                             headers={"Content-Type": "application/json"})
+                r = conn.getresponse()
+                if r.status != 200:
+                    events.put(("status", (r.status, r.read())))
                     return
-                yield json.loads(data)
+                for line in r:
+                    line = line.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        events.put(("done", None))
+                        return
+                    events.put(("data", json.loads(data)))
+                events.put(("cut", None))
+            except BaseException as e:  # handed to the reader below
+                events.put(("error", e))
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        n = 0
+        try:
+            while True:
+                try:
+                    kind, value = events.get(timeout=0.2)
+                except queue.Empty:
+                    if wait is not None:
+                        wait.tick()
+                    continue
+                if kind == "done":
+                    return
+                if kind == "status":
+                    raise AssertionError(f"status {value[0]}: {value[1]!r}")
+                if kind == "error":
+                    raise value
+                if kind == "cut":
+                    raise StreamCut(f"the stream of {path} ended without [DONE]\n{self.tail()}")
+                yield value
                 n += 1
                 if stop_after is not None and n >= stop_after:
                     return
         finally:
+            for sock in held:  # hang up, even while the reader waits for more
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
             conn.close()
+            reader.join(5)
 
-    def cache(self) -> Dict[str, Any]:
-        status, r = self.request("GET", "/v1/cache")
+    def cache(self, **headers) -> Dict[str, Any]:
+        status, r = self.request("GET", "/v1/cache", headers=headers or None)
         assert status == 200, (status, r)
         return r
-
 
 
 class Server(Client):
     """One server process (its own process group), logging to ``log``."""
 
     def __init__(self, argv: List[str], log: Path, home: Path, port: Optional[int] = None,
-                 start_timeout: float = 120.0):
+                 start_timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None):
         self.port = port or free_port()
         self.log = log
-        env = dict(os.environ, XDG_CACHE_HOME=str(home), PYTHONUNBUFFERED="1",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        if os.path.exists(BLAS) and "LD_PRELOAD" not in env:
-            env["LD_PRELOAD"] = BLAS  # stock mlx_lm gets the same fast BLAS we preload
+        e = dict(os.environ, XDG_CACHE_HOME=str(home), PYTHONUNBUFFERED="1",
+                 HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))
+        if os.path.exists(BLAS) and "LD_PRELOAD" not in e:
+            e["LD_PRELOAD"] = BLAS  # stock mlx_lm gets the same fast BLAS we preload
         self._out = open(log, "ab")
         self.proc = subprocess.Popen(
             [*argv, "--host", "127.0.0.1", "--port", str(self.port)], stdin=subprocess.DEVNULL,
-            stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
+            stdout=self._out, stderr=subprocess.STDOUT, env=e, cwd=str(ROOT),
             start_new_session=True)
+        self.watch = Watch(self.proc.pid, log, self.tail, alive=lambda: self.proc.poll() is None)
         try:
-            self.wait_healthy(start_timeout, lambda: self.proc.poll() is None, self.tail)
+            self.wait_healthy(start_timeout)
         except Exception:
             self.stop()
             raise
 
     @classmethod
-    def ours(cls, model_dir, log, home, *extra, **kw) -> "Server":
-        argv = [sys.executable, "-m", "mlx_kvcache.cli", "serve"]
+    def ours(cls, model_dir, log, home, *extra, prefix: Sequence[str] = (), **kw) -> "Server":
+        """``mlx-kvcache serve``; ``prefix`` runs it under another command (e.g. setpriv)."""
+        argv = [*prefix, sys.executable, "-m", "mlx_kvcache.cli", "serve"]
         if model_dir is not None:
             argv += ["--model", str(model_dir)]
         return cls([*argv, *extra], log, home, **kw)
@@ -147,18 +223,29 @@ class Server(Client):
             return ""
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+    def send_signal(self, sig=signal.SIGTERM) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def wait_exit(self, cap: Optional[float] = None) -> int:
+        """The exit status, once the server has exited (while it makes progress)."""
+        self.watch.wait("the server to exit", cap=cap, need_alive=False).until(
+            lambda: self.proc.poll() is not None)
+        return self.proc.returncode
+
+    def stop(self, sig=signal.SIGTERM, timeout: Optional[float] = None) -> int:
+        """Signal the server and wait for it to exit (SIGKILL if it stops making progress)."""
         if self.proc.poll() is None:
+            self.send_signal(sig)
             try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        self._out.close()
+                self.wait_exit(timeout)
+            except TimeoutError:
+                self.send_signal(signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        if not self._out.closed:
+            self._out.close()
         return self.proc.returncode
 
     def __enter__(self) -> "Server":

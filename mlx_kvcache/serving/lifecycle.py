@@ -1,0 +1,122 @@
+"""The life of a running server: which requests are admitted, and a stop that ends every
+answer properly.
+
+A stop (SIGTERM / SIGINT) goes through three moments, all driven by rank 0:
+
+1. ``stopping``: new requests are answered 503; the ones already admitted go on.
+2. ``cut``: the grace period is over (or a second signal came): every answer still open
+   ends at once with ``finish_reason: "length"`` and ``[DONE]`` (streaming) or a complete
+   JSON body; a request that never started gets a 503 JSON error.
+3. a ``stop`` command reaches the generation thread of every rank through mlx-lm's own
+   request channel, so all ranks leave their loop at the same turn.
+
+`Control` is such a command (also ``clear``: ``DELETE /v1/cache`` on every rank). A
+`Ticket` is one HTTP request's view of the stop, kept per handler thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+#: Seconds admitted requests get to finish after a stop signal (``--shutdown-grace``).
+DEFAULT_GRACE = 30.0
+
+
+class ServerStopping(RuntimeError):
+    """The server stopped before this request started."""
+
+
+@dataclass
+class Control:
+    """A command for the generation thread of every rank, shared like a request."""
+
+    kind: str  # "clear" | "stop"
+
+
+class Ticket:
+    """One HTTP request's standing: whether its answer started streaming, was cut short by
+    the stop, or was refused before it started."""
+
+    __slots__ = ("started", "cut", "refused")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.cut = False
+        self.refused = False
+
+
+_local = threading.local()
+
+
+def current_ticket() -> Optional[Ticket]:
+    """The ticket of the request this (handler) thread is serving, if any."""
+    return getattr(_local, "ticket", None)
+
+
+def set_ticket(ticket: Optional[Ticket]) -> None:
+    _local.ticket = ticket
+
+
+class Lifecycle:
+    """What the HTTP side and the generation thread share about stopping.
+
+    Args:
+        grace: seconds admitted requests get after a stop signal before they are cut.
+    """
+
+    def __init__(self, grace: float = DEFAULT_GRACE) -> None:
+        self.grace = float(grace)
+        self.stop_asked = threading.Event()  # by another rank (through rank 0's loop)
+        self.stopping = threading.Event()  # new requests are refused
+        self.cut = threading.Event()  # open answers end now
+        self.stopped = threading.Event()  # the generation loop left on a stop command
+        self.signals = 0  # stop signals this process got (other ranks forward theirs)
+        self.signalled_at: Optional[float] = None
+        self._cv = threading.Condition()
+        self._inflight = 0
+
+    # -- signals --------------------------------------------------------------------------
+    def on_signal(self) -> None:
+        """A stop signal. Only plain assignments: a signal handler must not take a lock
+        the interrupted thread may hold; the main thread polls `signals`."""
+        self.signals += 1
+        if self.signalled_at is None:
+            self.signalled_at = time.monotonic()
+
+    @property
+    def asked(self) -> bool:
+        """A stop was asked for: a signal here, or on another rank."""
+        return self.signals > 0 or self.stop_asked.is_set()
+
+    # -- admitting requests -----------------------------------------------------------------
+    def admit(self) -> bool:
+        """A connection starts: True (and counted until `done`) unless the server is
+        stopping."""
+        with self._cv:
+            if self.stopping.is_set():
+                return False
+            self._inflight += 1
+            return True
+
+    def done(self) -> None:
+        with self._cv:
+            self._inflight -= 1
+            self._cv.notify_all()
+
+    @property
+    def inflight(self) -> int:
+        with self._cv:
+            return self._inflight
+
+    def wait_idle(self, until: float, interrupt: Callable[[], bool] = lambda: False) -> bool:
+        """Wait until no admitted request is open (True), or the monotonic time ``until``
+        passes or ``interrupt()`` turns true (False)."""
+        with self._cv:
+            while self._inflight > 0:
+                if time.monotonic() >= until or interrupt():
+                    return False
+                self._cv.wait(min(max(until - time.monotonic(), 0.0), 0.1))
+            return True
