@@ -129,13 +129,15 @@ class KVCache(KVBuffers):
         self.offset = min(target, snapshot.to_offset)
         return True
 
-    def restore_chain(self, snapshots: Sequence[KVSnapshot], target: int) -> bool:
+    def restore_chain(self, snapshots: Sequence[KVSnapshot], target: int, room: int = 0) -> bool:
         """`restore` through adjacent snapshots ``[a, b), [b, c), ...`` in one copy.
 
         The first must start at or below ``offset`` and ``target`` must be at most the
         last one's end. The buffer is rebuilt once — live rows below the first snapshot,
         then each snapshot's rows, then room to grow — instead of growing (and copying
-        everything so far) once per snapshot. False, changing nothing, when unreachable.
+        everything so far) once per snapshot. ``room``: tokens about to be written (the
+        rest of a prompt); the buffer gets space for them now, so the next writes do not
+        copy it all again to grow. False, changing nothing, when unreachable.
         """
         target = check_target(target)
         if target is None:
@@ -166,7 +168,10 @@ class KVCache(KVBuffers):
             ks.append(s.keys[..., :hi, :])
             vs.append(s.values[..., :hi, :])
         B, H, _, dk = like_k.shape
-        pad = self.step - target % self.step  # room to grow, and never a bare snapshot array
+        # Room to grow (at least one row, so the buffer is never a bare snapshot array),
+        # rounded up to whole steps as `_write` grows.
+        rows = -(-(target + max(int(room), 1)) // self.step) * self.step
+        pad = rows - target
         ks.append(mx.zeros((B, H, pad, dk), like_k.dtype))
         vs.append(mx.zeros((B, H, pad, like_v.shape[3]), like_v.dtype))
         self.keys = mx.concatenate(ks, axis=2)

@@ -18,6 +18,7 @@ from mlx_lm.models import cache as mlc
 
 from ..caches import settle
 from ..prefix.stats import RequestStats
+from ..prefix.tokens import TokenBuffer
 
 
 @dataclass
@@ -42,10 +43,11 @@ class _Feed:
 
     ``fed`` is extended right after the graph is built (nothing is evaluated yet), so an
     interrupt can only leave it one call behind: the manager recognises that case
-    through ``pending``.
+    through ``pending``. It is a `TokenBuffer` (an append-only array), so handing it to
+    the manager at a checkpoint or at the end copies nothing, however long the prompt.
     """
 
-    def __init__(self, model, caches, fed: List[int]):
+    def __init__(self, model, caches, fed: TokenBuffer):
         self.model, self.caches, self.fed, self.pending = model, caches, fed, []
 
     def __call__(self, toks: List[int]) -> mx.array:
@@ -80,7 +82,7 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
         stats.reason = plan.reason
         start, stops = plan.restored, plan.stops
     sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
-    feed = _Feed(pc.model, caches, list(tokens[:start]))
+    feed = _Feed(pc.model, caches, TokenBuffer(tokens[:start]))
     n = len(tokens)
     state = {"history": None, "next": None}
 

@@ -10,20 +10,26 @@ from __future__ import annotations
 
 from typing import Any, List
 
+import numpy as np
+
 from ..caches.factory import leaf_caches
 from ..caches.recurrent import RecurrentCache
+from .tokens import as_tokens
+
+_NONE = as_tokens(())
 
 
 class LiveSet:
     """A model's cache list (``caches``), its flattened layers (``leaves``) and the token
-    ids they hold (``tokens``, valid while `consistent`)."""
+    ids they hold (``tokens``: a read-only int64 array, shared with the request that
+    computed them, never copied; valid while `consistent`)."""
 
     __slots__ = ("caches", "leaves", "tokens", "epoch", "__weakref__")
 
     def __init__(self, caches: List[Any], epoch: int = 0) -> None:
         self.caches = caches
         self.leaves = leaf_caches(caches)
-        self.tokens: List[int] = []
+        self.tokens: np.ndarray = _NONE
         self.epoch = epoch
 
     @property
@@ -45,7 +51,7 @@ class LiveSet:
         """Drop all state."""
         for c in self.leaves:
             c.free()
-        self.tokens = []
+        self.tokens = _NONE
 
     @property
     def nbytes(self) -> int:

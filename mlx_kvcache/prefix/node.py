@@ -6,16 +6,13 @@ whole-state snapshot (rotating window, recurrent) is the state at ``end``.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 from ..caches.snapshot import Snapshot
+from .tokens import Tokens
 
-
-def _as_tokens(tokens: Sequence[int]) -> List[int]:
-    # numpy / mx arrays compare element-wise, which breaks the slice equality in `find`.
-    if hasattr(tokens, "tolist"):
-        tokens = tokens.tolist()  # type: ignore[union-attr]
-    return [int(t) for t in tokens]
+if TYPE_CHECKING:  # pragma: no cover
+    from .trie import PrefixTrie
 
 
 def _live_bytes(snapshots: Sequence[Optional[Snapshot]]) -> int:
@@ -27,37 +24,72 @@ class TrieNode:
 
     Nodes are created and rearranged only by `PrefixTrie`; read their fields freely, but
     change ``tokens``, ``end``, ``parent``, ``children`` or ``snapshots`` only through the
-    trie, or its byte count and invariants break.
+    trie, or its counters and invariants break. ``last_used`` and ``in_use`` may be set
+    directly (a loader restoring LRU order, a caller pinning a node): the trie's eviction
+    order follows.
+
+    ``tokens`` is a `Tokens` (a read-only int64 array that reads like a tuple of ints):
+    use ``len``, indexing, ``list(node.tokens)`` or ``np.asarray(node.tokens)``.
     """
 
     __slots__ = (
-        "tokens", "end", "parent", "children", "last_used", "snapshots", "in_use",
-        "detached", "_acct", "__weakref__",
+        "tokens", "end", "parent", "children", "_last_used", "snapshots", "_in_use",
+        "detached", "_acct", "_owner", "serial", "label", "__weakref__",
     )
 
     def __init__(
         self,
-        tokens: List[int],
+        tokens: Tokens,
         end: int,
         parent: Optional["TrieNode"],
         snapshots: List[Optional[Snapshot]],
         last_used: int = 0,
+        serial: int = 0,
     ):
-        self.tokens: List[int] = tokens
+        self.tokens: Tokens = tokens
         self.end: int = end
         self.parent: Optional[TrieNode] = parent
         #: Keyed by the child's first token, which makes sibling first tokens unique.
         self.children: dict[int, TrieNode] = {}
-        self.last_used: int = last_used
+        self._last_used: int = last_used
         self.snapshots: List[Optional[Snapshot]] = snapshots
-        #: Pin count of running requests; eviction never touches a pinned node.
-        self.in_use: int = 0
+        self._in_use: int = 0
         #: True once the trie dropped this object (removed, merged away, cleared).
         self.detached: bool = False
         # Bytes this node contributed to the trie's counter when its snapshots were last
         # set; the counter subtracts exactly this, even if a snapshot was closed behind the
         # trie's back (check_invariants reports that case).
         self._acct: int = 0
+        # The trie whose eviction order must hear of changes to last_used / in_use.
+        self._owner: Optional["PrefixTrie"] = None
+        #: Creation order within the trie: the last tie-break of the eviction order (the
+        #: same on every rank, which creates nodes in the same order).
+        self.serial: int = serial
+        #: A caller's tag (e.g. the server's segment type); the trie counts nodes and
+        #: bytes per label (`PrefixTrie.label_stats`).
+        self.label: Optional[str] = None
+
+    @property
+    def last_used(self) -> int:
+        """Logical time of the last use (the trie's clock)."""
+        return self._last_used
+
+    @last_used.setter
+    def last_used(self, value: int) -> None:
+        self._last_used = int(value)
+        if self._owner is not None:
+            self._owner._reindex(self)
+
+    @property
+    def in_use(self) -> int:
+        """Pin count of running requests; eviction never touches a pinned node."""
+        return self._in_use
+
+    @in_use.setter
+    def in_use(self, value: int) -> None:
+        self._in_use = int(value)
+        if self._owner is not None:
+            self._owner._reindex(self)
 
     @property
     def start(self) -> int:
@@ -84,4 +116,3 @@ class TrieNode:
             f"TrieNode([{self.start},{self.end}) {len(self.tokens)}t "
             f"{held}/{len(self.snapshots)} snaps in_use={self.in_use}{gone})"
         )
-

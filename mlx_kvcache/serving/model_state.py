@@ -13,8 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..caches import CacheError, layer_signature, make_prompt_cache
@@ -34,8 +33,6 @@ class ModelState:
     store: Optional[PersistentStore] = None
     writer: Optional[Autosaver] = None
     why_not: Optional[str] = None
-    #: The server's segment type of each recorded node (``stats_by_type``).
-    types: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
 
 
 def open_model(provider, key, agree: Agreement, *, max_bytes: int, checkpoint_interval: int,
