@@ -18,6 +18,7 @@ path), which makes the later keys matter only for ``last_used`` values set by ha
 from __future__ import annotations
 
 import heapq
+import weakref
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from .node import TrieNode
@@ -48,7 +49,9 @@ def _invariant_key(node: TrieNode) -> Tuple[int, int, int, int]:
     return (node._last_used, -node.end, -len(t), t[0] if len(t) else -1)
 
 
-_Entry = Tuple[tuple, int, int, TrieNode]
+# (key, creation serial, push order, the node — weakly: a dropped node's tokens must
+# not stay alive in a stale entry)
+_Entry = Tuple[tuple, int, int, "weakref.ref[TrieNode]"]
 
 
 class Candidates:
@@ -60,6 +63,7 @@ class Candidates:
     top; stale ones are dropped there. Every node that is a candidate therefore has an
     entry with its current key, and the first valid entry is the first candidate. The
     heaps are rebuilt when stale entries outnumber live nodes (amortised O(1) per push).
+    Entries hold nodes weakly, so a node the trie dropped is freed at once.
     """
 
     def __init__(self, trie: "PrefixTrie") -> None:
@@ -72,8 +76,9 @@ class Candidates:
         if not evictable(self.trie, node):
             return  # whatever makes it a candidate again pushes it again
         self._seq += 1
-        heapq.heappush(self._lru, (_key(node), node.serial, self._seq, node))
-        heapq.heappush(self._inv, (_invariant_key(node), node.serial, self._seq, node))
+        ref = weakref.ref(node)
+        heapq.heappush(self._lru, (_key(node), node.serial, self._seq, ref))
+        heapq.heappush(self._inv, (_invariant_key(node), node.serial, self._seq, ref))
         if len(self._lru) > 2 * self.trie.node_count + 64:
             self.rebuild()
 
@@ -83,8 +88,9 @@ class Candidates:
         for n in self.trie.nodes():
             if evictable(self.trie, n):
                 self._seq += 1
-                self._lru.append((_key(n), n.serial, self._seq, n))
-                self._inv.append((_invariant_key(n), n.serial, self._seq, n))
+                ref = weakref.ref(n)
+                self._lru.append((_key(n), n.serial, self._seq, ref))
+                self._inv.append((_invariant_key(n), n.serial, self._seq, ref))
         heapq.heapify(self._lru)
         heapq.heapify(self._inv)
 
@@ -93,8 +99,9 @@ class Candidates:
 
     def _pop(self, heap: List[_Entry], key: Callable[[TrieNode], tuple]) -> Optional[TrieNode]:
         while heap:
-            k, _, _, node = heapq.heappop(heap)
-            if evictable(self.trie, node) and key(node) == k:
+            k, _, _, ref = heapq.heappop(heap)
+            node = ref()
+            if node is not None and evictable(self.trie, node) and key(node) == k:
                 return node
         return None
 
@@ -109,7 +116,8 @@ class Candidates:
     def check(self) -> None:
         """Raise ``AssertionError`` unless every candidate has a current entry in both heaps."""
         for heap, key, name in ((self._lru, _key, "LRU"), (self._inv, _invariant_key, "invariant")):
-            held = {(id(n), k) for k, _, _, n in heap if not n.detached}
+            held = {(id(n), k) for k, _, _, n in ((k, s, q, r()) for k, s, q, r in heap)
+                    if n is not None and not n.detached}
             for n in self.trie.nodes():
                 if evictable(self.trie, n) and (id(n), key(n)) not in held:
                     raise AssertionError(f"{n!r} is an eviction candidate missing from the "
