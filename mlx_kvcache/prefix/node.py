@@ -1,4 +1,5 @@
-"""`TrieNode`: one compressed edge of the prefix trie and the per-layer snapshots at its end.
+"""`TrieNode`: one compressed edge of the prefix trie and the per-layer snapshots at its end,
+and `LayerOps`, what the trie asks of a layer when node boundaries move.
 
 A ``needs_base`` (KV) snapshot covers exactly the node's edge ``[start, end)``; a
 whole-state snapshot (rotating window, recurrent) is the state at ``end``.
@@ -6,13 +7,25 @@ whole-state snapshot (rotating window, recurrent) is the state at ``end``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Protocol, Sequence, Tuple
 
 from ..caches.snapshot import Snapshot
 from .tokens import Tokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from .trie import PrefixTrie
+
+
+class LayerOps(Protocol):
+    """What the trie needs from one cache layer (the cache objects themselves qualify)."""
+
+    def split(self, snapshot: Snapshot, at: int) -> Tuple[Optional[Snapshot], Optional[Snapshot]]:
+        """``[a, c)`` -> ``([a, at), [at, c))``; takes ownership of ``snapshot``."""
+        ...
+
+    def merge(self, parent: Snapshot, child: Snapshot) -> Optional[Snapshot]:
+        """Adjacent ``[a, b)`` + ``[b, c)`` -> ``[a, c)``; takes ownership of both."""
+        ...
 
 
 def _live_bytes(snapshots: Sequence[Optional[Snapshot]]) -> int:

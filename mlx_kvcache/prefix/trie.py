@@ -20,26 +20,14 @@ and is closed when dropped; ``take_snapshots`` hands ownership back. A call that
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..caches.snapshot import Snapshot
 from . import diagnostics, eviction
-from .node import TrieNode, _live_bytes
+from .node import LayerOps, TrieNode, _live_bytes
 from .tokens import Tokens, as_tokens, common_prefix
 
 __all__ = ["LayerOps", "TrieNode", "PrefixTrie"]
-
-
-class LayerOps(Protocol):
-    """What the trie needs from one cache layer (the cache objects themselves qualify)."""
-
-    def split(self, snapshot: Snapshot, at: int) -> Tuple[Optional[Snapshot], Optional[Snapshot]]:
-        """``[a, c)`` -> ``([a, at), [at, c))``; takes ownership of ``snapshot``."""
-        ...
-
-    def merge(self, parent: Snapshot, child: Snapshot) -> Optional[Snapshot]:
-        """Adjacent ``[a, b)`` + ``[b, c)`` -> ``[a, c)``; takes ownership of both."""
-        ...
 
 
 class PrefixTrie:
@@ -72,12 +60,6 @@ class PrefixTrie:
     def node_count(self) -> int:
         """Nodes in the trie, the root excluded (running counter, exact)."""
         return self._count
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __bool__(self) -> bool:  # an empty trie is still a trie
-        return True
 
     def label_stats(self) -> Dict[Optional[str], Tuple[int, int]]:
         """``{label: (nodes, bytes)}`` over every node (running counters, O(labels))."""
