@@ -36,8 +36,8 @@ weigh more).
 from __future__ import annotations
 
 import argparse
+import random
 import shlex
-import statistics
 import sys
 import time
 from types import SimpleNamespace
@@ -53,6 +53,7 @@ from mlx_kvcache import PrefixCache  # noqa: E402
 from mlx_kvcache.caches import (  # noqa: E402
     KVCache, RecurrentCache, RotatingKVCache, leaf_caches, make_prompt_cache, settle,
 )
+from mlx_kvcache.caches.buffers import concat_rows  # noqa: E402
 from mlx_kvcache.generation import validation  # noqa: E402
 from mlx_kvcache.serving.prompt_cache import TriePromptCache  # noqa: E402
 from mlx_kvcache.testing import V, TokenIdTokenizer, build  # noqa: E402
@@ -68,10 +69,6 @@ MODELS = {
                         query_pre_attn_scalar=64, sliding_window=1024,
                         max_position_embeddings=1 << 17),
 }
-
-
-def median(xs):
-    return statistics.median(xs)
 
 
 # -- the cached state ------------------------------------------------------------------------
@@ -98,6 +95,7 @@ class State:
             mx.eval(arrs)
             self.layers.append(arrs)
         self.model = model
+        self._plain = {}
 
     def caches(self, n: int):
         """Our cache list holding ``n`` tokens of this state (arrays shared, not copied)."""
@@ -113,24 +111,33 @@ class State:
             c.offset = n
         return caches
 
+    def plain(self, n: int):
+        """Per layer, the state a restore to ``n`` brings back, each array in one contiguous
+        buffer of exactly its bytes (what "one copy" and the ideal copy from)."""
+        if n not in self._plain:
+            out = []
+            for kind, arrs in zip(self.kinds, self.layers):
+                arrs = tuple(mx.contiguous(mx.array(a[..., :n, :])) for a in arrs) \
+                    if kind is KVCache else arrs
+                mx.eval(arrs)
+                out.append(arrs)
+            self._plain[n] = out
+        return self._plain[n]
+
     def arrays(self, n: int):
-        """The bytes a restore to ``n`` brings back, per layer."""
-        out = []
-        for kind, arrs in zip(self.kinds, self.layers):
-            out.extend(a[..., :n, :] for a in arrs) if kind is KVCache else out.extend(arrs)
-        return out
+        """The arrays a restore to ``n`` brings back."""
+        return [a for arrs in self.plain(n) for a in arrs]
 
     def native(self, n: int, room: int):
         """The ideal's caches: mlx-lm's own classes holding ``n`` tokens, copied once, with
         ``room`` rows to grow (so the forward does not grow them again)."""
         caches = mlc.make_prompt_cache(self.model)
-        for c, arrs in zip(caches, self.layers):
+        for c, arrs in zip(caches, self.plain(n)):
             if isinstance(c, mlc.KVCache):
+                # The fastest gathering copy MLX has (see `concat_rows`): the ideal is not
+                # slowed by MLX's element-wise concatenate, which mlx-lm itself would use.
                 k, v = arrs
-                B, H, _, D = k.shape
-                pad = mx.zeros((B, H, room, D), k.dtype)
-                c.keys = mx.concatenate([k[..., :n, :], pad], axis=2)
-                c.values = mx.concatenate([v[..., :n, :], pad], axis=2)
+                c.keys, c.values = concat_rows([(k, n)], room), concat_rows([(v, n)], room)
                 c.offset = n
             elif isinstance(c, mlc.RotatingKVCache):
                 c.keys, c.values = mx.array(arrs[0]), mx.array(arrs[1])
@@ -230,14 +237,20 @@ def server_hit(tpc: TriePromptCache, model, prompt):
 
 
 # -- one model --------------------------------------------------------------------------------
+def spread(xs):
+    """The range of the per-repetition ratios (how noisy the machine was)."""
+    xs = sorted(xs)
+    return f"per-rep {xs[0]:.2f}-{xs[-1]:.2f}"
+
+
 def bench_model(name, lengths, reps, new, rows):
     model = build(name, **MODELS[name])
     top = max(lengths)
     state = State(model, top)
     kv_bytes = sum(a.nbytes for a in state.arrays(top))
-    print(f"\n== {name}: {len(state.layers)} layers, cached state at {top // 1024}k tokens "
-          f"{kv_bytes / 2**20:.0f} MiB")
-    import random
+    print(f"\n== {name}: {len(state.layers)} layers "
+          f"({', '.join(sorted({k.__name__ for k in state.kinds}))}), cached state at "
+          f"{top // 1024}k tokens {kv_bytes / 2**20:.0f} MiB", flush=True)
     rng = random.Random(0)
     tokens = [rng.randrange(V) for _ in range(top)]
 
@@ -249,52 +262,48 @@ def bench_model(name, lengths, reps, new, rows):
 
     pc = PrefixCache(model, max_bytes=16 << 30)
     fill(pc.manager, state, tokens, top)
-    for p in lengths:
-        hits, ideals, copies, parts = [], [], [], []
-        for r in range(reps):
-            prompt = prompt_for(p, r)
-            order = [0, 1] if r % 2 == 0 else [1, 0]
-            for o in order:
-                if o == 0:
-                    hits.append(hit(pc, prompt))
-                else:
-                    ideals.append(ideal(model, state, prompt, p))
-            copies.append(one_copy(state, p))
-            parts.append(steps(pc, model, prompt_for(p, reps + r)))
-        row = dict(model=name, p=p, hit=median(hits), ideal=median(ideals), copy=median(copies),
-                   **{k: median([x[k] for x in parts]) for k in parts[0]})
-        rows.append(row)
-        print(f"  {p // 1024:>3}k  hit {row['hit'] * 1e3:7.1f} ms  ideal {row['ideal'] * 1e3:7.1f} ms"
-              f"  ratio {row['hit'] / row['ideal']:.2f} | validate {row['validate'] * 1e3:.2f}"
-              f"  checkout {row['checkout'] * 1e3:.1f} (match {row['match'] * 1e3:.2f}, restore "
-              f"{row['restore'] * 1e3:.1f})  check-in {row['checkin'] * 1e3:.2f}  total "
-              f"{row['total'] * 1e3:.1f} ms | one copy {row['copy'] * 1e3:.1f} ms  restore/copy "
-              f"{row['restore'] / row['copy']:.2f}", flush=True)
-    del pc
-
-    provider = SimpleNamespace(model=model, draft_model=None, tokenizer=None)
-    tpc = TriePromptCache(provider, max_bytes=16 << 30)
+    tpc = TriePromptCache(SimpleNamespace(model=model, draft_model=None, tokenizer=None),
+                          max_bytes=16 << 30)
     tpc.prepare(KEY)
     fill(tpc._model.manager, state, tokens, top)
     for p in lengths:
-        hits, ideals, fetches, inserts = [], [], [], []
+        got = {k: [] for k in ("hit", "ideal", "s_hit", "s_fetch", "s_insert", "copy", "validate",
+                               "match", "checkout", "restore", "checkin", "total")}
+        ratios = {k: [] for k in ("hit", "s_hit", "restore")}
         for r in range(reps):
-            prompt = prompt_for(p, 2 * reps + r)
-            order = [0, 1] if r % 2 == 0 else [1, 0]
-            for o in order:
-                if o == 0:
-                    t, f, i = server_hit(tpc, model, prompt)
-                    hits.append(t)
-                    fetches.append(f)
-                    inserts.append(i)
+            # Contenders back to back in a rotating order, so background load hits them
+            # alike.
+            t = {}
+            for what in ("hit", "ideal", "server")[r % 3:] + ("hit", "ideal", "server")[:r % 3]:
+                if what == "hit":
+                    t["hit"] = hit(pc, prompt_for(p, 3 * r))
+                elif what == "ideal":
+                    t["ideal"] = ideal(model, state, prompt_for(p, 3 * r + 1), p)
                 else:
-                    ideals.append(ideal(model, state, prompt, p))
-        row = next(x for x in rows if x["model"] == name and x["p"] == p)
-        row.update(s_hit=median(hits), s_ideal=median(ideals), s_fetch=median(fetches),
-                   s_insert=median(inserts))
-        print(f"  {p // 1024:>3}k  server: hit {row['s_hit'] * 1e3:7.1f} ms  ideal "
-              f"{row['s_ideal'] * 1e3:7.1f} ms  ratio {row['s_hit'] / row['s_ideal']:.2f} | fetch "
-              f"{row['s_fetch'] * 1e3:.1f} ms  insert {row['s_insert'] * 1e3:.2f} ms", flush=True)
+                    t["s_hit"], t["s_fetch"], t["s_insert"] = server_hit(tpc, model,
+                                                                         prompt_for(p, 3 * r + 2))
+            t.update(steps(pc, model, prompt_for(p, 3 * reps + r)))
+            t["copy"] = one_copy(state, p)
+            for k, v in t.items():
+                got[k].append(v)
+            ratios["hit"].append(t["hit"] / t["ideal"])
+            ratios["s_hit"].append(t["s_hit"] / t["ideal"])
+            ratios["restore"].append(t["restore"] / t["copy"])
+        # The best of the repetitions: on a shared machine, the cost without interference.
+        row = dict(model=name, p=p, **{k: min(v) for k, v in got.items()})
+        row.update(r_hit=row["hit"] / row["ideal"], r_s_hit=row["s_hit"] / row["ideal"],
+                   r_restore=row["restore"] / row["copy"],
+                   **{f"sp_{k}": spread(v) for k, v in ratios.items()})
+        rows.append(row)
+        ms = lambda k: f"{row[k] * 1e3:.1f}"  # noqa: E731
+        print(f"  {p // 1024:>3}k  hit {ms('hit')} ms, ideal {ms('ideal')} ms: "
+              f"{row['r_hit']:.2f}x ({row['sp_hit']}) | server hit {ms('s_hit')} ms: "
+              f"{row['r_s_hit']:.2f}x ({row['sp_s_hit']}), fetch {ms('s_fetch')} ms, insert "
+              f"{ms('s_insert')} ms\n"
+              f"        validate {row['validate'] * 1e3:.2f} ms, checkout {ms('checkout')} ms "
+              f"(match {row['match'] * 1e3:.2f}, restore {ms('restore')}), check-in "
+              f"{ms('checkin')} ms, total {ms('total')} ms | one copy {ms('copy')} ms: restore "
+              f"{row['r_restore']:.2f}x ({row['sp_restore']})", flush=True)
     tpc.close()
 
 
@@ -303,21 +312,20 @@ def report(rows):
           "validate | checkout | check-in | cache-side total | one copy |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['model']} | {r['p'] // 1024}k | {r['hit'] / r['ideal']:.2f} | "
-              f"{r['s_hit'] / r['s_ideal']:.2f} | {r['restore'] / r['copy']:.2f} | "
-              f"{r['validate'] * 1e3:.1f} ms | {r['checkout'] * 1e3:.1f} ms | "
+        print(f"| {r['model']} | {r['p'] // 1024}k | {r['r_hit']:.2f} | {r['r_s_hit']:.2f} | "
+              f"{r['r_restore']:.2f} | {r['validate'] * 1e3:.1f} ms | {r['checkout'] * 1e3:.1f} ms | "
               f"{r['checkin'] * 1e3:.1f} ms | {r['total'] * 1e3:.1f} ms | {r['copy'] * 1e3:.1f} ms |")
     ok = True
     for r in rows:
         goal = 1.3 if r["p"] >= 65536 else 1.5 if r["p"] <= 16384 else None
-        for what, got in (("hit", r["hit"] / r["ideal"]), ("server hit", r["s_hit"] / r["s_ideal"])):
+        for what, got in (("hit", r["r_hit"]), ("server hit", r["r_s_hit"])):
             if goal is not None and got > goal:
                 ok = False
                 print(f"  goal missed: {r['model']} {r['p'] // 1024}k {what} / ideal {got:.2f} > {goal}")
-        if r["restore"] / r["copy"] > 1.2:
+        if r["r_restore"] > 1.2:
             ok = False
             print(f"  goal missed: {r['model']} {r['p'] // 1024}k restore / one copy "
-                  f"{r['restore'] / r['copy']:.2f} > 1.2")
+                  f"{r['r_restore']:.2f} > 1.2")
     print("all goals met" if ok else "some goals missed (re-run: a busy machine skews single rows)")
 
 
@@ -326,14 +334,22 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="16k only, fewer repetitions")
     ap.add_argument("--models", default="llama,qwen3_next,gemma3_text")
     ap.add_argument("--lengths", default="16384,32768,65536")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--new", type=int, default=16, help="uncached prompt tokens per hit")
+    ap.add_argument("--cache-limit-gib", type=float, default=4.0,
+                    help="MLX's buffer cache limit (0: keep the CPU build's 32 MiB default)")
     args = ap.parse_args(argv)
+    if args.cache_limit_gib > 0:
+        # MLX on Apple silicon keeps freed buffers for reuse up to its memory limit; its
+        # Linux CPU build keeps 32 MiB, so every large buffer would come from the OS and
+        # page-fault on first touch — timing the kernel's page zeroing, not the copy.
+        mx.set_cache_limit(int(args.cache_limit_gib * 2**30))
     lengths = [16384] if args.quick else [int(x) for x in args.lengths.split(",")]
     reps = 3 if args.quick else args.reps
     print("python scripts/bench_long.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
     print(f"mlx {mx.__version__}, device {mx.default_device()}, {args.new} new tokens per hit, "
-          f"{reps} repetitions (medians)")
+          f"best of {reps} repetitions, MLX cache limit "
+          f"{args.cache_limit_gib if args.cache_limit_gib > 0 else '(default)'} GiB")
     rows = []
     for name in args.models.split(","):
         bench_model(name, lengths, reps, args.new, rows)

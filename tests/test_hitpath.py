@@ -52,6 +52,30 @@ def test_kv_restore_makes_room_for_the_rest_of_the_prompt():
     assert np.array_equal(np.array(r.keys[..., :640, :]), np.array(c.keys[..., :640, :]))
 
 
+def test_a_restored_kv_buffer_is_the_caches_own():
+    """The restore's one buffer (built from 8-byte views of the snapshots) belongs to the
+    cache alone: a decode step writes into it in place, no copy of the whole buffer."""
+    for dtype in (mx.float32, mx.bfloat16):
+        c = KVCache()
+        k = rand((1, 4, 20000, 64), 0).astype(dtype)
+        c.update(k, k)
+        head, tail = KVCache().split(c.snapshot(0), 7000)
+        r = KVCache()
+        assert r.restore_chain([head, tail], 19000, room=10)
+        mx.eval(r.keys, r.values)
+        assert r.keys.dtype == dtype and r.keys.shape == (1, 4, 19200, 64)
+        assert np.array_equal(np.array(r.keys[..., :19000, :].astype(mx.float32)),
+                              np.array(k[..., :19000, :].astype(mx.float32)))
+        x = rand((1, 4, 1, 64), 1).astype(dtype)
+        mx.eval(x)
+        settled()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        r.update(x, x)
+        mx.eval(r.keys, r.values)
+        assert mx.get_peak_memory() - base < r.keys.nbytes // 8, (mx.get_peak_memory() - base)
+
+
 def test_checkout_restores_kv_with_room_for_the_whole_prompt():
     m = build("llama")
     mgr = PrefixManager(lambda: make_prompt_cache(m), max_bytes=1 << 30)

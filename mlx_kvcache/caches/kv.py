@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
-from .buffers import KVBuffers, SnapshotKV
+from .buffers import KVBuffers, SnapshotKV, concat_rows
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .snapshot import CacheError, Snapshot, compact
 
@@ -159,23 +159,19 @@ class KVCache(KVBuffers):
             return False
         if target <= start:
             return self.restore(None, target)
-        ks = [self.keys[..., :start, :]] if start else []
-        vs = [self.values[..., :start, :]] if start else []
+        # Room to grow (at least one row, so the buffer is never a bare snapshot array),
+        # rounded up to whole steps as `_write` grows.
+        rows = -(-(target + max(int(room), 1)) // self.step) * self.step
+        ks = [(self.keys, start)] if start else []
+        vs = [(self.values, start)] if start else []
         for s in snapshots:
             if s.from_offset >= target:
                 break
             hi = min(s.to_offset, target) - s.from_offset
-            ks.append(s.keys[..., :hi, :])
-            vs.append(s.values[..., :hi, :])
-        B, H, _, dk = like_k.shape
-        # Room to grow (at least one row, so the buffer is never a bare snapshot array),
-        # rounded up to whole steps as `_write` grows.
-        rows = -(-(target + max(int(room), 1)) // self.step) * self.step
-        pad = rows - target
-        ks.append(mx.zeros((B, H, pad, dk), like_k.dtype))
-        vs.append(mx.zeros((B, H, pad, like_v.shape[3]), like_v.dtype))
-        self.keys = mx.concatenate(ks, axis=2)
-        self.values = mx.concatenate(vs, axis=2)
+            ks.append((s.keys, hi))
+            vs.append((s.values, hi))
+        self.keys = concat_rows(ks, rows - target)
+        self.values = concat_rows(vs, rows - target)
         self.offset = target
         return True
 
@@ -189,8 +185,10 @@ class KVCache(KVBuffers):
                 f"and [{child.from_offset}, {child.to_offset})"
             )
         check_kv(child.keys, child.values, parent.keys, parent.values)
-        k = mx.concatenate([parent.keys, child.keys], axis=2)
-        v = mx.concatenate([parent.values, child.values], axis=2)
+        k = concat_rows([(parent.keys, parent.to_offset - parent.from_offset),
+                         (child.keys, child.to_offset - child.from_offset)], 0)
+        v = concat_rows([(parent.values, parent.to_offset - parent.from_offset),
+                         (child.values, child.to_offset - child.from_offset)], 0)
         mx.eval(k, v)
         out = KVSnapshot(parent.from_offset, child.to_offset, {"keys": k, "values": v})
         parent.close()
