@@ -4,8 +4,10 @@ must do (a benchmark, not a test).
 
 For each tiny model (plain llama, hybrid qwen3_next, sliding-window gemma3_text from
 `mlx_kvcache.testing.build`, float32, with 4 KV heads of dim 64 so the KV copy is not
-trivially small: 4 KiB of KV per token on llama and gemma3_text's two full-attention
-layers, 2 KiB on qwen3_next's one) and each prefix length P (16k, 32k, 64k tokens):
+trivially small: 4 KiB of KV per token on llama and on gemma3_text's two full-attention
+layers, 2 KiB on qwen3_next's one; qwen3_next's three gated-delta-net states are 5.5 KiB
+each, gemma3_text's two windows 1024 tokens, 2 MiB each) and each prefix length P (16k,
+32k, 64k tokens):
 
 * The trie is filled as an agent's conversation leaves it: one node per 4096-token turn
   up to 64k, every layer's state at every node end. The cached state is random data of
@@ -14,28 +16,37 @@ layers, 2 KiB on qwen3_next's one) and each prefix length P (16k, 32k, 64k token
 * A *hit*: a prompt of the P cached tokens plus ``--new`` new ones, through
   `PrefixCache.stream_generate` (a list of ints, as users pass it). TTFT from the call to
   the first token, next to the *ideal*: one copy of the cached state into mlx-lm caches
-  with room to grow, then mlx-lm's own ``generate_step`` over the new tokens — what any
-  reuse scheme must at least do.
+  with room to grow (the fastest copy MLX has, `caches.buffers.concat_rows`), then
+  mlx-lm's own ``generate_step`` over the new tokens — what any reuse scheme must at
+  least do.
 * The cache-side CPU of a hit, step by step: prompt validation, checkout (match +
   restore, the restore's copy evaluated), check-in (recording the new edge), and restore
-  alone, each next to *one copy*: the cached state's bytes copied once by MLX
-  (``mx.array``, the fastest copy MLX has).
+  alone, next to *one copy*: the cached state's bytes copied once by MLX (``mx.array`` of
+  contiguous arrays, a plain memcpy).
 * The same through the server's prompt-cache seam: `TriePromptCache.fetch_nearest_cache`
   -> mlx-lm's ``stream_generate`` on the fetched caches -> ``insert_cache``, driven in
   process the way ``mlx_lm.server`` serves one request.
 
-Goals (issue 18): hit / ideal <= 1.3 at 64k and <= 1.5 at 16k; restore <= 1.2x one copy.
-Ratios are the result; absolute times are this machine's CPU numbers only (MLX's CPU copy
-runs at a few GB/s here; on Apple silicon copies are far faster and fixed Python costs
-weigh more).
+Every time is the best of ``--reps`` repetitions, the contenders back to back in a
+rotating order (on a shared machine the best is the cost without interference; the
+per-repetition ratios are printed as a range). Each contender starts from an empty MLX
+buffer cache, as a request does after the previous one's prefill (``mx.clear_cache``,
+which mlx-lm calls too), and on Linux glibc is told to map every buffer over 1 MiB fresh
+(``mallopt``; it would otherwise recycle some and not others, by history): every
+contender gets its big buffers fresh from the OS, whose first touch costs about as much
+as the copy itself on this CPU build.
 
-    python scripts/bench_long.py              # ~4 min on 2 busy CPU cores
-    python scripts/bench_long.py --quick      # 16k only, < 1 min
+Goals (issue 18): hit / ideal <= 1.3 at 64k and <= 1.5 at 16k; restore <= 1.2x one copy.
+Ratios are the result; absolute times are this machine's CPU numbers only.
+
+    python scripts/bench_long.py              # ~5 min on 2 busy CPU cores
+    python scripts/bench_long.py --quick      # 16k only, ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import random
 import shlex
 import sys
@@ -166,6 +177,7 @@ def arrays_of(caches):
 
 
 def timed(fn):
+    mx.clear_cache()  # every contender gets its buffers from the OS alike
     t0 = time.perf_counter()
     out = fn()
     return time.perf_counter() - t0, out
@@ -174,6 +186,7 @@ def timed(fn):
 # -- contenders -------------------------------------------------------------------------------
 def ideal(model, state: State, prompt, p: int):
     """One copy of the cached state, then mlx-lm's generate_step over the new tokens."""
+    mx.clear_cache()
     t0 = time.perf_counter()
     room = len(prompt) - p + 256
     cache = state.native(p, room)
@@ -184,12 +197,14 @@ def ideal(model, state: State, prompt, p: int):
 
 def one_copy(state: State, p: int):
     arrs = state.arrays(p)
+    mx.clear_cache()
     t0 = time.perf_counter()
     mx.eval([mx.array(a) for a in arrs])
     return time.perf_counter() - t0
 
 
 def hit(pc: PrefixCache, prompt):
+    mx.clear_cache()
     t0 = time.perf_counter()
     gen = pc.stream_generate(TOK, prompt, 1)
     r = next(gen)
@@ -225,6 +240,7 @@ def steps(pc: PrefixCache, model, prompt):
 
 def server_hit(tpc: TriePromptCache, model, prompt):
     """mlx_lm.server's sequential path: fetch, generate on the fetched caches, insert."""
+    mx.clear_cache()
     t0 = time.perf_counter()
     key = list(prompt)
     tf, (cache, rest) = timed(lambda: tpc.fetch_nearest_cache(KEY, key))
@@ -329,6 +345,16 @@ def report(rows):
     print("all goals met" if ok else "some goals missed (re-run: a busy machine skews single rows)")
 
 
+def fresh_memory() -> None:
+    """Large buffers come from the OS every time (see the module docstring)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS): MLX's own allocator decides
+        return
+    M_MMAP_THRESHOLD = -3
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="16k only, fewer repetitions")
@@ -336,20 +362,13 @@ def main(argv=None):
     ap.add_argument("--lengths", default="16384,32768,65536")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--new", type=int, default=16, help="uncached prompt tokens per hit")
-    ap.add_argument("--cache-limit-gib", type=float, default=4.0,
-                    help="MLX's buffer cache limit (0: keep the CPU build's 32 MiB default)")
     args = ap.parse_args(argv)
-    if args.cache_limit_gib > 0:
-        # MLX on Apple silicon keeps freed buffers for reuse up to its memory limit; its
-        # Linux CPU build keeps 32 MiB, so every large buffer would come from the OS and
-        # page-fault on first touch — timing the kernel's page zeroing, not the copy.
-        mx.set_cache_limit(int(args.cache_limit_gib * 2**30))
+    fresh_memory()
     lengths = [16384] if args.quick else [int(x) for x in args.lengths.split(",")]
     reps = 3 if args.quick else args.reps
     print("python scripts/bench_long.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
     print(f"mlx {mx.__version__}, device {mx.default_device()}, {args.new} new tokens per hit, "
-          f"best of {reps} repetitions, MLX cache limit "
-          f"{args.cache_limit_gib if args.cache_limit_gib > 0 else '(default)'} GiB")
+          f"best of {reps} repetitions")
     rows = []
     for name in args.models.split(","):
         bench_model(name, lengths, reps, args.new, rows)
