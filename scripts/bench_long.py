@@ -330,8 +330,10 @@ def bench_model(name, lengths, reps, new, rows):
         # The best of the repetitions: on a shared machine, the cost without interference.
         row = dict(model=name, p=p, **{k: min(v) for k, v in got.items() if v})
         # Restore vs one copy: cheap, so many more interleaved pairs (a steadier ratio).
-        row["restore"], row["copy"] = restore_and_copy(pc, state, prompt_for(p, 4 * reps), p,
-                                                       3 * reps)
+        # Both measure a whole checkout; the best of all of them is the checkout's cost.
+        restore, row["copy"] = restore_and_copy(pc, state, prompt_for(p, 4 * reps), p, 3 * reps)
+        row["checkout"] = row["restore"] = min(row["checkout"], restore)
+        row["total"] = row["validate"] + row["checkout"] + row["checkin"]
         row.update(r_hit=row["hit"] / row["ideal"], r_s_hit=row["s_hit"] / row["ideal"],
                    r_restore=row["restore"] / row["copy"],
                    **{f"sp_{k}": spread(v) for k, v in ratios.items() if v})
@@ -343,14 +345,13 @@ def bench_model(name, lengths, reps, new, rows):
               f"{ms('s_insert')} ms\n"
               f"        validate {row['validate'] * 1e3:.2f} ms, checkout {ms('checkout')} ms "
               f"(match {row['match'] * 1e3:.2f}), check-in "
-              f"{ms('checkin')} ms, total {ms('total')} ms | restore alone (checkout) "
-              f"{ms('restore')} ms, one copy {ms('copy')} ms: {row['r_restore']:.2f}x",
-              flush=True)
+              f"{ms('checkin')} ms, total {ms('total')} ms | one copy {ms('copy')} ms: "
+              f"checkout {row['r_restore']:.2f}x", flush=True)
     tpc.close()
 
 
 def report(rows):
-    print("\n| model | prompt | hit ÷ ideal | server hit ÷ ideal | restore ÷ one copy | "
+    print("\n| model | prompt | hit ÷ ideal | server hit ÷ ideal | checkout (restore) ÷ one copy | "
           "validate | checkout | check-in | cache-side total | one copy |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
