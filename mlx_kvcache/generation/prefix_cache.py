@@ -196,7 +196,7 @@ class PrefixCache:
         if mgr is not None:
             def read():
                 s.snapshot_bytes, s.live_bytes = mgr.snapshot_bytes, mgr.live_bytes
-                s.nodes = sum(1 for _ in mgr.trie.nodes())
+                s.nodes = mgr.trie.node_count
                 s.evicted_bytes = mgr.evicted_bytes
             mgr.peek(read)
         s.bytes_held = s.snapshot_bytes + s.live_bytes

@@ -53,16 +53,15 @@ class Budget:
                 freed += step
         if freed:
             self.evicted_bytes += freed
-            self.keep.difference_update([n for n in self.keep if n.detached])
 
     def _evict_to_count(self, n: int) -> None:
-        """Evict, one least-recently-used node at a time, until at most ``n`` nodes remain."""
-        while any_rank(self.agree, sum(1 for _ in self.trie.nodes()) > max(n, 0)):
+        """Evict, one least-recently-used node at a time, until at most ``n`` nodes remain
+        (O(log n) per node evicted)."""
+        while any_rank(self.agree, self.trie.node_count > max(n, 0)):
             step = evict_one(self.trie)
             if not every(self.agree, step is not None):
                 break
             self.evicted_bytes += step
-        self.keep.difference_update([x for x in self.keep if x.detached])
 
     def enforce_budget(self) -> None:
         """Fit ``max_bytes``: drop the idle live set first (the trie holds its tokens too),

@@ -1,9 +1,25 @@
-"""LRU eviction over a `PrefixTrie`, never touching pinned nodes or live branch points."""
+"""LRU eviction over a `PrefixTrie`, never touching pinned nodes or live branch points.
+
+The candidates are kept in order as the trie changes (`Candidates`), so a request that
+finds the budget full pays O(log n) per victim, not a scan of every node. Two orders:
+
+* `evict` (one process): oldest first; on a tie the deeper node (a chain is eaten from
+  its tip), then the bigger one (frees the most);
+* `evict_one` (the ranks of a sharded model, one agreed step at a time): oldest, deeper,
+  longer edge, smaller first token — structure and use only, never bytes, which differ
+  between ranks.
+
+Both end with the node's creation serial, so the order is total and the same on every
+rank. Through the trie's own operations two nodes never share ``(last_used, end)``
+(nodes that share a ``last_used`` came from splitting one node, so they lie on one
+path), which makes the later keys matter only for ``last_used`` values set by hand.
+"""
 
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, List, Optional, Tuple
+import weakref
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from .node import TrieNode
 
@@ -24,7 +40,95 @@ def evictable(trie: "PrefixTrie", node: TrieNode) -> bool:
 def _key(node: TrieNode) -> Tuple[int, int, int]:
     # Oldest first; on a tie the deeper node (so a chain is eaten from its tip), then
     # the bigger one (frees the most).
-    return (node.last_used, -node.end, -node.nbytes)
+    return (node._last_used, -node.end, -node._acct)
+
+
+def _invariant_key(node: TrieNode) -> Tuple[int, int, int, int]:
+    # Only what every rank of a sharded model agrees on (never bytes, which differ).
+    t = node.tokens
+    return (node._last_used, -node.end, -len(t), t[0] if len(t) else -1)
+
+
+# (key, creation serial, push order, the node — weakly: a dropped node's tokens must
+# not stay alive in a stale entry)
+_Entry = Tuple[tuple, int, int, "weakref.ref[TrieNode]"]
+
+
+class Candidates:
+    """A trie's eviction candidates, in both orders, kept up to date as it changes.
+
+    Two heaps with lazy invalidation: the trie calls `push` whenever a node's key or its
+    eligibility may have changed (its snapshots, edge, use time, pins, or a child
+    removed), and an entry is checked against the node's current key when it reaches the
+    top; stale ones are dropped there. Every node that is a candidate therefore has an
+    entry with its current key, and the first valid entry is the first candidate. The
+    heaps are rebuilt when stale entries outnumber live nodes (amortised O(1) per push).
+    Entries hold nodes weakly, so a node the trie dropped is freed at once.
+    """
+
+    def __init__(self, trie: "PrefixTrie") -> None:
+        self.trie = trie
+        self._lru: List[_Entry] = []
+        self._inv: List[_Entry] = []
+        self._seq = 0
+
+    def push(self, node: TrieNode) -> None:
+        if not evictable(self.trie, node):
+            return  # whatever makes it a candidate again pushes it again
+        self._seq += 1
+        ref = weakref.ref(node)
+        heapq.heappush(self._lru, (_key(node), node.serial, self._seq, ref))
+        heapq.heappush(self._inv, (_invariant_key(node), node.serial, self._seq, ref))
+        if len(self._lru) > 2 * self.trie.node_count + 64:
+            self.rebuild()
+
+    def rebuild(self) -> None:
+        """Only current entries, one per candidate (O(n))."""
+        self._lru, self._inv = [], []
+        for n in self.trie.nodes():
+            if evictable(self.trie, n):
+                self._seq += 1
+                ref = weakref.ref(n)
+                self._lru.append((_key(n), n.serial, self._seq, ref))
+                self._inv.append((_invariant_key(n), n.serial, self._seq, ref))
+        heapq.heapify(self._lru)
+        heapq.heapify(self._inv)
+
+    def clear(self) -> None:
+        self._lru, self._inv = [], []
+
+    def _pop(self, heap: List[_Entry], key: Callable[[TrieNode], tuple]) -> Optional[TrieNode]:
+        while heap:
+            k, _, _, ref = heapq.heappop(heap)
+            node = ref()
+            if node is not None and evictable(self.trie, node) and key(node) == k:
+                return node
+        return None
+
+    def pop_lru(self) -> Optional[TrieNode]:
+        """The first candidate in `evict`'s order, or None."""
+        return self._pop(self._lru, _key)
+
+    def pop_invariant(self) -> Optional[TrieNode]:
+        """The first candidate in `evict_one`'s (rank-invariant) order, or None."""
+        return self._pop(self._inv, _invariant_key)
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` unless every candidate has a current entry in both heaps."""
+        for heap, key, name in ((self._lru, _key, "LRU"), (self._inv, _invariant_key, "invariant")):
+            held = {(id(n), k) for k, _, _, n in ((k, s, q, r()) for k, s, q, r in heap)
+                    if n is not None and not n.detached}
+            for n in self.trie.nodes():
+                if evictable(self.trie, n) and (id(n), key(n)) not in held:
+                    raise AssertionError(f"{n!r} is an eviction candidate missing from the "
+                                         f"{name} order")
+
+
+def _step(trie: "PrefixTrie", victim: TrieNode) -> None:
+    if victim.children:
+        trie.merge_with_child(victim)
+    else:
+        trie.remove(victim)
 
 
 def evict(trie: "PrefixTrie", max_bytes: int) -> int:
@@ -34,53 +138,24 @@ def evict(trie: "PrefixTrie", max_bytes: int) -> int:
     (shared prefixes) survive until only one branch is left. Leaves are removed;
     single-child nodes are merged into their child (frees whole-state snapshots; for
     KV it frees nothing but shortens the chain so the leaf can go next). Each step
-    drops one node, so the loop ends. Returns the bytes freed.
+    drops one node, so the loop ends. Returns the bytes freed. O(log n) per step.
     """
     before = trie.nbytes
-    if before <= max_bytes:
-        return 0
-    heap: List[Tuple[Tuple[int, int, int], int, TrieNode]] = []
-    seq = 0
-
-    def push(n: TrieNode) -> None:
-        nonlocal seq
-        if evictable(trie, n):
-            heapq.heappush(heap, (_key(n), seq, n))
-            seq += 1
-
-    for n in trie.nodes():
-        push(n)
-    # Entries go stale when a node changes; every change below pushes a fresh entry,
-    # so a popped entry whose key no longer matches is simply dropped.
-    while heap and trie.nbytes > max_bytes:
-        key, _, n = heapq.heappop(heap)
-        if not evictable(trie, n) or key != _key(n):
-            continue
-        parent = n.parent
-        assert parent is not None
-        if n.children:
-            push(trie.merge_with_child(n))
-        else:
-            trie.remove(n)
-            push(parent)
+    while trie.nbytes > max_bytes:
+        victim = trie.candidates.pop_lru()
+        if victim is None:
+            break
+        _step(trie, victim)
     return before - trie.nbytes
-
-
-def _invariant_key(node: TrieNode) -> Tuple[int, int, int, int]:
-    # Only what every rank of a sharded model agrees on (never bytes, which differ).
-    return (node.last_used, -node.end, -len(node.tokens), node.tokens[0] if node.tokens else -1)
 
 
 def evict_one(trie: "PrefixTrie") -> Optional[int]:
     """One eviction step on the least recently used candidate, chosen from structure and
     use alone (the same node on every rank of a sharded model); the bytes it freed, or
-    None when nothing is evictable."""
-    victim = min((n for n in trie.nodes() if evictable(trie, n)), key=_invariant_key, default=None)
+    None when nothing is evictable. O(log n)."""
+    victim = trie.candidates.pop_invariant()
     if victim is None:
         return None
     before = trie.nbytes
-    if victim.children:
-        trie.merge_with_child(victim)
-    else:
-        trie.remove(victim)
+    _step(trie, victim)
     return before - trie.nbytes

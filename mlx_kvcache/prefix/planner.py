@@ -27,6 +27,7 @@ from . import reach
 from .agreement import SOLO, Agreement
 from .live import LiveSet
 from .node import TrieNode
+from .tokens import common_prefix
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -42,14 +43,6 @@ class Plan:
     #: Offsets (ascending, in ``(restored, prompt_tokens - 1]``) where prefill must stop
     #: so the caches can be snapshotted there.
     stops: List[int] = field(default_factory=list)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def reach_table(leaves, path: List[TrieNode], live_common: int, top: int, quants=None):
@@ -105,8 +98,10 @@ def reachable(entry, t: int) -> bool:
     return t in entry[1] or t <= entry[2]
 
 
-def restore_layer(c, i: int, t: int, path: List[TrieNode], live_common: int) -> bool:
-    """Bring layer cache ``c`` (layer ``i``) to ``t`` from its live state and the path."""
+def restore_layer(c, i: int, t: int, path: List[TrieNode], live_common: int,
+                  room: int = 0) -> bool:
+    """Bring layer cache ``c`` (layer ``i``) to ``t`` from its live state and the path;
+    ``room``: tokens the request will add next (a KV buffer is made that large at once)."""
     if t == 0:
         c.free()
         return True
@@ -128,17 +123,18 @@ def restore_layer(c, i: int, t: int, path: List[TrieNode], live_common: int) -> 
             chain.append(n.snapshots[i])
             if n.end >= t:
                 break
-        return c.restore_chain(chain, t) and c.offset == t
+        return c.restore_chain(chain, t, room=room) and c.offset == t
     for n in reversed(path):
         if n.has_state(i) and c.restore(n.snapshots[i], t):
             return True
     return False
 
 
-def choose_target(live: LiveSet, tokens: List[int], path: List[TrieNode], matched: int,
+def choose_target(live: LiveSet, tokens: np.ndarray, path: List[TrieNode], matched: int,
                   agree: Agreement = SOLO) -> Tuple[int, int, int, Optional[str]]:
     """``(target, top, live_common, reason)``: the deepest offset every layer reaches —
-    on every rank, when the layers are spread over several (``agree``)."""
+    on every rank, when the layers are spread over several (``agree``). ``tokens`` is
+    the prompt as an array (`tokens.as_tokens`)."""
     n = len(tokens)
     live_common = min(common_prefix(live.tokens, tokens), n - 1)
     if not live.consistent(len(live.tokens)):

@@ -13,8 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..caches import CacheError, layer_signature, make_prompt_cache
@@ -39,8 +38,6 @@ class ModelState:
     #: mlx-lm's batch path is not exact for this model's padded recurrent rows: hand out
     #: `TrackedArraysCache` and store no padded row (`serving.padding`).
     track_padding: bool = False
-    #: The server's segment type of each recorded node (``stats_by_type``).
-    types: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
 
 
 def open_model(provider, key, agree: Agreement, *, max_bytes: int, checkpoint_interval: int,
