@@ -199,10 +199,12 @@ def test_lifecycle_admits_until_stopping():
 
     life = Lifecycle(grace=5)
     assert life.admit() and life.inflight == 1
+    assert life.admit(counted=False) and life.inflight == 1  # a read of the state: not open
     life.on_signal()
     assert life.asked and life.signals == 1 and not life.cut.is_set()
     life.stopping.set()
     assert not life.admit() and life.inflight == 1
+    assert not life.admit(counted=False)
     assert not life.wait_idle(time.monotonic() + 0.05)
     assert not life.wait_idle(time.monotonic() + 60, interrupt=lambda: True)
     life.done()

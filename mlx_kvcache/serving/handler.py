@@ -10,7 +10,7 @@ gets a 503; an answer the stop cuts short ends with ``finish_reason: "length"``.
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from mlx_lm.server import APIHandler
 
@@ -27,26 +27,30 @@ class CacheAPIHandler(APIHandler):
     admin: AdminPolicy = AdminPolicy.make(None, "127.0.0.1")
 
     # -- admitting requests (a stop refuses new ones) ----------------------------------------
-    def handle(self):
+    # Counted per request, not per connection: an idle keep-alive connection waiting for
+    # its next request line is no open answer, and a request on it after a stop gets 503.
+    def _admitted(self, serve: Callable[[], None], counted: bool = True) -> None:
+        """Run ``serve`` as an admitted request, or answer 503 while the server stops
+        (``counted``: see `Lifecycle.admit`)."""
         set_ticket(None)
         life = getattr(self.response_generator, "lifecycle", None)
-        self._admitted = life is None or life.admit()
+        if life is None:
+            return serve()
+        if not life.admit(counted):
+            return self._refuse_while_stopping()
         try:
-            super().handle()
+            serve()
         finally:
-            if self._admitted and life is not None:
+            if counted:
                 life.done()
 
-    def _refused_while_stopping(self) -> bool:
-        if self._admitted:
-            return False
+    def _refuse_while_stopping(self) -> None:
         self._drain_body()
         body = {"error": "the server is stopping"}
         if self._is_cache_route():
             self._send_admin(503, body)
         else:
             self._send_json(503, body)
-        return True
 
     def _drain_body(self) -> None:
         # Answering before reading the body makes the kernel reset the connection (unread
@@ -63,15 +67,11 @@ class CacheAPIHandler(APIHandler):
 
     # -- mlx-lm's routes --------------------------------------------------------------------
     def do_POST(self):
-        if not self._refused_while_stopping():
-            super().do_POST()
+        self._admitted(super().do_POST)
 
     def do_OPTIONS(self):
-        if self._refused_while_stopping():
-            return
-        if self._is_cache_route():
-            return self._admin_route("OPTIONS")
-        super().do_OPTIONS()
+        self._admitted(lambda: self._admin_route("OPTIONS") if self._is_cache_route()
+                       else super(CacheAPIHandler, self).do_OPTIONS(), counted=False)
 
     def validate_model_parameters(self) -> None:
         super().validate_model_parameters()
@@ -138,12 +138,12 @@ class CacheAPIHandler(APIHandler):
             return self._send_admin(503, {"error": "the prompt cache is not available"})
         if method == "GET":
             report = cache.report()
-            # Requests not yet taken by the generation thread, and requests open (this one
-            # aside): what an operator waits on before a stop.
+            # Requests not yet taken by the generation thread, and answers open: what an
+            # operator waits on before a stop.
             report["queued_requests"] = self.response_generator.requests.qsize()
             life = getattr(self.response_generator, "lifecycle", None)
             if life is not None:
-                report["open_requests"] = max(life.inflight - 1, 0)
+                report["open_requests"] = life.inflight
             return self._send_admin(200, report)
         try:
             result = self.response_generator.command("clear")
@@ -156,15 +156,13 @@ class CacheAPIHandler(APIHandler):
         self._send_admin(500 if result.get("error") else 200, body)
 
     def do_GET(self):
-        if self._refused_while_stopping():
-            return
-        if not self._is_cache_route():
-            return super().do_GET()
-        self._admin_route("GET")
+        self._admitted(lambda: self._admin_route("GET") if self._is_cache_route()
+                       else super(CacheAPIHandler, self).do_GET(), counted=False)
 
     def do_DELETE(self):
-        if self._refused_while_stopping():
-            return
+        self._admitted(self._delete)
+
+    def _delete(self) -> None:
         if not self._is_cache_route():
             self._drain_body()
             return self._send_json(404, {"error": f"no DELETE route {self.path}"})

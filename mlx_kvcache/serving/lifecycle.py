@@ -92,13 +92,14 @@ class Lifecycle:
         return self.signals > 0 or self.stop_asked.is_set()
 
     # -- admitting requests -----------------------------------------------------------------
-    def admit(self) -> bool:
-        """A connection starts: True (and counted until `done`) unless the server is
-        stopping."""
+    def admit(self, counted: bool = True) -> bool:
+        """A request starts: True unless the server is stopping. A ``counted`` one (an
+        answer, or a DELETE) is open until `done`, and a stop waits for it; reads of the
+        server's state are not."""
         with self._cv:
             if self.stopping.is_set():
                 return False
-            self._inflight += 1
+            self._inflight += counted
             return True
 
     def done(self) -> None:
