@@ -47,7 +47,7 @@ class Budget:
             # decided by all of them, one step at a time, on the same node each step.
             freed = 0
             while any_rank(self.agree, self.trie.nbytes > target):
-                step = evict_one(self.trie)
+                step = evict_one(self.trie, self._agreed_demotable)
                 if not every(self.agree, step is not None):
                     break
                 freed += step
@@ -55,10 +55,16 @@ class Budget:
             self.evicted_bytes += freed
             self.keep.difference_update([n for n in self.keep if n.detached])
 
+    def _agreed_demotable(self, node: TrieNode) -> bool:
+        # Whether a file is on disk is rank-local (each rank writes its own shard when
+        # it gets to it): park only where every rank can, so the tries stay alike.
+        return every(self.agree, self.trie.tier.demotable(node))
+
     def _evict_to_count(self, n: int) -> None:
-        """Evict, one least-recently-used node at a time, until at most ``n`` nodes remain."""
-        while any_rank(self.agree, sum(1 for _ in self.trie.nodes()) > max(n, 0)):
-            step = evict_one(self.trie)
+        """Evict, one least-recently-used node at a time, until at most ``n`` nodes hold
+        memory (parked nodes hold none)."""
+        while any_rank(self.agree, sum(1 for x in self.trie.nodes() if not x.parked) > max(n, 0)):
+            step = evict_one(self.trie, self._agreed_demotable)
             if not every(self.agree, step is not None):
                 break
             self.evicted_bytes += step

@@ -110,9 +110,10 @@ class PrefixManager(Budget):
         self.whole_state = any(not isinstance(c, KVCache) for c in self.ops)
         #: Nodes that are deliberate restore points (never merged away except by eviction).
         self.keep: set = set()
-        #: Called with a prompt's tokens inside `checkout`, before anything is restored
-        #: (the store checks lazily loaded snapshot files there).
-        self.verify: Optional[Callable[[Sequence[int]], None]] = None
+        #: Called with a prompt's tokens inside `checkout`, before anything is restored:
+        #: the disk store fills the parked nodes of its path there (checked) and returns
+        #: their ``(start, end)`` spans (counted in `Plan.from_disk`).
+        self.verify: Optional[Callable[[Sequence[int]], Any]] = None
         self.evicted_bytes = 0
         #: The ranks of a sharded model decide together (see `agreement`); one process
         #: decides alone.
@@ -208,8 +209,7 @@ class PrefixManager(Budget):
             live = LiveSet(self.make_caches(), quant=self.kv_quant)
         live.epoch = self._epoch
         self._lent.add(live)
-        if self.verify is not None:
-            self.verify(tokens)
+        loaded = self.verify(tokens) if self.verify is not None else None
         plan, path, live_common = self._target(live, tokens, extra_stops)
         target = plan.restored
         live.align(target)
@@ -221,6 +221,7 @@ class PrefixManager(Budget):
             plan.reason = f"restore to offset {target} failed unexpectedly; recomputed from 0"
             plan.restored = target = 0
             plan.stops = self._stops(len(tokens), 0, plan.matched, extra_stops)
+        plan.from_disk = sum(max(0, min(b, target) - a) for a, b in (loaded or ()))
         live.tokens = tokens[:target]
         for nd in path:
             if nd.end <= target:

@@ -37,7 +37,7 @@ class TrieNode:
 
     __slots__ = (
         "tokens", "end", "parent", "children", "last_used", "snapshots", "in_use",
-        "detached", "_acct", "uid", "__weakref__",
+        "detached", "_acct", "uid", "parked", "__weakref__",
     )
 
     def __init__(
@@ -66,6 +66,9 @@ class TrieNode:
         #: Identity that outlives a save and a restart (the disk store keys rows by it);
         #: nonzero, the same object keeps it through splits and merges.
         self.uid: int = _UIDS.getrandbits(63) or 1
+        #: Its snapshots are parked (`PrefixTrie.park`): their data lives in another tier
+        #: (the disk) and the node holds no memory until they are filled again.
+        self.parked: bool = False
 
     @property
     def start(self) -> int:
@@ -87,7 +90,7 @@ class TrieNode:
 
     def __repr__(self) -> str:
         held = sum(1 for s in self.snapshots if s is not None)
-        gone = " detached" if self.detached else ""
+        gone = " detached" if self.detached else (" parked" if self.parked else "")
         return (
             f"TrieNode([{self.start},{self.end}) {len(self.tokens)}t "
             f"{held}/{len(self.snapshots)} snaps in_use={self.in_use}{gone})"

@@ -55,6 +55,9 @@ class PrefixTrie:
         self.root.uid = 0
         #: Told about every changed node when set (see `journal`); None: no tracking.
         self.journal: Optional[Journal] = None
+        #: A second tier that keeps copies of snapshots (`eviction.Tier`, the disk): with
+        #: one, eviction parks nodes it holds a copy of instead of dropping them.
+        self.tier: Optional["eviction.Tier"] = None
 
     # -- clock / bytes -----------------------------------------------------------------
     @property
@@ -93,9 +96,37 @@ class PrefixTrie:
         """Install ``snapshots`` on ``node`` and fix the byte counter (no closing)."""
         self._nbytes -= node._acct
         node.snapshots = snapshots
+        node.parked = False
         node._acct = _live_bytes(snapshots)
         self._nbytes += node._acct
         self._changed(node)
+
+    def recount(self, node: TrieNode) -> None:
+        """Re-count ``node``'s bytes after its snapshots were parked or filled behind the
+        trie's back (nothing about it changed for the journal)."""
+        if node.detached:
+            return
+        self._nbytes -= node._acct
+        node._acct = _live_bytes(node.snapshots)
+        self._nbytes += node._acct
+
+    def park(self, node: TrieNode) -> int:
+        """Park every snapshot of ``node`` (their data has a copy in another tier, which
+        the caller registered) and mark it parked: it keeps its place in the trie and
+        holds no memory. Returns the bytes freed."""
+        self._require_not_root(node, "park")
+        before = node._acct
+        for s in node.snapshots:
+            if s is not None:
+                s.park()
+        node.parked = True
+        self.recount(node)
+        return before - node._acct
+
+    def unpark(self, node: TrieNode) -> None:
+        """``node``'s snapshots were filled again by their owner: count them."""
+        node.parked = False
+        self.recount(node)
 
     def _detach(self, node: TrieNode) -> None:
         """Drop ``node`` from accounting and mark it dead; its snapshots must already be gone."""
