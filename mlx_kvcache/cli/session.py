@@ -54,7 +54,8 @@ commands:
 def format_status(st) -> str:
     parts = [
         f"prompt {st.prompt_tokens} tok",
-        f"reused {st.restored_tokens}",
+        f"reused {st.restored_tokens}" + (f" ({st.disk_tokens} from disk)"
+                                          if getattr(st, "disk_tokens", 0) else ""),
         f"prefilled {st.prefilled_tokens}",
         f"answer {st.generated_tokens} tok",
         f"ttft {st.time_to_first_token:.2f} s",
@@ -284,6 +285,10 @@ class ChatSession:
             f"{human_bytes(s.max_bytes)} | nodes {s.nodes} | evicted {human_bytes(s.evicted_bytes)}"
             f" | conversation {len(self.turns)} exchange(s)",
         ]
+        if getattr(s, "max_disk_bytes", None) is not None:
+            lines.append(f"[stats] disk {human_bytes(s.disk_bytes)} of "
+                         f"{human_bytes(s.max_disk_bytes)} | nodes on disk only {s.disk_nodes} | "
+                         f"reused from disk {s.disk_tokens} tokens")
         if getattr(s, "drafted_tokens", 0):
             lines.append(f"[stats] drafted {s.drafted_tokens} | accepted {s.accepted_tokens} "
                          f"({100 * s.accepted_tokens / s.drafted_tokens:.0f}%)")

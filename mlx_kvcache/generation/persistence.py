@@ -99,15 +99,8 @@ class Persistence:
     def _prefetch(self, tokens) -> None:
         """Start reading the files of parked nodes ``tokens`` will restore (any thread)."""
         store, mgr = self._store, self.manager
-        if store is None or mgr is None or store.trie.tier is None:
-            return
-        try:
-            def start():
-                path, _ = mgr.trie.find(tokens)
-                store.verifier.prefetch(s for n in path if n.parked for s in n.snapshots)
-            mgr.peek(start)
-        except Exception:  # noqa: BLE001 - an early read is only a head start
-            pass
+        if store is not None and mgr is not None:
+            mgr.peek(store.prefetch, tokens)
 
     def save(self, path: Optional[str] = None) -> int:
         """Write the cache under ``path`` (default: ``cache_dir``) now; returns bytes on disk.

@@ -18,14 +18,12 @@ counted) and at a request's end.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
-import mlx.core as mx
 
 from ..caches.chunked import ChunkedKVCache
 from ..caches.kv import KVCache
@@ -37,25 +35,9 @@ from .live import LiveSet
 from .planner import Plan
 from .trie import PrefixTrie, TrieNode
 
-__all__ = ["PrefixManager", "Plan", "default_max_bytes"]
+__all__ = ["PrefixManager", "Plan"]
 
 log = logging.getLogger("mlx_kvcache")
-
-
-def default_max_bytes(fraction: float = 0.2) -> int:
-    """A fraction of the machine's memory (unified memory on Apple silicon)."""
-    total = 0
-    try:
-        if mx.metal.is_available():
-            total = int(mx.metal.device_info().get("memory_size", 0))
-    except Exception:  # pragma: no cover - device query is best effort
-        total = 0
-    if not total:
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):  # pragma: no cover
-            total = 16 << 30
-    return int(total * fraction)
 
 
 class PrefixManager(Budget):

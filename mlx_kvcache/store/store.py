@@ -130,6 +130,16 @@ class PersistentStore:
         Call with the trie's lock held, right before restoring."""
         return self.tier.before_request(tokens)
 
+    def prefetch(self, tokens: Sequence[int]) -> int:
+        """Start reading the files of the parked nodes a request for ``tokens`` would
+        restore (no MLX; call with the trie's lock held, from any thread). Returns how
+        many files. Never raises."""
+        try:
+            path, _ = self.trie.find(tokens)
+            return self.verifier.prefetch(s for n in path if n.parked for s in n.snapshots)
+        except Exception:  # noqa: BLE001 - an early read is only a head start
+            return 0
+
     def _drop_subtree(self, node: TrieNode) -> None:
         self.tier.drop_subtree(node)
 
@@ -364,6 +374,7 @@ class PersistentStore:
 
     def close(self) -> None:
         """Checkpoint and close the index (reopened if used again)."""
+        self.verifier.prefetcher.close()
         with self._io:
             if self._index is not None:
                 self._index.close()
