@@ -54,14 +54,15 @@ commands:
 def format_status(st) -> str:
     parts = [
         f"prompt {st.prompt_tokens} tok",
-        f"reused {st.restored_tokens}" + (f" ({st.disk_tokens} from disk)"
-                                          if getattr(st, "disk_tokens", 0) else ""),
+        f"reused {st.restored_tokens}",
         f"prefilled {st.prefilled_tokens}",
         f"answer {st.generated_tokens} tok",
         f"ttft {st.time_to_first_token:.2f} s",
         f"{st.generation_tps:.1f} tok/s",
         f"cache {human_bytes(st.cache_bytes)}",
     ]
+    if getattr(st, "disk_tokens", 0):
+        parts.append(f"from disk {st.disk_tokens}")
     if getattr(st, "drafted_tokens", 0):
         parts.append(f"drafted {st.drafted_tokens} accepted {st.accepted_tokens} "
                      f"({100 * st.accepted_tokens / st.drafted_tokens:.0f}%)")

@@ -377,10 +377,10 @@ class TriePromptCache:
         mgr = st.manager
         held = mgr.peek(lambda: mgr.trie.nbytes)
         where = f"rank {self.agree.rank} | " if self.agree.size > 1 else ""
-        tiers = f" ({f.cached - f.from_disk} ram, {f.from_disk} disk)" if st.store is not None else ""
-        line = (f"[cache] {where}prompt {len(f.prompt)} tok | cached {f.cached}{tiers} | prefilled "
+        tiers = f"from disk {f.from_disk} | " if st.store is not None else ""
+        line = (f"[cache] {where}prompt {len(f.prompt)} tok | cached {f.cached} | prefilled "
                 f"{len(f.prompt) - f.cached} | answer {len(tokens) - len(f.prompt)} tok | "
-                f"held {human_bytes(held)} of {human_bytes(self.max_bytes)}")
+                f"{tiers}held {human_bytes(held)} of {human_bytes(self.max_bytes)}")
         if st.store is not None:
             line += f" | disk {human_bytes(st.store.disk_bytes)}"
         if f.matched > f.cached + 1 and f.reason:
