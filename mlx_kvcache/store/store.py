@@ -153,6 +153,10 @@ class PersistentStore:
                 self._drop_subtree(n)
 
     def _drop_found_bad(self) -> None:
+        if self.agree.size > 1:
+            # Found on this rank only: dropping here alone would make the tries differ.
+            # Those nodes go on every rank when a request reaches them (`before_request`).
+            return
         for s in self.verifier.found_bad():
             n = self.holders.get(s)
             if n is not None and not n.detached:
