@@ -88,3 +88,23 @@ def test_other_arguments(pc):
         mk.PrefixCache(model("llama"), cache_dir="")
     with pytest.raises(ValueError, match="cache_dir is empty"):
         mk.PrefixCache(model("llama"), cache_dir="  ")
+
+
+def test_long_prompts_are_checked_in_vectorised_passes(monkeypatch):
+    """A 100k-token prompt is checked in a few passes in C (types, range), never a Python
+    step per token — and an id out of range is still named with its position."""
+    from mlx_kvcache.generation import validation
+
+    def per_token(_):
+        raise AssertionError("a Python call per token")
+    monkeypatch.setattr(validation, "is_int", per_token)
+    n = 100_000
+    ok = [i % V for i in range(n)]
+    for prompt in (ok, tuple(ok), np.asarray(ok, dtype=np.int32), mx.array(ok)):
+        ids = validation.prompt_token_ids(TOK, prompt, V)
+        assert len(ids) == n and ids[-1] == ok[-1] and not ids.flags.writeable
+    for prompt in (ok[:-1] + [V], np.asarray(ok[:-1] + [V])):
+        with pytest.raises(ValueError, match=f"token id {V} at prompt position {n - 1} .*vocab size {V}"):
+            validation.prompt_token_ids(TOK, prompt, V)
+    with pytest.raises(ValueError, match=f"token id {2**64 - 1} at prompt position 1"):
+        validation.prompt_token_ids(TOK, np.array([1, 2**64 - 1], dtype=np.uint64), V)

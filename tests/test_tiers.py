@@ -73,6 +73,14 @@ class Sessions:
         self.prompts[i] = self.prompts[i] + toks + [self.rng.randrange(V) for _ in range(self.msg)]
 
 
+def park(trie, node) -> int:
+    """What the disk tier does to a node once its copies are registered."""
+    for s in node.snapshots:
+        if s is not None:
+            s.park()
+    return -trie.recount(node, parked=True)
+
+
 def per_token(m) -> int:
     return checkpoint_bytes(m, lambda: make_prompt_cache(m), 1)
 
@@ -185,7 +193,7 @@ def test_demotion_and_promotion_accounting_on_the_trie():
     c = env.insert([7, 7])
     branch = b.parent
     before = t.nbytes
-    t.park(branch)
+    park(t, branch)
     assert branch.parked and branch.nbytes == 0 and t.nbytes < before
     t.check_invariants()
     kv = branch.snapshots[0]
@@ -193,7 +201,7 @@ def test_demotion_and_promotion_accounting_on_the_trie():
         kv.content
     assert kv.shapes() and kv.size > 0 and not kv.closed
     kv.fill({"tok": np.asarray([1, 2, 3], dtype=np.int64)})
-    t.unpark(branch)
+    t.recount(branch, parked=False)
     assert t.nbytes == before
     t.check_invariants()
 
@@ -205,7 +213,7 @@ def test_demotion_and_promotion_accounting_on_the_trie():
             return n in self.copies
 
         def demote(self, n):
-            return t.park(n)
+            return park(t, n)
     t.tier = Tier({branch, a})
     for n in (a, b, c, branch):
         t.touch(n)
@@ -377,3 +385,78 @@ def test_a_budget_below_one_checkpoint_is_told_once_with_the_size_needed():
     assert small.budget_warning and fine.budget_warning is None
     assert default.stats.max_bytes > 0 and "the model" in default.ram_budget_note
     assert isinstance(PrefixTrie, type)
+
+
+# -- eviction with a tier, on random tries (hypothesis) ---------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from mlx_kvcache.prefix import eviction  # noqa: E402
+from test_trie_fast import OPS, SETTINGS, build as random_trie  # noqa: E402
+
+
+class FakeDisk:
+    """A tier that has a copy of the nodes ``pick`` chooses; parked snapshots are filled
+    back from the copy before the trie splits or merges them (as the store's ops do)."""
+
+    def __init__(self, trie, pick):
+        self.trie, self.pick, self.copies, self.parked = trie, pick, {}, []
+        for i, op in enumerate(trie.ops):
+            trie.ops[i] = self.guard(op)
+
+    def guard(self, op):
+        disk = self
+
+        class Guarded:
+            def split(self, s, at):
+                disk.fill(s)
+                return op.split(s, at)
+
+            def merge(self, a, b):
+                disk.fill(a)
+                disk.fill(b)
+                return op.merge(a, b)
+        return Guarded()
+
+    def fill(self, s):
+        if s is not None and s.parked:
+            s.fill(self.copies[id(s)])
+
+    def demotable(self, n):
+        return self.pick(tuple(self.trie.tokens_to(n)))
+
+    def demote(self, n):
+        for s in n.snapshots:
+            if s is not None and not s.parked:
+                self.copies[id(s)] = dict(s._arrays)
+        self.parked.append(n)
+        return park(self.trie, n)
+
+
+@settings(SETTINGS, max_examples=150)
+@given(ops=OPS, budget=st.floats(0, 1), salt=st.integers(0, 3), one_by_one=st.booleans())
+def test_eviction_with_a_tier_parks_what_has_a_copy_and_drops_the_rest(ops, budget, salt,
+                                                                       one_by_one):
+    env = random_trie(ops)
+    t = env.trie
+    disk = t.tier = FakeDisk(t, lambda toks: (hash(toks) + salt) % 3 != 0)
+    t.candidates.rebuild()  # (as the store does when it attaches itself)
+    before = {id(n): tuple(t.tokens_to(n)) for n in t.nodes()}
+    target = int(t.nbytes * budget)
+    if one_by_one:  # as the ranks of a sharded model do: agreed steps
+        while t.nbytes > target and eviction.evict_one(t, disk.demotable) is not None:
+            pass
+    else:
+        t.evict(target)
+    t.check_invariants()
+    t.candidates.check()
+    for n in disk.parked:  # parked, never dropped: same place, same tokens
+        assert not n.detached and tuple(t.tokens_to(n)) == before[id(n)]
+    if t.nbytes > target:  # only what could not go is left in memory
+        assert all(n.in_use or n.parked or n.nbytes == 0
+                   or (len(n.children) > 1 and not disk.demotable(n)) for n in t.nodes())
+    for n in t.nodes():  # every KV snapshot still holds its node's edge, parked or not
+        for s in n.snapshots:
+            disk.fill(s)
+            if s is not None and s.kind == "fake_kv":
+                assert s.content == list(n.tokens)

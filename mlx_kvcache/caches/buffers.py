@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -47,3 +47,23 @@ class SnapshotKV:
     @property
     def values(self) -> mx.array:
         return self._get("values")
+
+
+def concat_rows(parts: Sequence[Tuple[mx.array, int]], pad: int) -> mx.array:
+    """Rows ``[0, n)`` (axis 2) of each ``(array, n)`` of ``parts``, then ``pad`` zero rows:
+    one new ``[B, H, rows, D]`` buffer, filled in one copy.
+
+    MLX's CPU ``concatenate`` copies element by element (~2x a plain copy for float32,
+    ~3x for float16); seen as 8-byte words — free for the compact arrays snapshots hold —
+    the same copy runs at plain-copy speed. The bits, shape and dtype are unchanged.
+    """
+    a0 = parts[0][0]
+    B, H, _, D = a0.shape
+    row = D * a0.dtype.size
+    if row % 8:
+        cols: List[mx.array] = [a[..., :n, :] for a, n in parts]
+        return mx.concatenate(cols + [mx.zeros((B, H, pad, D), a0.dtype)], axis=2)
+    # View first, then slice: a view of a slice would copy it.
+    cols = [mx.view(a, mx.uint64)[..., :n, :] for a, n in parts]
+    out = mx.concatenate(cols + [mx.zeros((B, H, pad, row // 8), mx.uint64)], axis=2)
+    return mx.view(out, a0.dtype)

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
-from .buffers import KVBuffers, SnapshotKV
+from .buffers import KVBuffers, SnapshotKV, concat_rows
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .quantized import QuantizedKVCache, QuantizedSnapshot, merge_rows, quantize_rows, split_rows
 from .snapshot import CacheError, Snapshot, compact
@@ -132,13 +132,15 @@ class KVCache(KVBuffers):
         self.offset = min(target, snapshot.to_offset)
         return True
 
-    def restore_chain(self, snapshots: Sequence[KVSnapshot], target: int) -> bool:
+    def restore_chain(self, snapshots: Sequence[KVSnapshot], target: int, room: int = 0) -> bool:
         """`restore` through adjacent snapshots ``[a, b), [b, c), ...`` in one copy.
 
         The first must start at or below ``offset`` and ``target`` must be at most the
         last one's end. The buffer is rebuilt once — live rows below the first snapshot,
         then each snapshot's rows, then room to grow — instead of growing (and copying
-        everything so far) once per snapshot. False, changing nothing, when unreachable.
+        everything so far) once per snapshot. ``room``: tokens about to be written (the
+        rest of a prompt); the buffer gets space for them now, so the next writes do not
+        copy it all again to grow. False, changing nothing, when unreachable.
         """
         target = check_target(target)
         if target is None:
@@ -160,20 +162,19 @@ class KVCache(KVBuffers):
             return False
         if target <= start:
             return self.restore(None, target)
-        ks = [self.keys[..., :start, :]] if start else []
-        vs = [self.values[..., :start, :]] if start else []
+        # Room to grow (at least one row, so the buffer is never a bare snapshot array),
+        # rounded up to whole steps as `_write` grows.
+        rows = -(-(target + max(int(room), 1)) // self.step) * self.step
+        ks = [(self.keys, start)] if start else []
+        vs = [(self.values, start)] if start else []
         for s in snapshots:
             if s.from_offset >= target:
                 break
             hi = min(s.to_offset, target) - s.from_offset
-            ks.append(s.keys[..., :hi, :])
-            vs.append(s.values[..., :hi, :])
-        B, H, _, dk = like_k.shape
-        pad = self.step - target % self.step  # room to grow, and never a bare snapshot array
-        ks.append(mx.zeros((B, H, pad, dk), like_k.dtype))
-        vs.append(mx.zeros((B, H, pad, like_v.shape[3]), like_v.dtype))
-        self.keys = mx.concatenate(ks, axis=2)
-        self.values = mx.concatenate(vs, axis=2)
+            ks.append((s.keys, hi))
+            vs.append((s.values, hi))
+        self.keys = concat_rows(ks, rows - target)
+        self.values = concat_rows(vs, rows - target)
         self.offset = target
         return True
 
@@ -193,8 +194,10 @@ class KVCache(KVBuffers):
                 f"and [{child.from_offset}, {child.to_offset})"
             )
         check_kv(child.keys, child.values, parent.keys, parent.values)
-        k = mx.concatenate([parent.keys, child.keys], axis=2)
-        v = mx.concatenate([parent.values, child.values], axis=2)
+        k = concat_rows([(parent.keys, parent.to_offset - parent.from_offset),
+                         (child.keys, child.to_offset - child.from_offset)], 0)
+        v = concat_rows([(parent.values, parent.to_offset - parent.from_offset),
+                         (child.values, child.to_offset - child.from_offset)], 0)
         mx.eval(k, v)
         out = KVSnapshot(parent.from_offset, child.to_offset, {"keys": k, "values": v})
         parent.close()

@@ -166,9 +166,10 @@ class RecurrentCache(ArraysCache):
                 )
         if target != snapshot.to_offset:
             return False
-        # New wrappers around the snapshot's (immutable) arrays: a slot write by the model
-        # then rebinds only the cache's wrapper, never the snapshot's.
-        fresh = [None if s is None else mx.array(s) for s in slots]
+        # New handles on the snapshot's (immutable) arrays, sharing their buffers (no
+        # copy): a slot write by the model rebinds only the cache's handle, never the
+        # snapshot's, and MLX copies a shared buffer before writing into it.
+        fresh = [None if s is None else s[...] for s in slots]
         self.cache = fresh + [None] * (len(self.cache) - len(slots))
         self.offset = target
         self._dirty = False

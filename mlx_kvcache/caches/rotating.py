@@ -206,9 +206,10 @@ class RotatingKVCache(KVBuffers):
             check_kv(k, v, self.keys, self.values)
         if target > snapshot.to_offset or (target < snapshot.to_offset and snapshot.wrapped):
             return False
-        # New wrappers around the snapshot's (immutable) arrays: the next slice write
-        # rebinds only the cache's wrapper and copies, never touching the snapshot.
-        self.keys, self.values = mx.array(k), mx.array(v)
+        # New handles on the snapshot's (immutable) arrays, sharing their buffers (no
+        # copy): a slice write rebinds only the cache's handle, and MLX copies a buffer
+        # that another handle still holds before writing it, so the snapshot never changes.
+        self.keys, self.values = k[...], v[...]
         self.offset, self._idx = snapshot.to_offset, snapshot.idx
         if target < snapshot.to_offset:
             self.offset = self._idx = target

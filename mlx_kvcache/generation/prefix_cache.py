@@ -219,10 +219,7 @@ class PrefixCache(Persistence):
         if mgr is not None:
             def read():
                 s.snapshot_bytes, s.live_bytes = mgr.snapshot_bytes, mgr.live_bytes
-                s.nodes = s.disk_nodes = 0
-                for n in mgr.trie.nodes():
-                    s.nodes += 1
-                    s.disk_nodes += n.parked
+                s.nodes, s.disk_nodes = mgr.trie.node_count, mgr.trie.parked_count
                 s.evicted_bytes = mgr.evicted_bytes
             mgr.peek(read)
         st = self._store

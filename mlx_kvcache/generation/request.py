@@ -20,6 +20,7 @@ from mlx_lm.models import cache as mlc
 from ..caches import cache_arrays, settle
 from ..prefix.stats import RequestStats
 from .speculative import SpeculativeDecoder, clamp_ids
+from ..prefix.tokens import TokenBuffer
 
 
 @dataclass
@@ -38,10 +39,12 @@ class _Feed:
 
     ``fed`` is extended right after the graph is built (nothing is evaluated yet), so an
     interrupt can only leave it one call behind: the manager recognises that case
-    through ``pending``. With a draft model, every prefill chunk feeds both models.
+    through ``pending``. It is a `TokenBuffer` (an append-only array), so handing it to
+    the manager at a checkpoint or at the end copies nothing, however long the prompt.
+    With a draft model, every prefill chunk feeds both models.
     """
 
-    def __init__(self, model, caches, fed: List[int], draft=None, draft_caches=None,
+    def __init__(self, model, caches, fed: TokenBuffer, draft=None, draft_caches=None,
                  draft_vocab=None, before: Optional[Callable[[], Any]] = None):
         self.model, self.caches, self.fed, self.pending = model, caches, fed, []
         self.draft, self.draft_caches, self.draft_vocab = draft, draft_caches, draft_vocab
@@ -104,7 +107,7 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
             return live.caches, None
         return live.caches[: pc.target_entries], live.caches[pc.target_entries:]
     quantized = live is not None and live.quant is not None
-    feed = _Feed(pc.model, caches, list(tokens[:start]), draft, dcaches, pc.draft_vocab,
+    feed = _Feed(pc.model, caches, TokenBuffer(tokens[:start]), draft, dcaches, pc.draft_vocab,
                  switch if quantized else None)
     n = len(tokens)
     state = {"history": None, "next": None}

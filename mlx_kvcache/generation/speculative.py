@@ -28,6 +28,7 @@ import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_map
 from mlx_lm.models import cache as mlc
 
@@ -231,7 +232,7 @@ class SpeculativeDecoder:
                  vocab: Optional[int] = None, draft_vocab: Optional[int] = None,
                  switch: Optional[Callable[[], Tuple[List[Any], List[Any]]]] = None,
                  quant_start: Optional[int] = None) -> None:
-        self.seq = list(tokens)
+        self.seq: List[int] = np.asarray(tokens).tolist()  # Python ints (a numpy prompt too)
         n = len(self.seq) - 1
         self.t = _Side(target, target_caches, n)
         self.d = _Side(draft, draft_caches, n, draft_vocab)

@@ -9,11 +9,13 @@ the garbage would then be cached and saved. Everything here raises ``TypeError``
 from __future__ import annotations
 
 import numbers
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from ..prefix.tokens import as_tokens
 
 _EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embeddings",
                     "embedding")
@@ -40,23 +42,51 @@ def is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def check_token_ids(tokens: List[int], vocab: Optional[int]) -> List[int]:
-    """``tokens`` as plain ints, each in ``[0, vocab)``."""
-    if not tokens:
+def _int_type(t: type) -> bool:
+    return issubclass(t, numbers.Integral) and not issubclass(t, bool)
+
+
+def _first_bad_element(prompt) -> None:
+    """Raise the TypeError naming the first element that is not an int (error path only)."""
+    for i, t in enumerate(prompt):
+        if not is_int(t):
+            raise TypeError(f"prompt element {i} is {type(t).__name__} {t!r}; token ids "
+                            f"must be ints")
+
+
+def _out_of_range(i: int, t: int, vocab: Optional[int]) -> ValueError:
+    where = f"[0, {vocab})" if vocab is not None else ">= 0"
+    return ValueError(f"token id {t} at prompt position {i} is outside the model's "
+                      f"vocabulary (vocab size {vocab}; ids must be in {where})")
+
+
+def check_token_ids(tokens: Any, vocab: Optional[int]) -> np.ndarray:
+    """``tokens`` as a read-only int64 array, each id in ``[0, vocab)`` (checked in one
+    vectorised pass; the error names the first bad id and its position)."""
+    try:
+        ids = as_tokens(tokens)
+    except OverflowError:  # an int beyond int64: find it (error path only)
+        for i, t in enumerate(tokens):
+            if not -2**63 <= int(t) < 2**63:
+                raise _out_of_range(i, int(t), vocab) from None
+        raise
+    if not len(ids):
         raise ValueError("the prompt is empty")
-    for i, t in enumerate(tokens):
-        if t < 0 or (vocab is not None and t >= vocab):
-            where = f"[0, {vocab})" if vocab is not None else ">= 0"
-            raise ValueError(f"token id {t} at prompt position {i} is outside the model's "
-                             f"vocabulary (vocab size {vocab}; ids must be in {where})")
-    return tokens
+    bad = ids < 0
+    if vocab is not None:
+        bad |= ids >= vocab
+    i = int(bad.argmax())
+    if bad[i]:
+        raise _out_of_range(i, int(ids[i]), vocab)
+    return ids
 
 
-def prompt_token_ids(tokenizer, prompt: Any, vocab: Optional[int]) -> List[int]:
-    """The prompt as a list of token ids: a string is encoded; token ids are checked."""
+def prompt_token_ids(tokenizer, prompt: Any, vocab: Optional[int]) -> np.ndarray:
+    """The prompt as a read-only int64 array of token ids: a string is encoded; token ids
+    are checked (type, shape and range), in vectorised passes — no per-token Python."""
     if isinstance(prompt, str):
         add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
-        tokens = [int(t) for t in tokenizer.encode(prompt, add_special_tokens=add_special)]
+        tokens: Any = tokenizer.encode(prompt, add_special_tokens=add_special)
     elif isinstance(prompt, (bytes, bytearray, memoryview)):
         raise TypeError("the prompt is bytes: decode it to str, or pass token ids")
     elif isinstance(prompt, (mx.array, np.ndarray)):
@@ -66,14 +96,15 @@ def prompt_token_ids(tokenizer, prompt: Any, vocab: Optional[int]) -> List[int]:
             else prompt.dtype.kind in "iu"
         if not integer:
             raise TypeError(f"a prompt array must hold integer token ids, got dtype {prompt.dtype}")
-        tokens = [int(t) for t in prompt.tolist()]
+        if prompt.dtype in (np.uint64, mx.uint64) and len(prompt) and int(prompt.max()) >= 2**63:
+            i = int(prompt.argmax())
+            raise _out_of_range(i, int(prompt[i]), vocab)
+        tokens = prompt
     elif isinstance(prompt, (list, tuple, range)):
-        tokens = []
-        for i, t in enumerate(prompt):
-            if not is_int(t):
-                raise TypeError(f"prompt element {i} is {type(t).__name__} {t!r}; token ids "
-                                f"must be ints")
-            tokens.append(int(t))
+        # One pass in C over the element types (bool is an int subclass, refused).
+        if not all(_int_type(t) for t in set(map(type, prompt))):
+            _first_bad_element(prompt)
+        tokens = prompt
     else:
         raise TypeError(f"the prompt must be a str, a list of token ids or a 1-D integer "
                         f"array, got {type(prompt).__name__}")

@@ -53,7 +53,6 @@ class Budget:
                 freed += step
         if freed:
             self.evicted_bytes += freed
-            self.keep.difference_update([n for n in self.keep if n.detached])
 
     def _agreed_demotable(self, node: TrieNode) -> bool:
         # Whether a file is on disk is rank-local (each rank writes its own shard when
@@ -62,13 +61,12 @@ class Budget:
 
     def _evict_to_count(self, n: int) -> None:
         """Evict, one least-recently-used node at a time, until at most ``n`` nodes hold
-        memory (parked nodes hold none)."""
-        while any_rank(self.agree, sum(1 for x in self.trie.nodes() if not x.parked) > max(n, 0)):
+        memory (parked nodes hold none; O(log n) per node evicted)."""
+        while any_rank(self.agree, self.trie.node_count - self.trie.parked_count > max(n, 0)):
             step = evict_one(self.trie, self._agreed_demotable)
             if not every(self.agree, step is not None):
                 break
             self.evicted_bytes += step
-        self.keep.difference_update([x for x in self.keep if x.detached])
 
     def enforce_budget(self) -> None:
         """Fit ``max_bytes``: drop the idle live set first (the trie holds its tokens too),

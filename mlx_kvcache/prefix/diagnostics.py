@@ -17,6 +17,7 @@ def check_invariants(trie: "PrefixTrie") -> None:
     if len(root.snapshots) != L or any(s is not None for s in root.snapshots):
         raise AssertionError("root must hold no snapshots")
     total = 0
+    labels: dict = {}
     stack = [root]
     seen = set()
     while stack:
@@ -70,8 +71,21 @@ def check_invariants(trie: "PrefixTrie") -> None:
                 f"{node!r}: accounted {node._acct} B but its snapshots hold {node_bytes} B"
             )
         total += node_bytes
+        if node is not root:
+            if node._owner is not trie:
+                raise AssertionError(f"{node!r} does not report its changes to this trie")
+            row = labels.setdefault(node.label, [0, 0])
+            row[0] += 1
+            row[1] += node_bytes
     if total != trie.nbytes:
         raise AssertionError(f"nbytes counter {trie.nbytes} != {total} held by snapshots")
+    if trie.node_count != len(seen) - 1:
+        raise AssertionError(f"node counter {trie.node_count} != {len(seen) - 1} nodes")
+    counted = trie.label_stats()
+    recount = {k: (v[0], v[1]) for k, v in labels.items()}
+    if counted != recount:
+        raise AssertionError(f"label counters {counted} != {recount} recounted")
+    trie.candidates.check()
 
 
 def dump(trie: "PrefixTrie") -> str:

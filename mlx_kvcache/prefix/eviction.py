@@ -1,15 +1,24 @@
 """LRU eviction over a `PrefixTrie`, never touching pinned nodes or live branch points.
 
-With a second tier (`Tier`, the disk store) eviction *parks* a node whose snapshots all
-have a copy there: its arrays go, its place in the trie stays, and a later request that
-needs it fills it from the copy. Parking changes no structure, so any resident node may
-be parked, branch points included; a node without a copy is dropped as without a tier
-(a leaf removed, a single-child node merged into its child).
+The candidates are kept in order as the trie changes (`Candidates`), so a request that
+finds the budget full pays O(log n) per victim, not a scan of every node. Two orders:
+
+* `evict` (one process): oldest first; on a tie the deeper node (a chain is eaten from
+  its tip), then the bigger one (frees the most);
+* `evict_one` (the ranks of a sharded model, one agreed step at a time): oldest, deeper,
+  longer edge, smaller first token — structure and use only, never bytes, which differ
+  between ranks.
+
+Both end with the node's creation serial, so the order is total and the same on every
+rank. Through the trie's own operations two nodes never share ``(last_used, end)``
+(nodes that share a ``last_used`` came from splitting one node, so they lie on one
+path), which makes the later keys matter only for ``last_used`` values set by hand.
 """
 
 from __future__ import annotations
 
 import heapq
+import weakref
 from typing import TYPE_CHECKING, Callable, List, Optional, Protocol, Tuple
 
 from .node import TrieNode
@@ -19,20 +28,23 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class Tier(Protocol):
-    """Where parked snapshots live (the disk store implements it)."""
+    """A second tier that holds copies of snapshots (the disk store). With one, eviction
+    *parks* a node every snapshot of which has a copy there: its arrays go, its place in
+    the trie stays (so a branch point may go too), and a request that needs it fills it
+    from the copy. A node without a copy is dropped as without a tier."""
 
     def demotable(self, node: TrieNode) -> bool:
-        """Every snapshot of ``node`` has a copy this tier can fill it from."""
+        """Every snapshot of ``node`` has a copy in this tier."""
         ...
 
     def demote(self, node: TrieNode) -> int:
-        """Register the copies and park ``node`` (`PrefixTrie.park`); the bytes freed."""
+        """Park ``node`` (its copies registered, `PrefixTrie.recount` told); bytes freed."""
         ...
 
 
 def evictable(trie: "PrefixTrie", node: TrieNode) -> bool:
-    """Unpinned, still attached, not the root, and at most one child — or, with a
-    tier, holding memory (not parked): the step then parks it where it has a copy."""
+    """Unpinned, still attached, not the root, and at most one child — with a tier, any
+    node holding memory (not parked): the step parks it where the tier has a copy."""
     if node.detached or node is trie.root or node.in_use != 0:
         return False
     if trie.tier is not None:
@@ -43,23 +55,102 @@ def evictable(trie: "PrefixTrie", node: TrieNode) -> bool:
 def _key(node: TrieNode) -> Tuple[int, int, int]:
     # Oldest first; on a tie the deeper node (so a chain is eaten from its tip), then
     # the bigger one (frees the most).
-    return (node.last_used, -node.end, -node.nbytes)
+    return (node._last_used, -node.end, -node._acct)
 
 
-def _step(trie: "PrefixTrie", victim: TrieNode, demote: bool) -> Optional[TrieNode]:
-    """Park ``victim`` (``demote``) or drop it. Returns the node whose candidacy changed
-    (the parked victim, the merged survivor, a removed leaf's parent), or None when
-    neither is possible (a branch point without a copy in the tier)."""
+def _invariant_key(node: TrieNode) -> Tuple[int, int, int, int]:
+    # Only what every rank of a sharded model agrees on (never bytes, which differ).
+    t = node.tokens
+    return (node._last_used, -node.end, -len(t), t[0] if len(t) else -1)
+
+
+# (key, creation serial, push order, the node — weakly: a dropped node's tokens must
+# not stay alive in a stale entry)
+_Entry = Tuple[tuple, int, int, "weakref.ref[TrieNode]"]
+
+
+class Candidates:
+    """A trie's eviction candidates, in both orders, kept up to date as it changes.
+
+    Two heaps with lazy invalidation: the trie calls `push` whenever a node's key or its
+    eligibility may have changed (its snapshots, edge, use time, pins, or a child
+    removed), and an entry is checked against the node's current key when it reaches the
+    top; stale ones are dropped there. Every node that is a candidate therefore has an
+    entry with its current key, and the first valid entry is the first candidate. The
+    heaps are rebuilt when stale entries outnumber live nodes (amortised O(1) per push).
+    Entries hold nodes weakly, so a node the trie dropped is freed at once.
+    """
+
+    def __init__(self, trie: "PrefixTrie") -> None:
+        self.trie = trie
+        self._lru: List[_Entry] = []
+        self._inv: List[_Entry] = []
+        self._seq = 0
+
+    def push(self, node: TrieNode) -> None:
+        if not evictable(self.trie, node):
+            return  # whatever makes it a candidate again pushes it again
+        self._seq += 1
+        ref = weakref.ref(node)
+        heapq.heappush(self._lru, (_key(node), node.serial, self._seq, ref))
+        heapq.heappush(self._inv, (_invariant_key(node), node.serial, self._seq, ref))
+        if len(self._lru) > 2 * self.trie.node_count + 64:
+            self.rebuild()
+
+    def rebuild(self) -> None:
+        """Only current entries, one per candidate (O(n))."""
+        self._lru, self._inv = [], []
+        for n in self.trie.nodes():
+            if evictable(self.trie, n):
+                self._seq += 1
+                ref = weakref.ref(n)
+                self._lru.append((_key(n), n.serial, self._seq, ref))
+                self._inv.append((_invariant_key(n), n.serial, self._seq, ref))
+        heapq.heapify(self._lru)
+        heapq.heapify(self._inv)
+
+    def clear(self) -> None:
+        self._lru, self._inv = [], []
+
+    def _pop(self, heap: List[_Entry], key: Callable[[TrieNode], tuple]) -> Optional[TrieNode]:
+        while heap:
+            k, _, _, ref = heapq.heappop(heap)
+            node = ref()
+            if node is not None and evictable(self.trie, node) and key(node) == k:
+                return node
+        return None
+
+    def pop_lru(self) -> Optional[TrieNode]:
+        """The first candidate in `evict`'s order, or None."""
+        return self._pop(self._lru, _key)
+
+    def pop_invariant(self) -> Optional[TrieNode]:
+        """The first candidate in `evict_one`'s (rank-invariant) order, or None."""
+        return self._pop(self._inv, _invariant_key)
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` unless every candidate has a current entry in both heaps."""
+        for heap, key, name in ((self._lru, _key, "LRU"), (self._inv, _invariant_key, "invariant")):
+            held = {(id(n), k) for k, _, _, n in ((k, s, q, r()) for k, s, q, r in heap)
+                    if n is not None and not n.detached}
+            for n in self.trie.nodes():
+                if evictable(self.trie, n) and (id(n), key(n)) not in held:
+                    raise AssertionError(f"{n!r} is an eviction candidate missing from the "
+                                         f"{name} order")
+
+
+def _step(trie: "PrefixTrie", victim: TrieNode, demote: bool) -> bool:
+    """Park ``victim`` or drop it; False when neither can be done (a branch point the
+    tier has no copy of: it stays a candidate for later)."""
     if demote:
         trie.tier.demote(victim)  # type: ignore[union-attr]
-        return victim
-    if len(victim.children) > 1:
-        return None
-    if victim.children:
-        return trie.merge_with_child(victim)
-    parent = victim.parent
-    trie.remove(victim)
-    return parent
+    elif len(victim.children) > 1:
+        return False
+    elif victim.children:
+        trie.merge_with_child(victim)
+    else:
+        trie.remove(victim)
+    return True
 
 
 def evict(trie: "PrefixTrie", max_bytes: int) -> int:
@@ -68,50 +159,43 @@ def evict(trie: "PrefixTrie", max_bytes: int) -> int:
     Candidates: unpinned non-root nodes with at most one child, so branch points
     (shared prefixes) survive until only one branch is left. Leaves are removed;
     single-child nodes are merged into their child (frees whole-state snapshots; for
-    KV it frees nothing but shortens the chain so the leaf can go next). With a tier,
-    nodes it holds copies of are parked instead. Each step drops or parks one node, so
-    the loop ends. Returns the bytes freed.
+    KV it frees nothing but shortens the chain so the leaf can go next). Each step
+    drops one node, so the loop ends. With a tier, nodes it holds copies of are parked
+    instead (any node, branch points included). Returns the bytes freed. O(log n) per
+    step.
     """
     before = trie.nbytes
-    if before <= max_bytes:
-        return 0
-    heap: List[Tuple[Tuple[int, int, int], int, TrieNode]] = []
-    seq = 0
-
-    def push(n: TrieNode) -> None:
-        nonlocal seq
-        if evictable(trie, n):
-            heapq.heappush(heap, (_key(n), seq, n))
-            seq += 1
-
-    for n in trie.nodes():
-        push(n)
-    # Entries go stale when a node changes; every change below pushes a fresh entry,
-    # so a popped entry whose key no longer matches is simply dropped.
-    while heap and trie.nbytes > max_bytes:
-        key, _, n = heapq.heappop(heap)
-        if not evictable(trie, n) or key != _key(n):
-            continue
-        changed = _step(trie, n, trie.tier is not None and trie.tier.demotable(n))
-        if changed is not None:
-            push(changed)
+    kept: List[TrieNode] = []
+    while trie.nbytes > max_bytes:
+        victim = trie.candidates.pop_lru()
+        if victim is None:
+            break
+        tier = trie.tier
+        if not _step(trie, victim, tier is not None and tier.demotable(victim)):
+            kept.append(victim)
+    for n in kept:  # (their copies may be written by the next call)
+        trie.candidates.push(n)
     return before - trie.nbytes
-
-
-def _invariant_key(node: TrieNode) -> Tuple[int, int, int, int]:
-    # Only what every rank of a sharded model agrees on (never bytes, which differ).
-    return (node.last_used, -node.end, -len(node.tokens), node.tokens[0] if node.tokens else -1)
 
 
 def evict_one(trie: "PrefixTrie",
               demote: Optional[Callable[[TrieNode], bool]] = None) -> Optional[int]:
     """One eviction step on the least recently used candidate, chosen from structure and
     use alone (the same node on every rank of a sharded model); the bytes it freed, or
-    None when nothing is evictable. ``demote(node)`` says whether to park it (with a
-    tier; on a sharded model every rank must answer alike: agree on it)."""
-    for victim in sorted((n for n in trie.nodes() if evictable(trie, n)), key=_invariant_key):
+    None when nothing is evictable. With a tier, ``demote(node)`` says whether to park it
+    (whether a copy is on disk is rank-local: agree on it). O(log n)."""
+    kept: List[TrieNode] = []
+    freed: Optional[int] = None
+    while freed is None:
+        victim = trie.candidates.pop_invariant()
+        if victim is None:
+            break
         before = trie.nbytes
         park = trie.tier is not None and demote is not None and demote(victim)
-        if _step(trie, victim, park) is not None:
-            return before - trie.nbytes
-    return None
+        if _step(trie, victim, park):
+            freed = before - trie.nbytes
+        else:
+            kept.append(victim)
+    for n in kept:
+        trie.candidates.push(n)
+    return freed

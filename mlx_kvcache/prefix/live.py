@@ -10,18 +10,24 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
+import numpy as np
+
 from ..caches.factory import leaf_caches
 from ..caches.generic import GenericCache
 from ..caches.kv import KVCache
 from ..caches.quantized import QuantizedKVCache
 from ..caches.recurrent import RecurrentCache
 from ..caches.schedule import KVQuantization
+from .tokens import as_tokens
+
+_NONE = as_tokens(())
 
 
 class LiveSet:
     """A model's cache list (``caches``), its flattened layers (``leaves``: a class the
     package does not know appears as its `GenericCache` adapter while the model keeps its
-    own object in ``caches``) and the token ids they hold (``tokens``, valid while
+    own object in ``caches``) and the token ids they hold (``tokens``: a read-only int64
+    array, shared with the request that computed them, never copied; valid while
     `consistent`). ``quant`` is the ``kv_bits`` schedule its full-attention layers follow."""
 
     __slots__ = ("caches", "leaves", "tokens", "epoch", "quant", "__weakref__")
@@ -30,7 +36,7 @@ class LiveSet:
                  quant: Optional[KVQuantization] = None) -> None:
         self.caches = caches
         self.leaves = leaf_caches(caches)
-        self.tokens: List[int] = []
+        self.tokens: np.ndarray = _NONE
         self.epoch = epoch
         self.quant = quant
 
@@ -80,7 +86,7 @@ class LiveSet:
         for c in self.leaves:
             c.free()
         self.align(0)
-        self.tokens = []
+        self.tokens = _NONE
 
     @property
     def nbytes(self) -> int:

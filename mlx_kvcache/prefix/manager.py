@@ -33,6 +33,7 @@ from .agreement import SOLO, Agreement, every
 from .budget import Budget
 from .live import LiveSet
 from .planner import Plan
+from .tokens import as_tokens, join
 from .trie import PrefixTrie, TrieNode
 
 __all__ = ["PrefixManager", "Plan"]
@@ -91,7 +92,8 @@ class PrefixManager(Budget):
         #: Whether some layer can only come back from a snapshot at a node end.
         self.whole_state = any(not isinstance(c, KVCache) for c in self.ops)
         #: Nodes that are deliberate restore points (never merged away except by eviction).
-        self.keep: set = set()
+        #: Weak: a node the trie drops leaves it by itself (no sweep after an eviction).
+        self.keep: "weakref.WeakSet[TrieNode]" = weakref.WeakSet()
         #: Called with a prompt's tokens inside `checkout`, before anything is restored:
         #: the disk store fills the parked nodes of its path there (checked) and returns
         #: their ``(start, end)`` spans (counted in `Plan.from_disk`).
@@ -147,25 +149,26 @@ class PrefixManager(Budget):
         """A live set of the caller's own, restored for ``tokens``, and its prefill plan.
 
         Always leaves at least one prompt token to evaluate (the model needs logits).
-        ``extra_stops`` adds snapshot offsets (e.g. chat message boundaries).
+        ``extra_stops`` adds snapshot offsets (e.g. chat message boundaries). ``tokens``
+        may be any token sequence; an int64 numpy array is used without a copy.
         """
-        tokens = list(tokens)
-        if not tokens:
+        tokens = as_tokens(tokens)
+        if not len(tokens):
             raise ValueError("the prompt is empty")
         return self.run(self._checkout, tokens, list(extra_stops))
 
     def preview(self, tokens: Sequence[int], extra_stops: Sequence[int] = ()) -> Plan:
         """The plan `checkout` would make for ``tokens`` on fresh caches; changes nothing
         and runs no MLX (any thread)."""
-        tokens = list(tokens)
-        if not tokens:
+        tokens = as_tokens(tokens)
+        if not len(tokens):
             raise ValueError("the prompt is empty")
         return self.peek(self._plan, self._blank, tokens, list(extra_stops))
 
-    def _plan(self, live: LiveSet, tokens: List[int], extra_stops: List[int]) -> Plan:
+    def _plan(self, live: LiveSet, tokens, extra_stops: List[int]) -> Plan:
         return self._target(live, tokens, extra_stops)[0]
 
-    def _target(self, live: LiveSet, tokens: List[int], extra_stops: List[int]):
+    def _target(self, live: LiveSet, tokens, extra_stops: List[int]):
         """``(plan, path, live_common)`` for ``tokens`` on ``live``."""
         n = len(tokens)
         path, matched = self.trie.find(tokens)
@@ -183,9 +186,9 @@ class PrefixManager(Budget):
                              pre_end_margin=self.pre_end_margin,
                              snapshot_interval=self.snapshot_interval, extra=extra)
 
-    def _checkout(self, tokens: List[int], extra_stops: List[int]) -> Tuple[LiveSet, Plan]:
+    def _checkout(self, tokens, extra_stops: List[int]) -> Tuple[LiveSet, Plan]:
         live = self._idle
-        if live is not None and planner.common_prefix(live.tokens, tokens) > 0:
+        if live is not None and len(live.tokens) and live.tokens[0] == tokens[0]:
             self._idle = None
         else:
             live = LiveSet(self.make_caches(), quant=self.kv_quant)
@@ -195,7 +198,8 @@ class PrefixManager(Budget):
         plan, path, live_common = self._target(live, tokens, extra_stops)
         target = plan.restored
         live.align(target)
-        ok = all(planner.restore_layer(c, i, target, path, live_common)
+        room = len(tokens) - target + 1  # the rest of the prompt and the first new token
+        ok = all(planner.restore_layer(c, i, target, path, live_common, room)
                  for i, c in enumerate(live.leaves))
         if not every(self.agree, ok and live.consistent(target)):
             log.warning("restore to offset %d failed; recomputing the prompt from scratch", target)
@@ -218,14 +222,16 @@ class PrefixManager(Budget):
         False when nothing was recorded: the budget had no room for the snapshot, or the
         cache was cleared since the request started.
         """
+        seq = as_tokens(tokens)
         return self.run(lambda: live.epoch == self._epoch
-                        and self._record(live, list(tokens)) is not None)
+                        and self._record(live, seq) is not None)
 
-    def _record(self, live: LiveSet, seq: List[int], keep: bool = True) -> Optional[TrieNode]:
+    def _record(self, live: LiveSet, seq, keep: bool = True) -> Optional[TrieNode]:
         """Record the live state (which holds exactly ``seq``) as a trie node end.
 
         Splits an edge where the point falls inside one, adds a child for tokens the trie
-        lacks, and fills in the snapshots of layers that have none at that node.
+        lacks, and fills in the snapshots of layers that have none at that node. ``seq``
+        is an array (`tokens.as_tokens`): nothing here walks it token by token.
         """
         o = len(seq)
         if o == 0:
@@ -236,7 +242,11 @@ class PrefixManager(Budget):
         path, m = self.trie.find(seq)
         if not self._make_room(self._need(live, path, m, o)):
             return None
-        path, m = self.trie.find(seq)  # eviction may have changed the path
+        if path and path[-1].detached:
+            # Eviction removed the node the match ended in, or merged it into its child.
+            # (Merges above it keep it valid: a merge keeps the deeper node, and m stays
+            # inside or at the end of its edge.)
+            path, m = self.trie.find(seq)
         node = path[-1] if path else self.trie.root
         if path and node.end > m:
             node = self.trie.split(node, m)  # the point (or the divergence) is inside the edge
@@ -270,7 +280,7 @@ class PrefixManager(Budget):
         layer half-way through a write) is dropped; the snapshots already taken stay.
         Safe from a generator's ``finally``, on any thread, also during garbage collection.
         """
-        seq, pend = list(tokens), list(pending)
+        seq, pend = as_tokens(tokens), as_tokens(pending)
         if self._busy_here():
             # A generator finalised by the garbage collector can run while this very thread
             # is inside a critical section; re-entering would corrupt it (or deadlock), so
@@ -283,14 +293,14 @@ class PrefixManager(Budget):
         self._lent.discard(live)
         usable = live.epoch == self._epoch
         if usable:
-            if pending and live.consistent(len(seq) + len(pending)):
-                seq += pending
+            if len(pending) and live.consistent(len(seq) + len(pending)):
+                seq = join(seq, pending)
             elif not live.consistent(len(seq)):
                 for c in live.leaves:  # KV layers (and unwrapped windows) that ran ahead rewind
                     if c.offset != len(seq):
                         c.restore(None, len(seq))
-            usable = bool(seq) and live.consistent(len(seq))
-            if not usable and seq:
+            usable = len(seq) > 0 and live.consistent(len(seq))
+            if not usable and len(seq):
                 log.info("discarding an interrupted live state at %s", [c.offset for c in live.leaves])
         recorded = usable and self._record(live, seq) is not None
         if usable and self.keep_live:  # the next turn of this conversation continues from it
@@ -303,13 +313,17 @@ class PrefixManager(Budget):
         if on_done is not None:
             on_done(recorded)
 
-    def record(self, caches: List[Any], tokens: Sequence[int]) -> Optional[TrieNode]:
+    def record(self, caches: List[Any], tokens: Sequence[int],
+               label: Optional[str] = None) -> Optional[TrieNode]:
         """Record a cache list computed elsewhere (it holds exactly ``tokens``; it is read,
-        never kept or written), then enforce the budget. None when nothing was recorded."""
-        tokens = list(tokens)
+        never kept or written), then enforce the budget. None when nothing was recorded.
+        ``label`` tags the node (`PrefixTrie.label_stats` counts per label)."""
+        tokens = as_tokens(tokens)
 
         def section() -> Optional[TrieNode]:
             node = self._record(LiveSet(caches, self._epoch), tokens)
+            if node is not None and label is not None:
+                self.trie.set_label(node, label)
             self._enforce()
             return node
         return self.run(section)

@@ -27,6 +27,7 @@ from . import reach
 from .agreement import SOLO, Agreement
 from .live import LiveSet
 from .node import TrieNode
+from .tokens import common_prefix
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -44,14 +45,6 @@ class Plan:
     stops: List[int] = field(default_factory=list)
     #: Restored tokens that came from nodes held on disk only (the rest from memory).
     from_disk: int = 0
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def reach_table(leaves, path: List[TrieNode], live_common: int, top: int, quants=None):
@@ -107,8 +100,10 @@ def reachable(entry, t: int) -> bool:
     return t in entry[1] or t <= entry[2]
 
 
-def restore_layer(c, i: int, t: int, path: List[TrieNode], live_common: int) -> bool:
-    """Bring layer cache ``c`` (layer ``i``) to ``t`` from its live state and the path."""
+def restore_layer(c, i: int, t: int, path: List[TrieNode], live_common: int,
+                  room: int = 0) -> bool:
+    """Bring layer cache ``c`` (layer ``i``) to ``t`` from its live state and the path;
+    ``room``: tokens the request will add next (a KV buffer is made that large at once)."""
     if t == 0:
         c.free()
         return True
@@ -130,17 +125,18 @@ def restore_layer(c, i: int, t: int, path: List[TrieNode], live_common: int) -> 
             chain.append(n.snapshots[i])
             if n.end >= t:
                 break
-        return c.restore_chain(chain, t) and c.offset == t
+        return c.restore_chain(chain, t, room=room) and c.offset == t
     for n in reversed(path):
         if n.has_state(i) and c.restore(n.snapshots[i], t):
             return True
     return False
 
 
-def choose_target(live: LiveSet, tokens: List[int], path: List[TrieNode], matched: int,
+def choose_target(live: LiveSet, tokens: np.ndarray, path: List[TrieNode], matched: int,
                   agree: Agreement = SOLO) -> Tuple[int, int, int, Optional[str]]:
     """``(target, top, live_common, reason)``: the deepest offset every layer reaches —
-    on every rank, when the layers are spread over several (``agree``)."""
+    on every rank, when the layers are spread over several (``agree``). ``tokens`` is
+    the prompt as an array (`tokens.as_tokens`)."""
     n = len(tokens)
     live_common = min(common_prefix(live.tokens, tokens), n - 1)
     if not live.consistent(len(live.tokens)):

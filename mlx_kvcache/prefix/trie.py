@@ -7,8 +7,11 @@ Each node owns a compressed edge of token ids ending at an absolute offset, and 
 * a whole-state snapshot (rotating window, recurrent) is the state at ``end``.
 
 The trie knows nothing about models or generation. It only rearranges nodes and asks the
-per-layer ``ops`` to split or merge snapshots when the node boundaries move, and it keeps an
-exact running count of the bytes it holds so the manager can enforce a byte budget.
+per-layer ``ops`` to split or merge snapshots when the node boundaries move. It keeps
+exact running counters — bytes held, nodes, nodes and bytes per label — and its eviction
+candidates in order (`eviction.Candidates`), so nothing a request does costs time that
+grows with the trie. Edges are `Tokens` (read-only int64 arrays): a lookup compares
+whole edges at once, O(edges) Python work however long the prompt.
 
 Ownership: a snapshot handed to the trie (``add_child``, ``set_snapshots``) belongs to it
 and is closed when dropped; ``take_snapshots`` hands ownership back. A call that raises
@@ -17,26 +20,15 @@ and is closed when dropped; ``take_snapshots`` hands ownership back. A call that
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..caches.snapshot import Snapshot
 from . import diagnostics, eviction
 from .journal import STRUCT, TOUCH, Journal
-from .node import TrieNode, _as_tokens, _live_bytes
+from .node import LayerOps, TrieNode, _live_bytes
+from .tokens import Tokens, as_tokens, common_prefix
 
 __all__ = ["LayerOps", "TrieNode", "PrefixTrie"]
-
-
-class LayerOps(Protocol):
-    """What the trie needs from one cache layer (the cache objects themselves qualify)."""
-
-    def split(self, snapshot: Snapshot, at: int) -> Tuple[Optional[Snapshot], Optional[Snapshot]]:
-        """``[a, c)`` -> ``([a, at), [at, c))``; takes ownership of ``snapshot``."""
-        ...
-
-    def merge(self, parent: Snapshot, child: Snapshot) -> Optional[Snapshot]:
-        """Adjacent ``[a, b)`` + ``[b, c)`` -> ``[a, c)``; takes ownership of both."""
-        ...
 
 
 class PrefixTrie:
@@ -51,19 +43,48 @@ class PrefixTrie:
         self.num_layers: int = len(self.ops)
         self._clock = 0
         self._nbytes = 0
-        self.root = TrieNode([], 0, None, [None] * self.num_layers)
+        self._count = 0
+        self._parked = 0
+        self._serial = 0
+        #: label -> [nodes, bytes]
+        self._labels: Dict[Optional[str], List[int]] = {}
+        self.root = TrieNode(Tokens(), 0, None, [None] * self.num_layers)
         self.root.uid = 0
+        #: The eviction candidates, kept in order as the trie changes.
+        self.candidates = eviction.Candidates(self)
         #: Told about every changed node when set (see `journal`); None: no tracking.
         self.journal: Optional[Journal] = None
         #: A second tier that keeps copies of snapshots (`eviction.Tier`, the disk): with
         #: one, eviction parks nodes it holds a copy of instead of dropping them.
         self.tier: Optional["eviction.Tier"] = None
 
-    # -- clock / bytes -----------------------------------------------------------------
+    # -- counters ----------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
         """Bytes held by every snapshot in the trie (running counter, exact)."""
         return self._nbytes
+
+    @property
+    def node_count(self) -> int:
+        """Nodes in the trie, the root excluded (running counter, exact)."""
+        return self._count
+
+    @property
+    def parked_count(self) -> int:
+        """Parked nodes (their data in another tier: `recount`), a running counter."""
+        return self._parked
+
+    def label_stats(self) -> Dict[Optional[str], Tuple[int, int]]:
+        """``{label: (nodes, bytes)}`` over every node (running counters, O(labels))."""
+        return {k: (v[0], v[1]) for k, v in self._labels.items() if v[0]}
+
+    def set_label(self, node: TrieNode, label: Optional[str]) -> None:
+        """Tag ``node`` (counted per label by `label_stats`). A node made by a split starts
+        unlabelled; a merge keeps the surviving child's label."""
+        self._require_attached(node)
+        self._count_label(node, -1)
+        node.label = label
+        self._count_label(node, +1)
 
     @property
     def clock(self) -> int:
@@ -92,50 +113,68 @@ class PrefixTrie:
         if self.journal is not None:
             self.journal.note(node, flag)
 
+    # -- bookkeeping: every change of a node goes through these ------------------------
+    def _reindex(self, node: TrieNode) -> None:
+        """``node``'s eviction key or eligibility may have changed."""
+        self.candidates.push(node)
+
+    def _count_label(self, node: TrieNode, sign: int) -> None:
+        row = self._labels.setdefault(node.label, [0, 0])
+        row[0] += sign
+        row[1] += sign * node._acct
+
+    def _new(self, tokens: Tokens, end: int, parent: TrieNode, last_used: int) -> TrieNode:
+        """A node linked into the counters (its caller links it into the tree)."""
+        self._serial += 1
+        node = TrieNode(tokens, end, parent, [None] * self.num_layers, last_used, self._serial)
+        node._owner = self
+        self._count += 1
+        self._count_label(node, +1)
+        return node
+
     def _set(self, node: TrieNode, snapshots: List[Optional[Snapshot]]) -> None:
-        """Install ``snapshots`` on ``node`` and fix the byte counter (no closing)."""
+        """Install ``snapshots`` on ``node`` and fix the counters (no closing)."""
+        self._count_label(node, -1)
         self._nbytes -= node._acct
         node.snapshots = snapshots
+        self._parked -= node.parked
         node.parked = False
         node._acct = _live_bytes(snapshots)
         self._nbytes += node._acct
+        self._count_label(node, +1)
+        self._reindex(node)
         self._changed(node)
 
-    def recount(self, node: TrieNode) -> None:
-        """Re-count ``node``'s bytes after its snapshots were parked or filled behind the
-        trie's back (nothing about it changed for the journal)."""
+    def recount(self, node: TrieNode, parked: Optional[bool] = None) -> int:
+        """Count ``node``'s bytes again after its snapshots were parked or filled behind
+        the trie's back (``parked``: set its flag too; no journal entry: nothing about it
+        changed). Returns the change in bytes."""
         if node.detached:
-            return
-        self._nbytes -= node._acct
-        node._acct = _live_bytes(node.snapshots)
-        self._nbytes += node._acct
-
-    def park(self, node: TrieNode) -> int:
-        """Park every snapshot of ``node`` (their data has a copy in another tier, which
-        the caller registered) and mark it parked: it keeps its place in the trie and
-        holds no memory. Returns the bytes freed."""
-        self._require_not_root(node, "park")
+            return 0
         before = node._acct
-        for s in node.snapshots:
-            if s is not None:
-                s.park()
-        node.parked = True
-        self.recount(node)
-        return before - node._acct
-
-    def unpark(self, node: TrieNode) -> None:
-        """``node``'s snapshots were filled again by their owner: count them."""
-        node.parked = False
-        self.recount(node)
+        self._count_label(node, -1)
+        if parked is not None:
+            self._parked += int(parked) - int(node.parked)
+            node.parked = parked
+        node._acct = _live_bytes(node.snapshots)
+        self._nbytes += node._acct - before
+        self._count_label(node, +1)
+        self._reindex(node)
+        return node._acct - before
 
     def _detach(self, node: TrieNode) -> None:
         """Drop ``node`` from accounting and mark it dead; its snapshots must already be gone."""
+        self._count_label(node, -1)
         self._nbytes -= node._acct
+        self._count -= 1
+        self._parked -= node.parked
+        node.parked = False
         node._acct = 0
         node.snapshots = [None] * self.num_layers
         node.parent = None
         node.children = {}
         node.detached = True
+        node._owner = None
         self._changed(node)
 
     def _close_all(self, snapshots: Sequence[Optional[Snapshot]]) -> None:
@@ -174,36 +213,31 @@ class PrefixTrie:
         return snapshots
 
     # -- lookup ------------------------------------------------------------------------
-    def find(self, tokens: Sequence[int]) -> Tuple[List[TrieNode], int]:
-        """Longest match of ``tokens`` from the root.
+    def find(self, tokens: Any) -> Tuple[List[TrieNode], int]:
+        """Longest match of ``tokens`` (any token sequence or 1-D array) from the root.
 
         Returns ``(path, matched)``: the nodes walked (root excluded) and how many leading
         tokens match. The walk stops at a partially matched edge, which is still the last
         element of ``path``; ``matched`` then ends inside that node's edge. Because children
         are keyed by their first token, at most one child can match at each step, so the
-        "full edge beats a longer partial match" rule holds by construction.
+        "full edge beats a longer partial match" rule holds by construction. Each edge is
+        compared in one vectorised step: O(edges) Python work, O(tokens) in C.
         """
-        toks = _as_tokens(tokens)
+        toks = as_tokens(tokens)
         path: List[TrieNode] = []
         node, pos, n = self.root, 0, len(toks)
         while pos < n:
-            child = node.children.get(toks[pos])
+            child = node.children.get(int(toks[pos]))
             if child is None:
                 break
-            edge = child.tokens
+            edge = child.tokens.array
             k = len(edge)
-            if toks[pos:pos + k] == edge:
-                path.append(child)
-                pos += k
-                node = child
-                continue
-            m = 1  # the first token matched through the dict key
-            limit = min(k, n - pos)
-            while m < limit and edge[m] == toks[pos + m]:
-                m += 1
+            m = common_prefix(edge, toks[pos:pos + k])
             path.append(child)
             pos += m
-            break
+            if m < k:
+                break
+            node = child
         return path, pos
 
     def nodes(self) -> Iterator[TrieNode]:
@@ -230,7 +264,7 @@ class PrefixTrie:
         """The token sequence from offset 0 to ``node.end``."""
         out: List[int] = []
         for n in self.path_to(node):
-            out.extend(n.tokens)
+            out.extend(n.tokens.tolist())
         return out
 
     # -- structure ---------------------------------------------------------------------
@@ -243,14 +277,16 @@ class PrefixTrie:
         first token, a wrong number of snapshots or snapshots that do not fit the edge.
         """
         self._require_attached(parent)
-        toks = _as_tokens(tokens)
-        if not toks:
+        # The trie's own copy: the caller's array (often a view of a whole prompt) must
+        # neither be kept alive by the edge nor change it.
+        toks = Tokens.copy_of(tokens)
+        if not len(toks):
             raise ValueError("a child edge needs at least one token")
         if toks[0] in parent.children:
             raise ValueError(f"{parent!r} already has a child starting with token {toks[0]}")
         end = parent.end + len(toks)
         snaps = self._check_snapshots(snapshots, parent.end, end)
-        child = TrieNode(toks, end, parent, [None] * self.num_layers, self.tick())
+        child = self._new(toks, end, parent, self.tick())
         parent.children[toks[0]] = child
         self._set(child, snaps)
         return child
@@ -287,11 +323,13 @@ class PrefixTrie:
             self._set(node, [None] * self.num_layers)
             raise
         k = at - start
-        upper = TrieNode(node.tokens[:k], at, node.parent, [None] * self.num_layers, node.last_used)
+        edge = node.tokens.array
         grand = node.parent
         assert grand is not None
+        # Copies, so neither half keeps the other's tokens alive once it is evicted.
+        upper = self._new(Tokens.copy_of(edge[:k]), at, grand, node.last_used)
         grand.children[node.tokens[0]] = upper
-        node.tokens = node.tokens[k:]
+        node.tokens = Tokens.copy_of(edge[k:])
         node.parent = upper
         upper.children[node.tokens[0]] = node
         self._set(upper, heads)
@@ -341,10 +379,10 @@ class PrefixTrie:
         child.tokens = node.tokens + child.tokens
         child.parent = grand
         grand.children[child.tokens[0]] = child
-        child.last_used = max(child.last_used, node.last_used)
-        child.in_use = max(child.in_use, node.in_use)
-        self._set(child, merged)
+        child._last_used = max(child.last_used, node.last_used)
+        child._in_use = max(child.in_use, node.in_use)
         self._detach(node)
+        self._set(child, merged)  # re-indexes the child under its new key
         return child
 
     def remove(self, leaf: TrieNode) -> None:
@@ -359,6 +397,8 @@ class PrefixTrie:
         del parent.children[leaf.tokens[0]]
         self._close_all(leaf.snapshots)
         self._detach(leaf)
+        if parent is not self.root:
+            self._reindex(parent)  # one child fewer: it may have become a candidate
 
     def set_snapshots(self, node: TrieNode, snapshots: Sequence[Optional[Snapshot]]) -> None:
         """Replace ``node``'s snapshots; old ones not passed again are closed."""
@@ -383,6 +423,10 @@ class PrefixTrie:
             self._detach(node)
         self.root.children = {}
         self._nbytes = 0
+        self._count = 0
+        self._parked = 0
+        self._labels = {}
+        self.candidates.clear()
         if self.journal is not None:
             self.journal.cleared()
 

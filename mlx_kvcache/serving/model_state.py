@@ -13,8 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..caches import CacheError, layer_signature, make_prompt_cache
@@ -41,8 +40,6 @@ class ModelState:
     #: mlx-lm's batch path is not exact for this model's padded recurrent rows: hand out
     #: `TrackedArraysCache` and store no padded row (`serving.padding`).
     track_padding: bool = False
-    #: The server's segment type of each recorded node (``stats_by_type``).
-    types: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
     #: The memory and disk budgets in force (defaults follow the model and the disk).
     max_bytes: int = 0
     max_disk_bytes: Optional[int] = None

@@ -35,7 +35,10 @@ def _native(c: Any, track: bool = False) -> Any:
     if isinstance(c, KVCache):
         n = mlc.KVCache()
         if c.keys is not None and c.offset:
-            n.keys, n.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+            # The whole buffer, room to grow included (mlx-lm's own layout: rows past
+            # ``offset`` are free space): the prompt's rest is written in place instead
+            # of copying every cached row into a bigger buffer first.
+            n.keys, n.values = c.keys, c.values
             n.offset = c.offset
         return n
     if isinstance(c, RotatingKVCache):

@@ -37,8 +37,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..prefix.agreement import SOLO, Agreement, every
 from ..prefix.stats import human_bytes
+from ..prefix.tokens import as_tokens
 from .model_state import ModelState, open_model
 from .native import from_native, to_native
 from .padding import was_padded
@@ -53,7 +56,7 @@ _STATS = struct.Struct("<qqqqqqq")  # bytes held, nodes, disk bytes, evicted, re
 class _Fetch:
     """What a fetch did, kept until the request's final insert logs it."""
 
-    prompt: List[int]
+    prompt: np.ndarray  # read-only int64 (`as_tokens`), shared with the trie's bookkeeping
     matched: int
     cached: int
     reason: Optional[str]
@@ -142,13 +145,11 @@ class TriePromptCache:
             return fallback
 
     def fetch_nearest_cache(self, model_key, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:
-        tokens = list(tokens)
         return self._guard("a prompt cache fetch", lambda: self._fetch(model_key, tokens),
-                           (None, tokens))
+                           (None, list(tokens)))
 
     def insert_cache(self, model_key, tokens: Sequence[int], prompt_cache: List[Any],
                      *, cache_type: str = "assistant") -> None:
-        tokens = list(tokens)
         self._guard("a prompt cache insert",
                     lambda: self._insert(model_key, tokens, prompt_cache, cache_type), None)
 
@@ -168,30 +169,35 @@ class TriePromptCache:
             return st.manager.preview(tokens).stops
         return self._guard("planning checkpoints", plan, [])
 
-    def _fetch(self, model_key, tokens: List[int]) -> Tuple[Optional[List[Any]], List[int]]:
+    def _fetch(self, model_key, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:
+        # The server's list becomes an array once; everything after is O(edges + bytes).
         st = self._state(model_key)
-        if st.manager is None or not tokens:
-            return None, tokens
-        live, plan = st.manager.checkout(tokens)
+        if st.manager is None or not len(tokens):
+            return None, list(tokens)
+        ids = as_tokens(tokens)
+        live, plan = st.manager.checkout(ids)
         st.manager.forget(live)  # the server owns these caches from here on
         self.requests += 1
-        self.prompt_tokens += len(tokens)
+        self.prompt_tokens += len(ids)
         self.cached_tokens += plan.restored
         self.disk_tokens += plan.from_disk
         self._seq += 1
-        self._fetches[self._seq] = _Fetch(tokens, plan.matched, plan.restored, plan.reason,
+        self._fetches[self._seq] = _Fetch(ids, plan.matched, plan.restored, plan.reason,
                                           plan.from_disk)
         while len(self._fetches) > 256:
             self._fetches.popitem(last=False)
+        rest = list(tokens[plan.restored:])
         if plan.restored == 0 and not st.track_padding:
-            return None, tokens
+            return None, rest
         # Tracking batch padding needs our recurrent class in every row, a miss included.
-        return to_native(live.caches, st.track_padding), tokens[plan.restored:]
+        return to_native(live.caches, st.track_padding), rest
 
-    def _insert(self, model_key, tokens: List[int], prompt_cache: List[Any], cache_type: str) -> None:
+    def _insert(self, model_key, tokens: Sequence[int], prompt_cache: List[Any],
+                cache_type: str) -> None:
         st = self._state(model_key)
-        if st.manager is None or not tokens:
+        if st.manager is None or not len(tokens):
             return
+        tokens = as_tokens(tokens)
         caches = from_native(prompt_cache, len(tokens))
         if caches is not None and st.track_padding and was_padded(prompt_cache):
             caches = None  # mlx-lm computed this row's recurrent state over its padding
@@ -208,9 +214,7 @@ class TriePromptCache:
                             "--kv-bits quantized caches)", "/".join(kinds))
         if not every(self.agree, caches is not None):
             return
-        node = st.manager.record(caches, tokens)
-        if node is not None:
-            st.types[node] = cache_type
+        st.manager.record(caches, tokens, label=cache_type)
         self._share_stats()
         self._log_request(st, tokens)
         if st.writer is not None:
@@ -243,7 +247,7 @@ class TriePromptCache:
         st = self._model
         if st is None or st.manager is None:
             return 0
-        return st.manager.peek(lambda: sum(1 for _ in st.manager.trie.nodes()))
+        return st.manager.trie.node_count  # a counter: no lock needed to read one int
 
     def __bool__(self) -> bool:  # an empty cache is still a cache
         return True
@@ -254,12 +258,11 @@ class TriePromptCache:
         if st is None or st.manager is None:
             return out
 
-        def count():
-            for n in st.manager.trie.nodes():
-                row = out.setdefault(st.types.get(n, "assistant"), {"n_sequences": 0, "n_bytes": 0})
-                row["n_sequences"] += 1
-                row["n_bytes"] += n.nbytes
-        st.manager.peek(count)
+        # mlx-lm logs this before every request: counters kept by the trie, O(labels).
+        for label, (n, nbytes) in st.manager.peek(st.manager.trie.label_stats).items():
+            row = out.setdefault(label or "assistant", {"n_sequences": 0, "n_bytes": 0})
+            row["n_sequences"] += n
+            row["n_bytes"] += nbytes
         return out
 
     # -- our own endpoints and lifecycle --------------------------------------------------
@@ -268,7 +271,8 @@ class TriePromptCache:
         if st is None or st.manager is None:
             return (0, 0, 0, 0, self.requests, self.cached_tokens, self.disk_tokens)
         mgr = st.manager
-        held, nodes, evicted = mgr.peek(lambda: (mgr.trie.nbytes, sum(1 for _ in mgr.trie.nodes()),
+        # Counters only: O(1) in the trie's size, the lock held for three reads.
+        held, nodes, evicted = mgr.peek(lambda: (mgr.trie.nbytes, mgr.trie.node_count,
                                                  mgr.evicted_bytes))
         disk = st.store.disk_bytes if st.store is not None else 0
         return (held, nodes, disk, evicted, self.requests, self.cached_tokens, self.disk_tokens)
@@ -296,7 +300,7 @@ class TriePromptCache:
         }
         if st is not None and st.store is not None:
             mgr, tier = st.manager, st.store.tier
-            out["disk_nodes"] = mgr.peek(lambda: sum(n.parked for n in mgr.trie.nodes()))
+            out["disk_nodes"] = mgr.trie.parked_count
             out["demoted_bytes"], out["promoted_bytes"] = tier.demoted_bytes, tier.promoted_bytes
         if st is not None and st.manager is None:
             out["disabled_because"] = st.why_not
@@ -364,13 +368,9 @@ class TriePromptCache:
             st.store.close()
 
     # -- the request log line -------------------------------------------------------------
-    def _log_request(self, st: ModelState, tokens: List[int]) -> None:
+    def _log_request(self, st: ModelState, tokens: np.ndarray) -> None:
         """One line per request, at its final insert (prompt plus answer)."""
-        hit = None
-        for key, f in reversed(self._fetches.items()):
-            if len(tokens) >= len(f.prompt) and tokens[: len(f.prompt)] == f.prompt:
-                hit = key
-                break
+        hit = self._fetch_of(tokens)
         if hit is None:
             return
         f = self._fetches.pop(hit)
@@ -386,3 +386,18 @@ class TriePromptCache:
         if f.matched > f.cached + 1 and f.reason:
             line += f" (matched {f.matched}: {f.reason})"
         log.info(line)
+
+    def _fetch_of(self, tokens: np.ndarray) -> Optional[int]:
+        """The pending fetch whose prompt ``tokens`` extends (the latest, if several).
+
+        The pending fetches are the requests in flight (at most 256 kept): each is
+        screened in O(1) — its length, last and first token — and only a match is
+        compared whole, in one vectorised step. Never a walk over the tokens."""
+        n = len(tokens)
+        for key in reversed(self._fetches):
+            p = self._fetches[key].prompt
+            k = len(p)
+            if k <= n and tokens[k - 1] == p[k - 1] and tokens[0] == p[0] \
+                    and np.array_equal(tokens[:k], p):
+                return key
+        return None

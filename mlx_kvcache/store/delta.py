@@ -236,7 +236,7 @@ class Capturer:
                 ent["slice"] = list(where[1])
             layers.append(ent)
         if filled:  # read from another directory to be written here: in RAM now
-            self.trie.unpark(node)
+            self.trie.recount(node, parked=False)
         parent = node.parent
         return Row(node.uid, 0 if parent is self.trie.root else parent.uid,
                    token_bytes(node.tokens), node.end, node.last_used, node in self.keep,

@@ -1,6 +1,6 @@
 """Loading an index's rows into a live trie: parked nodes now, data on first use (`lazy`).
 
-Each row becomes a parked node (`PrefixTrie.park`: on disk only, no memory held) whose
+Each row becomes a parked node (`PrefixTrie.recount`: on disk only, no memory held) whose
 snapshots have the recorded kinds, offsets, shapes and dtypes, registered with the file
 that holds them. Before anything is built, every file
 the index lists is checked to be a plain name of this format, a regular file (a symlink,
@@ -88,7 +88,7 @@ def install(store, d: Path, files: Dict[str, Tuple[int, int]], rows, adopt: bool
             snaps, origins = _placeholders(store, d, uid, decode_layers(layers), files,
                                            bad_files, state)
             node = trie.add_child(node_parent, toks, snaps)
-            trie.park(node)
+            trie.recount(node, parked=True)
         except LookupError:
             skipped.add(uid)
             res.stale.add(uid)

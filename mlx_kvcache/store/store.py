@@ -94,6 +94,7 @@ class PersistentStore:
                                  on_row=self.tier.note_row)
         if tier:
             trie.tier = self.tier
+            trie.candidates.rebuild()  # branch points are candidates too now (to park)
         #: Placeholder snapshot -> its node (a bad file drops the node).
         self.holders = new_holders()
         self.journal = Journal()

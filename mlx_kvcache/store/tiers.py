@@ -2,7 +2,7 @@
 
 Every node the trie holds is in RAM, on disk, or both; the index says what is on disk and
 nothing says what is in RAM (a row means "this node is on disk"). A node on disk only is
-*parked* (`PrefixTrie.park`): its snapshots keep their kinds, offsets and shapes, hold no
+*parked* (`Snapshot.park`, `PrefixTrie.recount`): its snapshots keep their kinds, offsets and shapes, hold no
 memory, and wait for their files (`lazy.Verifier`), exactly like a node loaded at start.
 
 * **Demotion** (`DiskTier.demote`, called by the memory budget's eviction through
@@ -72,7 +72,7 @@ class DiskTier:
             if s is not None and not s.closed and not s.parked:
                 st.verifier.park(s, prefix)
                 st.holders[s] = node
-        freed = st.trie.park(node)
+        freed = -st.trie.recount(node, parked=True)
         self.demoted_bytes += freed
         return freed
 
@@ -102,7 +102,7 @@ class DiskTier:
             if n.detached:
                 continue
             if i < bad and n.parked:
-                trie.unpark(n)
+                trie.recount(n, parked=False)
                 self.promoted_bytes += n.nbytes
                 spans.append((n.start, n.end))
             else:
