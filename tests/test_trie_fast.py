@@ -190,9 +190,9 @@ def recorded(monkeypatch):
     victims: list = []
     real = eviction._step
 
-    def step(trie, victim):
+    def step(trie, victim, *rest):
         victims.append(tuple(trie.tokens_to(victim)))
-        real(trie, victim)
+        return real(trie, victim, *rest)
     monkeypatch.setattr(eviction, "_step", step)
     return victims
 

@@ -30,7 +30,7 @@ class RecurrentSnapshot(Snapshot):
         return [self._arrays.get(str(i)) for i in range(self._slot_count())]
 
     def _slot_count(self) -> int:
-        return max((int(k) + 1 for k in self._arrays), default=0)
+        return max((int(k) + 1 for k in self._shapes), default=0)
 
     def meta(self):
         return {**super().meta(), "size": self._slot_count()}

@@ -3,6 +3,12 @@
 A snapshot is a compact, immutable copy of part (KV) or all (rotating window,
 recurrent state) of a cache's state. It owns its arrays: no later write to the
 live cache can change it, and holding it keeps no live buffer alive.
+
+A snapshot may be *parked*: its arrays dropped while a copy lives elsewhere (a file of
+the disk tier), its kind, offsets, shapes and dtypes kept. A parked snapshot holds no
+memory (``nbytes`` is 0, ``size`` what it holds when filled) and refuses to be read
+(`CacheError`) until its owner `fill`s it with the same shapes again — so a forgotten
+fill fails loudly instead of restoring zeros.
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ class Snapshot:
         self._to = int(to_offset)
         self._arrays: Dict[str, mx.array] | None = dict(arrays)
         self._nbytes = sum(a.nbytes for a in arrays.values())
+        #: name -> (shape, dtype); kept while parked (reading shapes evaluates nothing).
+        self._shapes: Dict[str, Tuple[Tuple[int, ...], mx.Dtype]] = {
+            n: (tuple(a.shape), a.dtype) for n, a in self._arrays.items()}
+        self._parked = False
 
     @property
     def from_offset(self) -> int:
@@ -56,20 +66,54 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the snapshot really holds (0 once closed)."""
+        """Bytes the snapshot really holds (0 once closed, and while parked)."""
         return 0 if self._arrays is None else self._nbytes
 
     @property
+    def size(self) -> int:
+        """Bytes it holds when resident, parked or not (0 once closed)."""
+        return 0 if self.closed else self._nbytes
+
+    @property
     def closed(self) -> bool:
-        return self._arrays is None
+        return self._arrays is None and not self._parked
+
+    @property
+    def parked(self) -> bool:
+        """Its arrays were dropped (`park`) and not yet filled again."""
+        return self._parked
+
+    def shapes(self) -> Dict[str, Tuple[Tuple[int, ...], mx.Dtype]]:
+        """``{name: (shape, dtype)}`` of its arrays, parked or resident."""
+        return dict(self._shapes)
 
     def close(self) -> None:
         """Drop the arrays. Idempotent."""
         self._arrays = None
+        self._parked = False
+
+    def park(self) -> None:
+        """Drop the arrays, keeping kind, offsets, shapes and dtypes (a copy lives
+        elsewhere). Idempotent; a closed snapshot stays closed."""
+        if self._arrays is not None:
+            self._arrays = None
+            self._parked = True
+
+    def fill(self, arrays: Dict[str, mx.array]) -> None:
+        """Give a parked snapshot its arrays back (the same names, shapes and dtypes);
+        raises `CacheError` otherwise."""
+        if not self._parked:
+            raise CacheError(f"{self!r} is not parked")
+        got = {n: (tuple(a.shape), a.dtype) for n, a in arrays.items()}
+        if got != self._shapes:
+            raise CacheError(f"{self!r}: arrays {got} do not match {self._shapes}")
+        self._arrays = dict(arrays)
+        self._parked = False
 
     def _get(self, name: str) -> mx.array:
         if self._arrays is None:
-            raise CacheError(f"{type(self).__name__} [{self._from}, {self._to}) is closed")
+            state = "parked (its data lives elsewhere)" if self._parked else "closed"
+            raise CacheError(f"{type(self).__name__} [{self._from}, {self._to}) is {state}")
         return self._arrays[name]
 
     # -- serialisation (used by persistence) -------------------------------------------
@@ -80,7 +124,7 @@ class Snapshot:
     def to_arrays(self) -> Tuple[Dict[str, mx.array], Dict[str, int]]:
         """The arrays and integer metadata that fully describe the snapshot."""
         if self._arrays is None:
-            raise CacheError("cannot serialise a closed snapshot")
+            raise CacheError(f"cannot serialise a {'parked' if self._parked else 'closed'} snapshot")
         return dict(self._arrays), self.meta()
 
     @classmethod
@@ -97,7 +141,7 @@ class Snapshot:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"{self.nbytes} B"
+        state = "closed" if self.closed else ("parked" if self._parked else f"{self.nbytes} B")
         return f"{type(self).__name__}([{self._from}, {self._to}), {state})"
 
 

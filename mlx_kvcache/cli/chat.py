@@ -60,11 +60,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="nucleus sampling, in (0, 1] (default 1.0 = off)")
     c.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     c.add_argument("--max-cache-bytes", type=parse_bytes, default=None,
-                   help="byte budget for cached snapshots, e.g. 512M or 2G (default: 20%% of memory)")
+                   help="memory budget for cached snapshots, e.g. 512M or 2G (default: half of "
+                   "what the model leaves of the machine's memory, at most a quarter of it)")
     c.add_argument("--cache-dir", default=None,
                    help=f"where the cache persists between runs (default: {default_cache_dir()})")
+    c.add_argument("--max-disk-bytes", type=parse_bytes, default=None,
+                   help="disk budget for the cache directory (default: a quarter of the free "
+                   "disk, at most 32G); what memory lets go stays there")
+    c.add_argument("--cold-bits", type=int, choices=(4, 8), default=None,
+                   help="write cached keys/values to disk compressed to this many bits "
+                   "(lossy: answers restored from disk may differ slightly; default exact)")
     c.add_argument("--no-persist", action="store_true",
-                   help="do not load or save the cache on disk")
+                   help="do not load or save the cache on disk (no disk tier)")
     c.add_argument("--kv-bits", type=int, default=None,
                    help="store attention keys/values quantized to this many bits (as mlx-lm's "
                    "--kv-bits; default: full precision)")
@@ -107,13 +114,18 @@ def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO, d
     cache_dir = Path(os.path.expanduser(args.cache_dir)) if args.cache_dir else default_cache_dir()
     if "tokenizer" in params:
         kw["tokenizer"] = tokenizer
+    kw.update(max_disk_bytes=args.max_disk_bytes, cold_bits=args.cold_bits)
     t0 = time.perf_counter()
     cache = PrefixCache(model, cache_dir=str(cache_dir), **kw)
     mgr = getattr(cache, "manager", None)
     if mgr is not None:
         tokens = mgr.peek(lambda: sum(len(n.tokens) for n in mgr.trie.nodes()))
-        out.write(f"[cache] loaded {tokens} cached tokens ({human_bytes(cache.nbytes)}) from "
-                  f"{cache_dir} in {time.perf_counter() - t0:.1f} s\n")
+        out.write(f"[cache] loaded {tokens} cached tokens ({human_bytes(cache.stats.disk_bytes)} "
+                  f"on disk) from {cache_dir} in {time.perf_counter() - t0:.1f} s\n")
+        notes = [f"{k} {n}" for k, n in (("memory", cache.ram_budget_note),
+                                         ("disk", cache.disk_budget_note)) if n]
+        if notes:
+            out.write(f"[cache] budgets: {'; '.join(notes)}\n")
         out.flush()
     return cache
 

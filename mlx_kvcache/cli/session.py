@@ -61,6 +61,8 @@ def format_status(st) -> str:
         f"{st.generation_tps:.1f} tok/s",
         f"cache {human_bytes(st.cache_bytes)}",
     ]
+    if getattr(st, "disk_tokens", 0):
+        parts.append(f"from disk {st.disk_tokens}")
     if getattr(st, "drafted_tokens", 0):
         parts.append(f"drafted {st.drafted_tokens} accepted {st.accepted_tokens} "
                      f"({100 * st.accepted_tokens / st.drafted_tokens:.0f}%)")
@@ -284,6 +286,10 @@ class ChatSession:
             f"{human_bytes(s.max_bytes)} | nodes {s.nodes} | evicted {human_bytes(s.evicted_bytes)}"
             f" | conversation {len(self.turns)} exchange(s)",
         ]
+        if getattr(s, "max_disk_bytes", None) is not None:
+            lines.append(f"[stats] disk {human_bytes(s.disk_bytes)} of "
+                         f"{human_bytes(s.max_disk_bytes)} | nodes on disk only {s.disk_nodes} | "
+                         f"reused from disk {s.disk_tokens} tokens")
         if getattr(s, "drafted_tokens", 0):
             lines.append(f"[stats] drafted {s.drafted_tokens} | accepted {s.accepted_tokens} "
                          f"({100 * s.accepted_tokens / s.drafted_tokens:.0f}%)")

@@ -15,7 +15,6 @@ handed over and waited for, never across a ``yield``. A request abandoned mid-st
 from __future__ import annotations
 
 import atexit
-import hashlib
 import threading
 import warnings
 import weakref
@@ -25,12 +24,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..caches import CacheError, KVQuantization, layer_signature, make_prompt_cache
-from ..prefix.manager import PrefixManager, default_max_bytes
+from ..caches import CacheError, KVQuantization, make_prompt_cache
+from ..prefix.manager import PrefixManager
 from ..prefix.stats import CacheStats, RequestStats
-from . import request, validation
-from ..store.autosave import Autosaver
+from . import request, sizing, validation
 from .engine import default_engine, materialize
+from .persistence import Persistence, check_cold_bits
 from .request import CachedGenerationResponse
 
 __all__ = ["PrefixCache", "CachedGenerationResponse", "default_prefill_step"]
@@ -64,23 +63,33 @@ def _flush_all() -> None:  # pragma: no cover - runs at interpreter exit
         pc.flush(timeout=30)
 
 
-class PrefixCache:
+class PrefixCache(Persistence):
     """A model and a trie of snapshots reused across requests.
 
     Args:
         model: an mlx-lm model.
-        max_bytes: budget for everything the cache holds — snapshots and live caches
-            (default: 20% of memory). Enforced during requests too: a planned snapshot
-            that cannot fit is skipped (``RequestStats.snapshots_skipped``).
+        max_bytes: memory budget for everything the cache holds — snapshots and live
+            caches (default: half of what the model's weights leave of the machine's
+            memory, at most a quarter of it; ``ram_budget_note`` says the figure).
+            Enforced during requests too: a planned snapshot that cannot fit is skipped
+            (``RequestStats.snapshots_skipped``). A budget below one checkpoint of the
+            model (``budget_warning``) gets one warning with the size needed.
         prefill_step_size: largest prefill chunk, in tokens (default: 2048 on a GPU,
             512 on MLX's CPU build, where attention over smaller chunks is ~1.5x faster).
         pre_end_margin, snapshot_interval: where hybrid / sliding-window models take
             extra snapshots (see `PrefixManager`).
         keep_live: keep the last request's caches for a copy-free next turn (see
             `PrefixManager`; costs that conversation's cache memory, within ``max_bytes``).
-        cache_dir: persist the trie under this directory (`mlx_kvcache.store`): load it
-            now, save it in the background after every request, and on `close()`.
-        max_disk_bytes: disk budget for this model's persisted cache (None: no limit).
+        cache_dir: keep a disk tier under this directory (`mlx_kvcache.store`): load it
+            now, write each new snapshot once in the background after its request; the
+            memory budget then parks nodes that are on disk instead of dropping them, and
+            a request that needs them reads them back (``RequestStats.disk_tokens``).
+        max_disk_bytes: disk budget for this model's cache directory (default: a quarter
+            of the free disk, at most 32 GiB; ``disk_budget_note`` says the figure).
+        cold_bits: write KV snapshots to disk compressed to 8 or 4 bits (lossy, so off by
+            default: answers restored from disk may differ slightly from a cold run;
+            sliding-window and recurrent states stay exact). Such a cache has its own
+            directory: an exact cache never serves compressed snapshots.
         tokenizer: included in the model fingerprint that keys the persisted cache.
         kv_bits, kv_group_size, quantized_kv_start: quantized KV for full-attention layers,
             as in mlx-lm's ``generate`` (None: off). The switch is canonical: rows before
@@ -117,16 +126,24 @@ class PrefixCache:
         quantized_kv_start: int = 5000,
         draft_model: Optional[nn.Module] = None,
         num_draft_tokens: int = 3,
+        cold_bits: Optional[int] = None,
     ) -> None:
         if cache_dir is not None and not str(cache_dir).strip():
             raise ValueError("cache_dir is empty: pass a directory path, or None for no persistence")
+        self.cold_bits = check_cold_bits(cold_bits)
         self.model = model
         #: The ``kv_bits`` schedule (None: full precision); raises ValueError when invalid.
         self.kv_quant = KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start)
         self.prefill_step_size = validation.check_positive(
             "prefill_step_size",
             default_prefill_step() if prefill_step_size is None else prefill_step_size)
-        budget = default_max_bytes() if max_bytes is None else int(max_bytes)
+        #: How the default memory budget was chosen (None when ``max_bytes`` was given).
+        self.ram_budget_note: Optional[str] = None
+        if max_bytes is None:
+            budget, self.ram_budget_note = sizing.default_ram_budget(
+                sizing.model_bytes(model, draft_model))
+        else:
+            budget = int(max_bytes)
         if draft_model is not None and draft_model is model:
             raise ValueError("draft_model is the target model itself: pass a separate (smaller) "
                              "model, or no draft model")
@@ -167,19 +184,25 @@ class PrefixCache:
             warnings.warn(f"mlx_kvcache: this model's caches cannot be reused ({e}); every "
                           f"request will recompute its whole prompt", RuntimeWarning, stacklevel=2)
         self._tokenizer_for_fp = tokenizer
-        self._fingerprint: Optional[str] = None
-        self._store = None
-        self._autosaver: Optional[Autosaver] = None
-        self.max_disk_bytes = max_disk_bytes
-        self.cache_dir = None if cache_dir is None else str(cache_dir)
-        if self.cache_dir is not None and self.manager is not None:
-            try:
-                self.load(self.cache_dir)
-                self._autosaver = Autosaver(self._store.write)
-                _OPEN.add(self)
-            except Exception as e:  # fail-open: a cache problem never stops the model
-                warnings.warn(f"mlx_kvcache: could not load the prefix cache from "
-                              f"{self.cache_dir}: {e}", RuntimeWarning, stacklevel=2)
+        #: The warning about a budget below one checkpoint of the model (None: it fits).
+        self.budget_warning: Optional[str] = None
+        if self.manager is not None:
+            self._check_budget(budget, snapshot_interval)
+        self._open_disk(cache_dir, max_disk_bytes)
+        if self._autosaver is not None:
+            _OPEN.add(self)
+
+    def _check_budget(self, budget: int, interval: int) -> None:
+        tokens = max(1, min(int(interval), 2048) if interval > 0 else 2048)
+        try:
+            one = self._engine.run(lambda: sum(
+                sizing.checkpoint_bytes(m, lambda m=m: make_prompt_cache(m), tokens)
+                for m in (self.model, self.draft_model) if m is not None))
+        except Exception:  # noqa: BLE001 - a model that cannot take one token: no advice
+            return
+        self.budget_warning = sizing.budget_problem(budget, one, tokens, live_counted=True)
+        if self.budget_warning:
+            warnings.warn(f"mlx_kvcache: {self.budget_warning}", RuntimeWarning, stacklevel=3)
 
     # -- what it holds ------------------------------------------------------------------
     @property
@@ -196,9 +219,13 @@ class PrefixCache:
         if mgr is not None:
             def read():
                 s.snapshot_bytes, s.live_bytes = mgr.snapshot_bytes, mgr.live_bytes
-                s.nodes = mgr.trie.node_count
+                s.nodes, s.disk_nodes = mgr.trie.node_count, mgr.trie.parked_count
                 s.evicted_bytes = mgr.evicted_bytes
             mgr.peek(read)
+        st = self._store
+        if st is not None:
+            s.disk_bytes, s.max_disk_bytes = st.disk_bytes, self.max_disk_bytes
+            s.demoted_bytes, s.promoted_bytes = st.tier.demoted_bytes, st.tier.promoted_bytes
         s.bytes_held = s.snapshot_bytes + s.live_bytes
         return s
 
@@ -272,6 +299,7 @@ class PrefixCache:
             if not validation.is_int(s):
                 raise TypeError(f"snapshot_at offsets must be ints, got {type(s).__name__} {s!r}")
             stops.append(int(s))
+        self._prefetch(tokens)  # files of parked nodes start loading now
         return request.run(self, tokenizer, tokens, max_tokens, sampler,
                            list(logits_processors or []), prompt_progress_callback, stops, chunk,
                            num_draft=k)
@@ -301,76 +329,11 @@ class PrefixCache:
         sample on the engine thread, so ``mx.random.seed`` in the caller has no effect)."""
         self._engine.run(mx.random.seed, int(value))
 
-    # -- persistence ----------------------------------------------------------------------
-    def fingerprint(self) -> str:
-        """`mlx_kvcache.store.model_fingerprint` of the model (computed once); with a draft
-        model, a hash of both models' fingerprints."""
-        if self._fingerprint is None:
-            from ..store import model_fingerprint
-
-            fp = model_fingerprint(self.model, self._tokenizer_for_fp)
-            if self.draft_model is not None:  # nodes hold both models' layers
-                draft = model_fingerprint(self.draft_model)
-                fp = hashlib.sha256(f"target {fp}\ndraft {draft}\n".encode()).hexdigest()
-            self._fingerprint = fp
-        return self._fingerprint
-
-    @property
-    def cache_path(self):
-        """The directory this model's persisted cache lives in (None without ``cache_dir``)."""
-        return None if self._store is None else self._store.directory()
-
-    def _persistent(self, path):
-        from ..store import PersistentStore
-
-        if self._store is None:
-            if path is None:
-                raise ValueError("no cache directory: pass a path or construct with cache_dir")
-            mgr = self.manager
-            self._store = PersistentStore(mgr.trie, layer_signature(mgr.ops, self.kv_quant), path,
-                                          self.fingerprint(), self.max_disk_bytes, keep=mgr.keep)
-            mgr.verify = self._store.before_request
-        return self._store
-
-    def save(self, path: Optional[str] = None) -> int:
-        """Write the cache under ``path`` (default: ``cache_dir``) now; returns bytes on disk.
-
-        Incremental: snapshots already on disk are not rewritten. Raises ``OSError``
-        when the directory cannot be written.
-        """
-        if self.manager is None:
-            return 0
-        store = self._persistent(path)
-        return store.write(*self.manager.run(store.capture, path))
-
-    def load(self, path: Optional[str] = None) -> int:
-        """Merge the cache saved under ``path`` (default: ``cache_dir``) into the trie.
-
-        Returns the number of cached tokens loaded. Fail-open: a missing, damaged,
-        other-model or other-version cache gives one warning and loads nothing.
-        """
-        if self.manager is None:
-            return 0
-        store = self._persistent(path)
-
-        def load():
-            n = store.load(path)
-            self.manager._enforce()
-            store.purge_bad()
-            return n
-        return self.manager.run(load)
-
-    def flush(self, timeout: Optional[float] = None) -> bool:
-        """Wait until the background saves asked for so far are on disk (False on timeout)."""
-        return True if self._autosaver is None else self._autosaver.flush(timeout)
-
+    # -- persistence: `Persistence` (fingerprint, save, load, flush, close) ----------------
     def close(self, timeout: Optional[float] = None) -> None:
         """Finish the background saves (every request asks for one), retrying once if the
         last failed; later requests are no longer saved. Idempotent."""
-        if self._autosaver is not None:
-            self._autosaver.close(timeout, lambda: self.manager.run(self._store.capture))
-        if self._store is not None:
-            self._store.close()
+        Persistence.close(self, timeout)
         _OPEN.discard(self)
 
     def clear(self) -> None:

@@ -95,6 +95,7 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
         if draft is not None:  # one live set holds both models' caches
             caches, dcaches = caches[: pc.target_entries], caches[pc.target_entries:]
         stats.matched_tokens, stats.restored_tokens = plan.matched, plan.restored
+        stats.disk_tokens = plan.from_disk
         stats.reason = plan.reason
         start, stops = plan.restored, plan.stops
     sampler = sampler or (lambda x: mx.argmax(x, axis=-1))

@@ -47,18 +47,23 @@ class Budget:
             # decided by all of them, one step at a time, on the same node each step.
             freed = 0
             while any_rank(self.agree, self.trie.nbytes > target):
-                step = evict_one(self.trie)
+                step = evict_one(self.trie, self._agreed_demotable)
                 if not every(self.agree, step is not None):
                     break
                 freed += step
         if freed:
             self.evicted_bytes += freed
 
+    def _agreed_demotable(self, node: TrieNode) -> bool:
+        # Whether a file is on disk is rank-local (each rank writes its own shard when
+        # it gets to it): park only where every rank can, so the tries stay alike.
+        return every(self.agree, self.trie.tier.demotable(node))
+
     def _evict_to_count(self, n: int) -> None:
-        """Evict, one least-recently-used node at a time, until at most ``n`` nodes remain
-        (O(log n) per node evicted)."""
-        while any_rank(self.agree, self.trie.node_count > max(n, 0)):
-            step = evict_one(self.trie)
+        """Evict, one least-recently-used node at a time, until at most ``n`` nodes hold
+        memory (parked nodes hold none; O(log n) per node evicted)."""
+        while any_rank(self.agree, self.trie.node_count - self.trie.parked_count > max(n, 0)):
+            step = evict_one(self.trie, self._agreed_demotable)
             if not every(self.agree, step is not None):
                 break
             self.evicted_bytes += step

@@ -63,6 +63,8 @@ def check_invariants(trie: "PrefixTrie") -> None:
                 raise AssertionError(
                     f"{node!r} layer {i}: whole-state {s!r} does not end at {node.end}"
                 )
+            if node.parked and not s.parked:
+                raise AssertionError(f"{node!r} layer {i}: parked node holds resident {s!r}")
             node_bytes += s.nbytes
         if node._acct != node_bytes:
             raise AssertionError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 import weakref
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Protocol, Tuple
 
 from .node import TrieNode
 
@@ -27,14 +27,29 @@ if TYPE_CHECKING:  # pragma: no cover
     from .trie import PrefixTrie
 
 
+class Tier(Protocol):
+    """A second tier that holds copies of snapshots (the disk store). With one, eviction
+    *parks* a node every snapshot of which has a copy there: its arrays go, its place in
+    the trie stays (so a branch point may go too), and a request that needs it fills it
+    from the copy. A node without a copy is dropped as without a tier."""
+
+    def demotable(self, node: TrieNode) -> bool:
+        """Every snapshot of ``node`` has a copy in this tier."""
+        ...
+
+    def demote(self, node: TrieNode) -> int:
+        """Park ``node`` (its copies registered, `PrefixTrie.recount` told); bytes freed."""
+        ...
+
+
 def evictable(trie: "PrefixTrie", node: TrieNode) -> bool:
-    """Unpinned, still attached, not the root, and at most one child."""
-    return (
-        not node.detached
-        and node is not trie.root
-        and node.in_use == 0
-        and len(node.children) <= 1
-    )
+    """Unpinned, still attached, not the root, and at most one child — with a tier, any
+    node holding memory (not parked): the step parks it where the tier has a copy."""
+    if node.detached or node is trie.root or node.in_use != 0:
+        return False
+    if trie.tier is not None:
+        return not node.parked
+    return len(node.children) <= 1
 
 
 def _key(node: TrieNode) -> Tuple[int, int, int]:
@@ -124,11 +139,18 @@ class Candidates:
                                          f"{name} order")
 
 
-def _step(trie: "PrefixTrie", victim: TrieNode) -> None:
-    if victim.children:
+def _step(trie: "PrefixTrie", victim: TrieNode, demote: bool) -> bool:
+    """Park ``victim`` or drop it; False when neither can be done (a branch point the
+    tier has no copy of: it stays a candidate for later)."""
+    if demote:
+        trie.tier.demote(victim)  # type: ignore[union-attr]
+    elif len(victim.children) > 1:
+        return False
+    elif victim.children:
         trie.merge_with_child(victim)
     else:
         trie.remove(victim)
+    return True
 
 
 def evict(trie: "PrefixTrie", max_bytes: int) -> int:
@@ -138,24 +160,42 @@ def evict(trie: "PrefixTrie", max_bytes: int) -> int:
     (shared prefixes) survive until only one branch is left. Leaves are removed;
     single-child nodes are merged into their child (frees whole-state snapshots; for
     KV it frees nothing but shortens the chain so the leaf can go next). Each step
-    drops one node, so the loop ends. Returns the bytes freed. O(log n) per step.
+    drops one node, so the loop ends. With a tier, nodes it holds copies of are parked
+    instead (any node, branch points included). Returns the bytes freed. O(log n) per
+    step.
     """
     before = trie.nbytes
+    kept: List[TrieNode] = []
     while trie.nbytes > max_bytes:
         victim = trie.candidates.pop_lru()
         if victim is None:
             break
-        _step(trie, victim)
+        tier = trie.tier
+        if not _step(trie, victim, tier is not None and tier.demotable(victim)):
+            kept.append(victim)
+    for n in kept:  # (their copies may be written by the next call)
+        trie.candidates.push(n)
     return before - trie.nbytes
 
 
-def evict_one(trie: "PrefixTrie") -> Optional[int]:
+def evict_one(trie: "PrefixTrie",
+              demote: Optional[Callable[[TrieNode], bool]] = None) -> Optional[int]:
     """One eviction step on the least recently used candidate, chosen from structure and
     use alone (the same node on every rank of a sharded model); the bytes it freed, or
-    None when nothing is evictable. O(log n)."""
-    victim = trie.candidates.pop_invariant()
-    if victim is None:
-        return None
-    before = trie.nbytes
-    _step(trie, victim)
-    return before - trie.nbytes
+    None when nothing is evictable. With a tier, ``demote(node)`` says whether to park it
+    (whether a copy is on disk is rank-local: agree on it). O(log n)."""
+    kept: List[TrieNode] = []
+    freed: Optional[int] = None
+    while freed is None:
+        victim = trie.candidates.pop_invariant()
+        if victim is None:
+            break
+        before = trie.nbytes
+        park = trie.tier is not None and demote is not None and demote(victim)
+        if _step(trie, victim, park):
+            freed = before - trie.nbytes
+        else:
+            kept.append(victim)
+    for n in kept:
+        trie.candidates.push(n)
+    return freed

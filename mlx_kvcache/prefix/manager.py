@@ -18,14 +18,12 @@ counted) and at a request's end.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
-import mlx.core as mx
 
 from ..caches.chunked import ChunkedKVCache
 from ..caches.kv import KVCache
@@ -38,25 +36,9 @@ from .planner import Plan
 from .tokens import as_tokens, join
 from .trie import PrefixTrie, TrieNode
 
-__all__ = ["PrefixManager", "Plan", "default_max_bytes"]
+__all__ = ["PrefixManager", "Plan"]
 
 log = logging.getLogger("mlx_kvcache")
-
-
-def default_max_bytes(fraction: float = 0.2) -> int:
-    """A fraction of the machine's memory (unified memory on Apple silicon)."""
-    total = 0
-    try:
-        if mx.metal.is_available():
-            total = int(mx.metal.device_info().get("memory_size", 0))
-    except Exception:  # pragma: no cover - device query is best effort
-        total = 0
-    if not total:
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):  # pragma: no cover
-            total = 16 << 30
-    return int(total * fraction)
 
 
 class PrefixManager(Budget):
@@ -112,9 +94,10 @@ class PrefixManager(Budget):
         #: Nodes that are deliberate restore points (never merged away except by eviction).
         #: Weak: a node the trie drops leaves it by itself (no sweep after an eviction).
         self.keep: "weakref.WeakSet[TrieNode]" = weakref.WeakSet()
-        #: Called with a prompt's tokens inside `checkout`, before anything is restored
-        #: (the store checks lazily loaded snapshot files there).
-        self.verify: Optional[Callable[[Sequence[int]], None]] = None
+        #: Called with a prompt's tokens inside `checkout`, before anything is restored:
+        #: the disk store fills the parked nodes of its path there (checked) and returns
+        #: their ``(start, end)`` spans (counted in `Plan.from_disk`).
+        self.verify: Optional[Callable[[Sequence[int]], Any]] = None
         self.evicted_bytes = 0
         #: The ranks of a sharded model decide together (see `agreement`); one process
         #: decides alone.
@@ -211,8 +194,7 @@ class PrefixManager(Budget):
             live = LiveSet(self.make_caches(), quant=self.kv_quant)
         live.epoch = self._epoch
         self._lent.add(live)
-        if self.verify is not None:
-            self.verify(tokens)
+        loaded = self.verify(tokens) if self.verify is not None else None
         plan, path, live_common = self._target(live, tokens, extra_stops)
         target = plan.restored
         live.align(target)
@@ -225,6 +207,7 @@ class PrefixManager(Budget):
             plan.reason = f"restore to offset {target} failed unexpectedly; recomputed from 0"
             plan.restored = target = 0
             plan.stops = self._stops(len(tokens), 0, plan.matched, extra_stops)
+        plan.from_disk = sum(max(0, min(b, target) - a) for a, b in (loaded or ()))
         live.tokens = tokens[:target]
         for nd in path:
             if nd.end <= target:

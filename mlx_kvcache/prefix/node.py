@@ -52,7 +52,7 @@ class TrieNode:
 
     __slots__ = (
         "tokens", "end", "parent", "children", "_last_used", "snapshots", "_in_use",
-        "detached", "_acct", "uid", "_owner", "serial", "label", "__weakref__",
+        "detached", "_acct", "uid", "parked", "_owner", "serial", "label", "__weakref__",
     )
 
     def __init__(
@@ -81,6 +81,9 @@ class TrieNode:
         #: Identity that outlives a save and a restart (the disk store keys rows by it);
         #: nonzero, the same object keeps it through splits and merges.
         self.uid: int = _UIDS.getrandbits(63) or 1
+        #: Its snapshots are parked (`PrefixTrie.recount`): their data lives in another tier
+        #: (the disk) and the node holds no memory until they are filled again.
+        self.parked: bool = False
         # The trie whose eviction order must hear of changes to last_used / in_use.
         self._owner: Optional["PrefixTrie"] = None
         #: Creation order within the trie: the last tie-break of the eviction order (the
@@ -132,7 +135,7 @@ class TrieNode:
 
     def __repr__(self) -> str:
         held = sum(1 for s in self.snapshots if s is not None)
-        gone = " detached" if self.detached else ""
+        gone = " detached" if self.detached else (" parked" if self.parked else "")
         return (
             f"TrieNode([{self.start},{self.end}) {len(self.tokens)}t "
             f"{held}/{len(self.snapshots)} snaps in_use={self.in_use}{gone})"

@@ -43,6 +43,8 @@ class Plan:
     #: Offsets (ascending, in ``(restored, prompt_tokens - 1]``) where prefill must stop
     #: so the caches can be snapshotted there.
     stops: List[int] = field(default_factory=list)
+    #: Restored tokens that came from nodes held on disk only (the rest from memory).
+    from_disk: int = 0
 
 
 def reach_table(leaves, path: List[TrieNode], live_common: int, top: int, quants=None):

@@ -21,6 +21,9 @@ class RequestStats:
     restored_tokens: int = 0
     prefilled_tokens: int = 0
     generated_tokens: int = 0
+    #: Restored tokens that came from the disk tier (nodes held on disk only, read and
+    #: checked for this request); ``ram_tokens`` the rest.
+    disk_tokens: int = 0
     reason: Optional[str] = None
     snapshots_taken: int = 0
     #: Planned prefill snapshots left out because the byte budget had no room for them.
@@ -49,6 +52,11 @@ class RequestStats:
         return self.restored_tokens
 
     @property
+    def ram_tokens(self) -> int:
+        """Restored tokens that were in memory."""
+        return self.restored_tokens - self.disk_tokens
+
+    @property
     def acceptance_rate(self) -> float:
         """Accepted / drafted tokens (0.0 without drafting)."""
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
@@ -58,8 +66,11 @@ class RequestStats:
 class CacheStats:
     """Totals over every request a `PrefixCache` served, and what it holds now.
 
-    ``bytes_held`` is everything ``max_bytes`` bounds: ``snapshot_bytes`` (the trie) plus
-    ``live_bytes`` (the caches requests run on, and the idle set kept for the next turn).
+    ``bytes_held`` is everything ``max_bytes`` bounds: ``snapshot_bytes`` (the trie's
+    snapshots in memory) plus ``live_bytes`` (the caches requests run on, and the idle set
+    kept for the next turn). ``disk_bytes`` is the disk tier (``max_disk_bytes``), whose
+    nodes ``disk_nodes`` are on disk only; ``disk_tokens`` counts restored tokens that
+    came from there, ``demoted_bytes`` / ``promoted_bytes`` what moved between the tiers.
     """
 
     requests: int = 0
@@ -68,6 +79,7 @@ class CacheStats:
     restored_tokens: int = 0
     prefilled_tokens: int = 0
     generated_tokens: int = 0
+    disk_tokens: int = 0
     snapshots_taken: int = 0
     snapshots_skipped: int = 0
     drafted_tokens: int = 0
@@ -78,6 +90,16 @@ class CacheStats:
     live_bytes: int = 0
     nodes: int = 0
     max_bytes: int = 0
+    disk_bytes: int = 0
+    max_disk_bytes: Optional[int] = None
+    disk_nodes: int = 0
+    demoted_bytes: int = 0
+    promoted_bytes: int = 0
+
+    @property
+    def ram_tokens(self) -> int:
+        """Restored tokens that were in memory."""
+        return self.restored_tokens - self.disk_tokens
 
     @property
     def hit_rate(self) -> float:
@@ -89,6 +111,7 @@ class CacheStats:
         self.prompt_tokens += r.prompt_tokens
         self.matched_tokens += r.matched_tokens
         self.restored_tokens += r.restored_tokens
+        self.disk_tokens += r.disk_tokens
         self.prefilled_tokens += r.prefilled_tokens
         self.generated_tokens += r.generated_tokens
         self.snapshots_taken += r.snapshots_taken

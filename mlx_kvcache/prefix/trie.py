@@ -44,6 +44,7 @@ class PrefixTrie:
         self._clock = 0
         self._nbytes = 0
         self._count = 0
+        self._parked = 0
         self._serial = 0
         #: label -> [nodes, bytes]
         self._labels: Dict[Optional[str], List[int]] = {}
@@ -53,6 +54,9 @@ class PrefixTrie:
         self.candidates = eviction.Candidates(self)
         #: Told about every changed node when set (see `journal`); None: no tracking.
         self.journal: Optional[Journal] = None
+        #: A second tier that keeps copies of snapshots (`eviction.Tier`, the disk): with
+        #: one, eviction parks nodes it holds a copy of instead of dropping them.
+        self.tier: Optional["eviction.Tier"] = None
 
     # -- counters ----------------------------------------------------------------------
     @property
@@ -64,6 +68,11 @@ class PrefixTrie:
     def node_count(self) -> int:
         """Nodes in the trie, the root excluded (running counter, exact)."""
         return self._count
+
+    @property
+    def parked_count(self) -> int:
+        """Parked nodes (their data in another tier: `recount`), a running counter."""
+        return self._parked
 
     def label_stats(self) -> Dict[Optional[str], Tuple[int, int]]:
         """``{label: (nodes, bytes)}`` over every node (running counters, O(labels))."""
@@ -128,17 +137,38 @@ class PrefixTrie:
         self._count_label(node, -1)
         self._nbytes -= node._acct
         node.snapshots = snapshots
+        self._parked -= node.parked
+        node.parked = False
         node._acct = _live_bytes(snapshots)
         self._nbytes += node._acct
         self._count_label(node, +1)
         self._reindex(node)
         self._changed(node)
 
+    def recount(self, node: TrieNode, parked: Optional[bool] = None) -> int:
+        """Count ``node``'s bytes again after its snapshots were parked or filled behind
+        the trie's back (``parked``: set its flag too; no journal entry: nothing about it
+        changed). Returns the change in bytes."""
+        if node.detached:
+            return 0
+        before = node._acct
+        self._count_label(node, -1)
+        if parked is not None:
+            self._parked += int(parked) - int(node.parked)
+            node.parked = parked
+        node._acct = _live_bytes(node.snapshots)
+        self._nbytes += node._acct - before
+        self._count_label(node, +1)
+        self._reindex(node)
+        return node._acct - before
+
     def _detach(self, node: TrieNode) -> None:
         """Drop ``node`` from accounting and mark it dead; its snapshots must already be gone."""
         self._count_label(node, -1)
         self._nbytes -= node._acct
         self._count -= 1
+        self._parked -= node.parked
+        node.parked = False
         node._acct = 0
         node.snapshots = [None] * self.num_layers
         node.parent = None
@@ -394,6 +424,7 @@ class PrefixTrie:
         self.root.children = {}
         self._nbytes = 0
         self._count = 0
+        self._parked = 0
         self._labels = {}
         self.candidates.clear()
         if self.journal is not None:

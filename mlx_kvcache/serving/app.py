@@ -72,13 +72,22 @@ def add_options(parser) -> None:
 
     g = parser.add_argument_group(
         "mlx_kvcache", "the prefix-trie prompt cache (replaces mlx-lm's LRU prompt cache; "
-        "--prompt-cache-bytes bounds every byte it holds, default 20% of memory)")
+        "--prompt-cache-bytes bounds every byte it holds in memory, default half of what the "
+        "model leaves of the machine's memory, at most a quarter of it; the cache directory "
+        "is a second tier that keeps what memory lets go)")
     g.add_argument("--cache-dir", default=None,
                    help=f"where the prompt cache persists between runs (default: "
                    f"{default_root()})")
-    g.add_argument("--no-persist", action="store_true", help="keep the prompt cache in memory only")
+    g.add_argument("--no-persist", action="store_true",
+                   help="keep the prompt cache in memory only (no disk tier)")
     g.add_argument("--max-disk-bytes", type=_parse_size, default=None,
-                   help="disk budget for this model's persisted cache (default: no limit)")
+                   help="disk budget for this model's cache directory (default: a quarter of "
+                   "the free disk, at most 32G)")
+    g.add_argument("--cold-bits", type=int, choices=(4, 8), default=None,
+                   help="write KV snapshots to disk compressed to this many bits: about "
+                   "twice (8) or four times (4) the prefixes in the same disk budget, but "
+                   "answers restored from disk may differ slightly from a cold run (lossy; "
+                   "sliding-window and recurrent states stay exact). Default: exact")
     g.add_argument("--checkpoint-interval", type=positive_int, default=DEFAULT_CHECKPOINT_INTERVAL,
                    help="hybrid (SSM / gated delta net) and sliding-window models also store "
                    "their state every this many prompt tokens, so a prompt that diverges inside "
@@ -102,7 +111,6 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from mlx_lm.server import ThreadingHTTPServer
 
     from ..store import default_root
-    from ..prefix.manager import default_max_bytes
     from .admin import AdminPolicy
     from .distributed import agreement
     from .generator import ServerResponseGenerator
@@ -116,14 +124,13 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: life.on_signal())
     cache_dir = None if args.no_persist else str(args.cache_dir or default_root())
-    max_bytes = args.prompt_cache_bytes if args.prompt_cache_bytes is not None else default_max_bytes()
     agree = agreement()
     sharding = (f"{'pipeline' if args.pipeline else 'tensor'}-{agree.size}-rank{agree.rank}"
                 if agree.size > 1 else "")
-    cache = TriePromptCache(model_provider, max_bytes=max_bytes,
+    cache = TriePromptCache(model_provider, max_bytes=args.prompt_cache_bytes,
                             checkpoint_interval=args.checkpoint_interval, cache_dir=cache_dir,
                             max_disk_bytes=args.max_disk_bytes, max_entries=args.prompt_cache_size,
-                            agree=agree, sharding=sharding)
+                            agree=agree, sharding=sharding, cold_bits=args.cold_bits)
     load_default = model_provider.load_default
 
     def load_then_open_cache():

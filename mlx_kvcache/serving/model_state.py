@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..caches import CacheError, layer_signature, make_prompt_cache
+from ..generation import sizing
 from ..prefix.agreement import Agreement, any_rank, every
 from ..prefix.manager import PrefixManager
 from ..prefix.stats import human_bytes
 from ..store import PersistentStore, directory_fingerprint, model_fingerprint
 from ..store.autosave import Autosaver
+from ..store.format import version_dir
 from .padding import padded_rows_exact, recurrent_kinds
 from .validation import vocab_size
 
@@ -38,14 +40,22 @@ class ModelState:
     #: mlx-lm's batch path is not exact for this model's padded recurrent rows: hand out
     #: `TrackedArraysCache` and store no padded row (`serving.padding`).
     track_padding: bool = False
+    #: The memory and disk budgets in force (defaults follow the model and the disk).
+    max_bytes: int = 0
+    max_disk_bytes: Optional[int] = None
 
 
-def open_model(provider, key, agree: Agreement, *, max_bytes: int, checkpoint_interval: int,
-               pre_end_margin: int, cache_dir: Optional[str], max_disk_bytes: Optional[int],
-               sharding: str = "") -> ModelState:
-    """The state for the model ``provider`` just loaded under ``key``."""
+def open_model(provider, key, agree: Agreement, *, max_bytes: Optional[int],
+               checkpoint_interval: int, pre_end_margin: int, cache_dir: Optional[str],
+               max_disk_bytes: Optional[int], sharding: str = "",
+               cold_bits: Optional[int] = None) -> ModelState:
+    """The state for the model ``provider`` just loaded under ``key``. ``max_bytes`` /
+    ``max_disk_bytes`` None: the defaults (`generation.sizing`), said in the log."""
     model = provider.model
     manager, why_not = None, None
+    if max_bytes is None:
+        max_bytes, why = sizing.default_ram_budget(sizing.model_bytes(model))
+        log.info("mlx_kvcache: prompt cache memory budget %s (--prompt-cache-bytes)", why)
     if getattr(provider, "draft_model", None) is not None:
         why_not = "a draft model is loaded (speculative decoding caches two models)"
     else:
@@ -67,10 +77,11 @@ def open_model(provider, key, agree: Agreement, *, max_bytes: int, checkpoint_in
             manager, why_not = None, ("mlx-lm's batch path does not compute exact attention "
                                       "caches for padded rows of this model")
         track = not every(agree, recurrent_ok)
-    st = ModelState(key, manager, why_not=why_not, track_padding=track)
+    st = ModelState(key, manager, why_not=why_not, track_padding=track, max_bytes=max_bytes)
     if manager is None:
         log.warning("mlx_kvcache: prompt caching is off for this model: %s", why_not)
         return st
+    _check_budget(model, max_bytes, checkpoint_interval)
     if track:
         log.info("mlx_kvcache: mlx-lm's batch path computes wrong recurrent states for "
                  "padded rows of this model: states of requests batched with longer ones "
@@ -79,8 +90,20 @@ def open_model(provider, key, agree: Agreement, *, max_bytes: int, checkpoint_in
     # Checkpoints are planned where any rank has a layer that needs them.
     manager.whole_state = any_rank(agree, manager.whole_state)
     if cache_dir is not None:
-        _open_store(st, provider, key, agree, cache_dir, max_disk_bytes, sharding)
+        _open_store(st, provider, key, agree, cache_dir, max_disk_bytes, sharding, cold_bits)
     return st
+
+
+def _check_budget(model, max_bytes: int, interval: int) -> None:
+    """One warning when the budget cannot hold one checkpoint of this model."""
+    tokens = max(1, min(int(interval), 2048))
+    try:
+        one = sizing.checkpoint_bytes(model, lambda: make_prompt_cache(model), tokens)
+    except Exception:  # noqa: BLE001 - a model that cannot take one token: no advice
+        return
+    problem = sizing.budget_problem(max_bytes, one, tokens, live_counted=False)
+    if problem:
+        log.warning("mlx_kvcache: %s (--prompt-cache-bytes)", problem)
 
 
 def _padding_exact(model, agree):
@@ -103,7 +126,8 @@ def _padding_exact(model, agree):
             all(ok for k, ok in verdict.items() if k in recurrent))
 
 
-def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes, sharding) -> None:
+def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes, sharding,
+                cold_bits) -> None:
     mgr = st.manager
     path = key[0] if isinstance(key, tuple) else key
     adapter = key[1] if isinstance(key, tuple) and len(key) > 1 else None
@@ -114,8 +138,16 @@ def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes,
             fp = model_fingerprint(provider.model, provider.tokenizer)
         if agree.size > 1:  # this rank's shard of this plan: its own directory
             fp = hashlib.sha256(f"{fp}|{sharding}".encode()).hexdigest()
+        if cold_bits is not None:  # compressed snapshots: never served as exact ones
+            fp = hashlib.sha256(f"{fp}|cold{cold_bits}".encode()).hexdigest()
+        if max_disk_bytes is None:
+            d = version_dir(cache_dir) / fp[:16]
+            max_disk_bytes, why = sizing.default_disk_budget(
+                cache_dir, sizing.own_bytes(d if d.is_dir() else None))
+            log.info("mlx_kvcache: prompt cache disk budget %s (--max-disk-bytes)", why)
+        st.max_disk_bytes = max_disk_bytes
         st.store = PersistentStore(mgr.trie, layer_signature(mgr.ops), cache_dir, fp,
-                                   max_disk_bytes, keep=mgr.keep, agree=agree)
+                                   max_disk_bytes, keep=mgr.keep, agree=agree, cold_bits=cold_bits)
     except Exception as e:  # fail-open: the server runs without a disk tier
         log.warning("mlx_kvcache: the prompt cache will not persist: %s", e)
         st.store = None
@@ -124,6 +156,7 @@ def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes,
     if st.store is None:
         return
     mgr.verify = st.store.before_request
+    mgr.merge_below = 0  # every node is written once, when recorded: never merge it away
 
     def load():
         n = st.store.load()
@@ -132,5 +165,5 @@ def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes,
         return n
     n = mgr.run(load)
     st.writer = Autosaver(st.store.write)
-    log.info("mlx_kvcache: loaded %d cached tokens (%s) from %s", n,
-             human_bytes(mgr.snapshot_bytes), st.store.directory())
+    log.info("mlx_kvcache: %d cached tokens (%s) on disk at %s", n,
+             human_bytes(st.store.disk_bytes), st.store.directory())

@@ -13,9 +13,14 @@ n_bytes=)``, ``nbytes``, ``len()`` and ``stats_by_type()``. Here:
   system prompt hold it once;
 * `checkpoints` tells the generation loop where else to stop during prefill (every
   ``checkpoint_interval`` tokens and at branch points, hybrid and sliding-window models);
-* one byte budget counts every snapshot and holds after every insert, on every path;
-* with a cache directory the trie persists: loaded when the model loads, written in the
-  background after each insert, flushed by `close`.
+* one byte budget counts every snapshot in memory and holds after every insert, on every
+  path;
+* with a cache directory the disk is a second tier (`mlx_kvcache.store.tiers`): each new
+  snapshot is written once in the background after its insert, the memory budget parks
+  nodes that are on disk instead of dropping them, a fetch reads back the parked nodes it
+  needs (checked), and a disk budget evicts on its own; loaded when the model loads,
+  flushed by `close`. The log line and ``GET /v1/cache`` say how many tokens came from
+  memory and from disk, and the bytes in each tier.
 
 On the ranks of a sharded model (``mlx.launch``) every decision is agreed between ranks
 (`mlx_kvcache.prefix.agreement`), so every rank restores, stores and evicts alike. The
@@ -44,7 +49,7 @@ from .padding import was_padded
 __all__ = ["TriePromptCache"]
 
 log = logging.getLogger("mlx_kvcache")
-_STATS = struct.Struct("<qqqqqq")  # bytes held, nodes, disk bytes, evicted, requests, cached
+_STATS = struct.Struct("<qqqqqqq")  # bytes held, nodes, disk bytes, evicted, requests, cached, from disk
 
 
 @dataclass
@@ -55,6 +60,7 @@ class _Fetch:
     matched: int
     cached: int
     reason: Optional[str]
+    from_disk: int = 0
 
 
 class TriePromptCache:
@@ -62,22 +68,31 @@ class TriePromptCache:
 
     Args:
         model_provider: the server's ``ModelProvider`` (its loaded model and tokenizer).
-        max_bytes: the byte budget for every snapshot held (``--prompt-cache-bytes``).
+        max_bytes: the memory budget for every snapshot held (``--prompt-cache-bytes``;
+            None: half of what the model leaves of the machine's memory, at most a
+            quarter of it, said in the log when the model loads).
         checkpoint_interval: hybrid and sliding-window models also checkpoint every this
             many prompt tokens (``--checkpoint-interval``).
-        cache_dir: persist under this directory (None: memory only).
-        max_disk_bytes: disk budget for the model's persisted cache (None: no limit).
+        cache_dir: keep a disk tier under this directory (None: memory only).
+        max_disk_bytes: disk budget for the model's cache directory (None: a quarter of
+            the free disk, at most 32 GiB, said in the log).
+        cold_bits: write KV snapshots to disk compressed to 8 or 4 bits (lossy; None).
         max_entries: ``--prompt-cache-size``, honoured by ``trim_to(n_sequences=...)``.
         agree: how the ranks of a sharded model agree (one process: `SOLO`).
         sharding: names this rank's shard of the model (its persisted cache's directory).
     """
 
-    def __init__(self, model_provider, *, max_bytes: int, checkpoint_interval: int = 2048,
+    def __init__(self, model_provider, *, max_bytes: Optional[int] = None,
+                 checkpoint_interval: int = 2048,
                  cache_dir: Optional[str] = None, max_disk_bytes: Optional[int] = None,
                  max_entries: Optional[int] = None, pre_end_margin: int = 4,
-                 agree: Agreement = SOLO, sharding: str = "") -> None:
+                 agree: Agreement = SOLO, sharding: str = "",
+                 cold_bits: Optional[int] = None) -> None:
         self.provider = model_provider
-        self.max_bytes = int(max_bytes)
+        self.asked_max_bytes = None if max_bytes is None else int(max_bytes)
+        #: The memory budget in force (set when a model loads when not given).
+        self.max_bytes = 0 if max_bytes is None else int(max_bytes)
+        self.cold_bits = cold_bits
         self.checkpoint_interval = int(checkpoint_interval)
         self.pre_end_margin = int(pre_end_margin)
         self.cache_dir = cache_dir
@@ -88,6 +103,7 @@ class TriePromptCache:
         self.requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.disk_tokens = 0  # of the cached tokens, those read back from disk
         self._model: Optional[ModelState] = None
         self._fetches: "OrderedDict[int, _Fetch]" = OrderedDict()
         self._seq = 0
@@ -101,9 +117,11 @@ class TriePromptCache:
             return self._model
         self.close()
         self._model = open_model(
-            self.provider, model_key, self.agree, max_bytes=self.max_bytes,
+            self.provider, model_key, self.agree, max_bytes=self.asked_max_bytes,
             checkpoint_interval=self.checkpoint_interval, pre_end_margin=self.pre_end_margin,
-            cache_dir=self.cache_dir, max_disk_bytes=self.max_disk_bytes, sharding=self.sharding)
+            cache_dir=self.cache_dir, max_disk_bytes=self.max_disk_bytes, sharding=self.sharding,
+            cold_bits=self.cold_bits)
+        self.max_bytes = self._model.max_bytes
         self._share_stats()
         return self._model
 
@@ -142,7 +160,11 @@ class TriePromptCache:
         reach any token from the final insert anyway). Changes nothing."""
         def plan():
             st = self._state(model_key)
-            if st.manager is None or not st.manager.whole_state or len(tokens) < 2:
+            if st.manager is None:
+                return []
+            if st.store is not None:  # parked nodes of this prompt: start reading them
+                st.manager.peek(st.store.prefetch, tokens)
+            if not st.manager.whole_state or len(tokens) < 2:
                 return []
             return st.manager.preview(tokens).stops
         return self._guard("planning checkpoints", plan, [])
@@ -158,8 +180,10 @@ class TriePromptCache:
         self.requests += 1
         self.prompt_tokens += len(ids)
         self.cached_tokens += plan.restored
+        self.disk_tokens += plan.from_disk
         self._seq += 1
-        self._fetches[self._seq] = _Fetch(ids, plan.matched, plan.restored, plan.reason)
+        self._fetches[self._seq] = _Fetch(ids, plan.matched, plan.restored, plan.reason,
+                                          plan.from_disk)
         while len(self._fetches) > 256:
             self._fetches.popitem(last=False)
         rest = list(tokens[plan.restored:])
@@ -245,13 +269,13 @@ class TriePromptCache:
     def _local(self) -> Tuple[int, ...]:
         st = self._model
         if st is None or st.manager is None:
-            return (0, 0, 0, 0, self.requests, self.cached_tokens)
+            return (0, 0, 0, 0, self.requests, self.cached_tokens, self.disk_tokens)
         mgr = st.manager
         # Counters only: O(1) in the trie's size, the lock held for three reads.
         held, nodes, evicted = mgr.peek(lambda: (mgr.trie.nbytes, mgr.trie.node_count,
                                                  mgr.evicted_bytes))
         disk = st.store.disk_bytes if st.store is not None else 0
-        return (held, nodes, disk, evicted, self.requests, self.cached_tokens)
+        return (held, nodes, disk, evicted, self.requests, self.cached_tokens, self.disk_tokens)
 
     def _share_stats(self) -> None:
         """Every rank's counters, for rank 0's ``GET /v1/cache`` (one small gather)."""
@@ -261,23 +285,29 @@ class TriePromptCache:
     def report(self) -> Dict[str, Any]:
         """What ``GET /v1/cache`` returns (on a sharded model: this rank's view, and every
         rank's counters as of its last insert under ``ranks``)."""
-        held, nodes, disk, evicted, _, _ = self._local()
+        held, nodes, disk, evicted, _, _, _ = self._local()
         st = self._model
         out: Dict[str, Any] = {
-            "bytes_held": held, "max_bytes": self.max_bytes, "disk_bytes": disk, "nodes": nodes,
+            "bytes_held": held, "max_bytes": self.max_bytes, "disk_bytes": disk,
+            "max_disk_bytes": st.max_disk_bytes if st and st.store else None, "nodes": nodes,
             "requests": self.requests, "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
+            "cached_tokens": self.cached_tokens, "ram_tokens": self.cached_tokens - self.disk_tokens,
+            "disk_tokens": self.disk_tokens,
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "evicted_bytes": evicted, "checkpoint_interval": self.checkpoint_interval,
             "cache_dir": str(st.store.directory()) if st and st.store else None,
-            "enabled": bool(st and st.manager),
+            "cold_bits": self.cold_bits, "enabled": bool(st and st.manager),
         }
+        if st is not None and st.store is not None:
+            mgr, tier = st.manager, st.store.tier
+            out["disk_nodes"] = mgr.trie.parked_count
+            out["demoted_bytes"], out["promoted_bytes"] = tier.demoted_bytes, tier.promoted_bytes
         if st is not None and st.manager is None:
             out["disabled_because"] = st.why_not
         if self.agree.size > 1:
             out["rank"], out["world_size"] = self.agree.rank, self.agree.size
             out["ranks"] = [dict(zip(("bytes_held", "nodes", "disk_bytes", "evicted_bytes",
-                                      "requests", "cached_tokens"), r), rank=i)
+                                      "requests", "cached_tokens", "disk_tokens"), r), rank=i)
                             for i, r in enumerate(self._ranks)]
         return out
 
@@ -347,9 +377,12 @@ class TriePromptCache:
         mgr = st.manager
         held = mgr.peek(lambda: mgr.trie.nbytes)
         where = f"rank {self.agree.rank} | " if self.agree.size > 1 else ""
+        tiers = f"from disk {f.from_disk} | " if st.store is not None else ""
         line = (f"[cache] {where}prompt {len(f.prompt)} tok | cached {f.cached} | prefilled "
                 f"{len(f.prompt) - f.cached} | answer {len(tokens) - len(f.prompt)} tok | "
-                f"held {human_bytes(held)} of {human_bytes(self.max_bytes)}")
+                f"{tiers}held {human_bytes(held)} of {human_bytes(self.max_bytes)}")
+        if st.store is not None:
+            line += f" | disk {human_bytes(st.store.disk_bytes)}"
         if f.matched > f.cached + 1 and f.reason:
             line += f" (matched {f.matched}: {f.reason})"
         log.info(line)

@@ -37,8 +37,12 @@ def agree_loaded(store, agree: Agreement, saved: Dict[int, int]) -> int:
     last-used stamp its index recorded. Returns the tokens kept."""
     trie = store.trie
     for n in list(trie.nodes()):
-        if not n.detached and not all([store.verifier.ensure(s) for s in n.snapshots]):
+        if n.detached:
+            continue
+        if not all(store.verifier.ensure_all(n.snapshots)):
             store._drop_subtree(n)
+        elif n.parked:  # checked: parked again, to be filled (and checked) when needed
+            store.tier.demote(n)
     nodes = list(trie.nodes())
     names = _digests(trie)
     mine = b"".join(_REC.pack(names[id(n)], saved.get(id(n), 0), int(n in store.keep))

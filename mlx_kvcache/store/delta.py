@@ -10,6 +10,12 @@ to the nodes that changed, never to the size of the trie. A node that was only u
 
 Captures taken faster than the writer writes them are merged (`Delta.absorb`): later
 row images replace earlier ones, so a slow disk never queues work.
+
+With ``cold`` (``cold_bits``), full-attention KV layers are written compressed: as a
+`QuantizedSnapshot` of the same rows (``cold`` in the file's layer entry), filled back
+dequantized (`lazy`). The row still describes the layer as it is in RAM, so a parked
+node looks the same either way; sliding-window, recurrent and other whole states are
+written as they are.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
 
+from ..caches.quantized_rows import quantize_rows
 from ..caches.snapshot import Snapshot
 from ..prefix.journal import TOUCH
 from .format import DTYPE_NAME, RawTensor, new_file_name, to_raw, token_bytes
@@ -113,15 +120,38 @@ class Delta:
 
 
 def _shapes(s: Snapshot) -> Dict[str, Tuple[List[int], str]]:
-    arrays = s._arrays or {}  # noqa: SLF001 - shapes only, no data read
-    return {n: [list(a.shape), DTYPE_NAME[a.dtype]] for n, a in arrays.items()}
+    return {n: [list(shape), DTYPE_NAME[dt]] for n, (shape, dt) in s.shapes().items()}
+
+
+def cold_form(s: Snapshot, cold: Optional[Tuple[int, int]]):
+    """``(arrays, entry)`` of ``s`` as written: a KV layer compressed when ``cold`` is
+    ``(bits, group_size)`` and its head dims allow it (else a smaller group, else as it
+    is); None when written as it is."""
+    if cold is None or s.kind != "kv":
+        return None
+    bits, group = cold
+    k, v = s.keys, s.values  # type: ignore[attr-defined]
+    for g in (group, 32):
+        if k.shape[-1] % g == 0 and v.shape[-1] % g == 0:
+            kq, vq = quantize_rows(k, g, bits), quantize_rows(v, g, bits)
+            arrays = {f"{x}.{p}": a for x, q in (("k", kq), ("v", vq))
+                      for p, a in zip(("w", "scales", "biases"), q)}
+            meta = {**s.meta(), "bits": bits, "group_size": g, "start": -1}
+            return arrays, {"kind": "quantized", "meta": meta, "cold": 1}
+    return None
 
 
 class Capturer:
-    """Turns journal entries into a `Delta` for directory ``d`` (one per store)."""
+    """Turns journal entries into a `Delta` for directory ``d`` (one per store).
 
-    def __init__(self, trie, keep: set, verifier: Verifier) -> None:
+    ``cold``: ``(bits, group_size)`` to write KV layers compressed (None: as they are).
+    ``on_row(node)`` is told of every node that gets a row."""
+
+    def __init__(self, trie, keep: set, verifier: Verifier,
+                 cold: Optional[Tuple[int, int]] = None, on_row=None) -> None:
         self.trie, self.keep, self.verifier = trie, keep, verifier
+        self.cold = cold
+        self.on_row = on_row
         # SHA-256 state of each node's token prefix: a node's prefix never changes (a split
         # or merge keeps the surviving object's end and everything above it), so it is
         # computed once per node and extended for its children.
@@ -170,8 +200,11 @@ class Capturer:
 
     def row(self, node, d: Path, delta: Delta) -> Row:
         v = self.verifier
+        if self.on_row is not None:
+            self.on_row(node)
         layers: List[Optional[dict]] = []
         new: Optional[NewFile] = None
+        filled = False
         for i, s in enumerate(node.snapshots):
             if s is None or s.closed or v.is_bad(s):
                 layers.append(None)
@@ -179,19 +212,22 @@ class Capturer:
             where = v.location(s, d)
             if where is None:
                 o = v.origin(s)
-                if o is not None and not o.verified and not v.ensure(s):
-                    layers.append(None)  # unreadable elsewhere: leave this layer out
-                    continue
+                if o is not None and not o.verified:
+                    if not v.ensure(s):
+                        layers.append(None)  # unreadable elsewhere: leave this layer out
+                        continue
+                    filled = True
                 if new is None:
                     new = self._new_file(node)
                     delta.files[new.name] = new
-                arrays = s.to_arrays()[0]
+                form = cold_form(s, self.cold)
+                arrays, ent = form if form is not None else (s.to_arrays()[0], {"kind": s.kind, "meta": s.meta()})
                 desc = {}
                 for name, a in arrays.items():
                     key = f"L{i}.{name}"
                     new.tensors[key] = to_raw(a)
                     desc[name] = [key, list(a.shape), DTYPE_NAME[a.dtype]]
-                new.layers[str(i)] = {"kind": s.kind, "meta": s.meta(), "arrays": desc}
+                new.layers[str(i)] = {**ent, "arrays": desc}
                 new.snaps.append((weakref.ref(s), i))
                 v.set_pending(s, d, new.name, i)
                 where = (new.name, None)
@@ -199,6 +235,8 @@ class Capturer:
             if where[1] is not None:
                 ent["slice"] = list(where[1])
             layers.append(ent)
+        if filled:  # read from another directory to be written here: in RAM now
+            self.trie.recount(node, parked=False)
         parent = node.parent
         return Row(node.uid, 0 if parent is self.trie.root else parent.uid,
                    token_bytes(node.tokens), node.end, node.last_used, node in self.keep,

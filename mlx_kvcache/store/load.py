@@ -1,7 +1,8 @@
-"""Loading an index's rows into a live trie: placeholders now, data on first use (`lazy`).
+"""Loading an index's rows into a live trie: parked nodes now, data on first use (`lazy`).
 
-Each row becomes a node whose snapshots hold unevaluated placeholders of the recorded
-shapes, registered with the file that holds them. Before anything is built, every file
+Each row becomes a parked node (`PrefixTrie.recount`: on disk only, no memory held) whose
+snapshots have the recorded kinds, offsets, shapes and dtypes, registered with the file
+that holds them. Before anything is built, every file
 the index lists is checked to be a plain name of this format, a regular file (a symlink,
 FIFO or device is never opened) of the recorded size; a row that names anything else, a
 file not in the index, an unknown parent, an edge that does not match its offsets or
@@ -87,6 +88,7 @@ def install(store, d: Path, files: Dict[str, Tuple[int, int]], rows, adopt: bool
             snaps, origins = _placeholders(store, d, uid, decode_layers(layers), files,
                                            bad_files, state)
             node = trie.add_child(node_parent, toks, snaps)
+            trie.recount(node, parked=True)
         except LookupError:
             skipped.add(uid)
             res.stale.add(uid)
@@ -102,6 +104,8 @@ def install(store, d: Path, files: Dict[str, Tuple[int, int]], rows, adopt: bool
             store.verifier.register(s, o)
             store.holders[s] = node
         store.capturer.remember_state(node, state)
+        if adopt:
+            store.tier.note_row(node)
         by_uid[uid], states[uid] = node, state
         added.append((node, int(last_used), bool(keep)))
         res.stamps[id(node)] = int(last_used)
@@ -148,6 +152,7 @@ def _placeholders(store, d, uid, layers, files, bad_files, state):
                   for name, (shape, dtype) in ent["shapes"].items()}
         s = Snapshot.from_arrays(str(ent["kind"]), arrays,
                                  {k: int(v) for k, v in ent["meta"].items()})
+        s.park()  # the zeros above were never evaluated: nothing was allocated
         sl = ent.get("slice")
         if sl is not None:
             lo, hi = int(sl[0]), int(sl[1])

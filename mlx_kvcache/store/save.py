@@ -10,6 +10,9 @@
    row left below them), and the ``files`` rows nothing references any more;
 4. after the commit, unlink those files; then evict again if the budget is exceeded.
 
+The ids of the rows the budget evicted are reported (`Outcome.evicted`): the store
+removes those nodes from the trie where they are on disk only (`tiers`).
+
 A save killed at any point leaves an index whose every file is intact (a file is on disk
 before a row can reference it, and leaves only after no committed row does); files written
 but never committed are collected by the next process's first save. Snapshots are
@@ -27,7 +30,7 @@ from typing import Dict, List, Optional, Set, Tuple
 from .delta import Delta
 from .format import collectable, encode_file, fsync_dir, write_atomic  # noqa: F401 (tests patch write_atomic)
 from .index import Index
-from .lazy import Origin, Verifier
+from .lazy import Verifier
 
 
 class Outcome:
@@ -38,6 +41,8 @@ class Outcome:
         self.resync: List["weakref.ref"] = []
         self.missing: Set[str] = set()
         self.unlinked = 0
+        #: Ids of the rows the disk budget evicted.
+        self.evicted: List[int] = []
 
 
 def _unlink(d: Path, names, verifier: Verifier) -> int:
@@ -59,11 +64,13 @@ def sweep(idx: Index, d: Path, verifier: Verifier) -> int:
     return _unlink(d, [n for n in collectable(d) if n not in known], verifier)
 
 
-def evict(idx: Index, d: Path, verifier: Verifier, target: int, protect: Set[int]) -> int:
+def evict(idx: Index, d: Path, verifier: Verifier, target: int, protect: Set[int],
+          gone: Optional[List[int]] = None) -> int:
     """Delete least recently used leaf rows until the directory fits ``target`` bytes;
-    returns the bytes of files unlinked."""
+    returns the bytes of files unlinked (the deleted rows' ids are added to ``gone``)."""
+    gone = [] if gone is None else gone
     try:
-        return _evict(idx, d, verifier, target, protect)
+        return _evict(idx, d, verifier, target, protect, gone)
     except sqlite3.OperationalError as e:
         if getattr(e, "sqlite_errorcode", None) != _SQLITE_FULL and "full" not in str(e):
             raise
@@ -71,7 +78,7 @@ def evict(idx: Index, d: Path, verifier: Verifier, target: int, protect: Set[int
     # be written: unlink the victims' files first (a crash right now leaves rows whose
     # files are missing: damaged nodes, dropped at load), then commit their removal.
     _unlink(d, _victim_files(idx, target, protect), verifier)
-    return _evict(idx, d, verifier, target, protect)
+    return _evict(idx, d, verifier, target, protect, gone)
 
 
 _SQLITE_FULL = 13
@@ -94,12 +101,14 @@ def _victim_files(idx: Index, target: int, protect: Set[int]) -> List[str]:
     return out
 
 
-def _evict(idx: Index, d: Path, verifier: Verifier, target: int, protect: Set[int]) -> int:
+def _evict(idx: Index, d: Path, verifier: Verifier, target: int, protect: Set[int],
+           uids: List[int]) -> int:
     start_db = idx.db_bytes()
     if idx.files_bytes() + start_db <= target:
         return 0
     doomed: Set[str] = set()
     gone: Dict[str, int] = {}
+    deleted: List[int] = []
     idx.begin()
     try:
         skip = set(protect)
@@ -108,13 +117,14 @@ def _evict(idx: Index, d: Path, verifier: Verifier, target: int, protect: Set[in
             if uid is None:
                 break
             skip.add(uid)
-            idx.delete(uid, doomed)
+            deleted.extend(idx.delete(uid, doomed))
             gone.update(idx.release(doomed))
             doomed.clear()
         idx.commit()
     except BaseException:
         idx.rollback()
         raise
+    uids.extend(deleted)
     _unlink(d, gone, verifier)
     return sum(gone.values())
 
@@ -129,23 +139,18 @@ def write(idx: Index, delta: Delta, verifier: Verifier, max_disk_bytes: Optional
     new = {n: f for n, f in delta.files.items() if n in wanted}
     for n, f in delta.files.items():
         if n not in wanted:  # superseded before it was written
-            for ref, _ in f.snaps:
-                s = ref()
-                if s is not None:
-                    verifier.forget_pending(s)
+            verifier.written_file(d, n, False)
     protect = set(delta.rows) | set(delta.touches)
     if max_disk_bytes is not None:
-        evict(idx, d, verifier, max_disk_bytes - sum(f.estimate for f in new.values()), protect)
+        evict(idx, d, verifier, max_disk_bytes - sum(f.estimate for f in new.values()), protect,
+              out.evicted)
     written: Dict[str, Tuple[int, int]] = {}
     for name, f in new.items():
         try:
             written[name] = write_atomic(d / name, [encode_file(f.tensors, f.header())])
         except OSError as e:
             out.problems.append(f"{type(e).__name__}: {e}")
-            for ref, _ in f.snaps:
-                s = ref()
-                if s is not None:
-                    verifier.forget_pending(s)
+            verifier.written_file(d, name, False)
     if written:
         fsync_dir(d)
     try:
@@ -155,27 +160,21 @@ def write(idx: Index, delta: Delta, verifier: Verifier, max_disk_bytes: Optional
     except BaseException:
         _unlink(d, written, verifier)
         for name in written:
-            for ref, _ in new[name].snaps:
-                s = ref()
-                if s is not None:
-                    verifier.forget_pending(s)
+            verifier.written_file(d, name, False)
         raise
     for name, (size, crc) in written.items():
         verifier.set_file_info((d, name), size, crc)
-        for ref, layer in new[name].snaps:
-            s = ref()
-            o = None if s is None else verifier.origin(s)
-            if s is not None and not s.closed and (o is None or verifier.location(s, o.dir) is None):
-                # (a copy written elsewhere, by a save to another directory, keeps the
-                # snapshot's home where it is)
-                verifier.register(s, Origin(d, name, layer, True))
+        # Its snapshots (and the halves of any split meanwhile) live there now; a copy
+        # written elsewhere, by a save to another directory, keeps its home where it is.
+        verifier.written_file(d, name, True)
     out.unlinked += _unlink(d, gone, verifier)
     if max_disk_bytes is not None:
-        fit(idx, d, verifier, max_disk_bytes)
+        fit(idx, d, verifier, max_disk_bytes, out.evicted)
     return out
 
 
-def fit(idx: Index, d: Path, verifier: Verifier, budget: int) -> None:
+def fit(idx: Index, d: Path, verifier: Verifier, budget: int,
+        gone: Optional[List[int]] = None) -> None:
     """Bring the directory within ``budget``: fold the write-ahead log away, then evict
     (whose own transaction grows the log again: fold once more)."""
     for _ in range(3):
@@ -184,7 +183,7 @@ def fit(idx: Index, d: Path, verifier: Verifier, budget: int) -> None:
         idx.checkpoint()
         if idx.files_bytes() + idx.db_bytes() <= budget:
             return
-        evict(idx, d, verifier, budget, set())
+        evict(idx, d, verifier, budget, set(), gone)
 
 
 def _transaction(idx: Index, delta: Delta, written: Dict[str, Tuple[int, int]],

@@ -17,11 +17,14 @@ A build never writes into a directory whose index has a newer format version, an
 touches another version's directory; caches of older formats (format 1 directly under
 the root, format 2 under ``v2/``) are reported once and left alone: the cache is derived
 data that the next requests recompute, an older build may still be using its directory,
-and a migration would keep an old format's reader alive forever. Placeholders count their
-full size against the memory budget (as if resident), so the budget holds whatever gets
-verified later. Two processes may share a directory: every change is a transaction, node
-ids are random, and a row only ever references a file that its transaction saw listed;
-what one process deletes the other recomputes (never wrong output).
+and a migration would keep an old format's reader alive forever. Two processes may share
+a directory: every change is a transaction, node ids are random, and a row only ever
+references a file that its transaction saw listed; what one process deletes the other
+recomputes (never wrong output).
+
+The directory is the trie's second tier (`tiers`): the memory budget parks nodes whose
+files are written instead of dropping them, a request fills the parked nodes it needs,
+and the disk budget's evictions remove parked nodes from the trie.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from .index import INDEX, Index
 from .lazy import GuardedOps, Verifier, warn
 from .load import install, new_holders
 from .opening import legacy_note, open_to_read, open_to_write
+from .tiers import DiskTier
 
 __all__ = ["PersistentStore"]
 
@@ -64,11 +68,16 @@ class PersistentStore:
             ``None``: no limit.
         keep: the manager's set of deliberate restore points (saved as a flag per node).
         agree: the ranks of a sharded model load and drop nodes together (`agreed`).
+        cold_bits: write full-attention KV layers compressed to this many bits (lossy;
+            None: as they are). Part of what names the directory (pass a fingerprint
+            that includes it), so compressed and exact caches never mix.
+        tier: make the directory the trie's second tier (`tiers`): memory eviction parks
+            nodes that are on disk instead of dropping them.
     """
 
     def __init__(self, trie: PrefixTrie, signature: List[Any], root, fingerprint: str,
                  max_disk_bytes: Optional[int] = None, keep: Optional[set] = None,
-                 agree: Agreement = SOLO):
+                 agree: Agreement = SOLO, cold_bits: Optional[int] = None, tier: bool = True):
         self.trie = trie
         self.signature = signature
         self.fingerprint = fingerprint
@@ -79,7 +88,13 @@ class PersistentStore:
         inner = [o.inner if isinstance(o, GuardedOps) else o for o in trie.ops]
         self.verifier = Verifier(inner)
         trie.ops = [GuardedOps(o, self.verifier, i) for i, o in enumerate(inner)]
-        self.capturer = Capturer(trie, self.keep, self.verifier)
+        self.tier = DiskTier(self)
+        self.capturer = Capturer(trie, self.keep, self.verifier,
+                                 None if cold_bits is None else (int(cold_bits), 64),
+                                 on_row=self.tier.note_row)
+        if tier:
+            trie.tier = self.tier
+            trie.candidates.rebuild()  # branch points are candidates too now (to park)
         #: Placeholder snapshot -> its node (a bad file drops the node).
         self.holders = new_holders()
         self.journal = Journal()
@@ -109,39 +124,25 @@ class PersistentStore:
         return self._disk_bytes
 
     # -- before a restore ----------------------------------------------------------
-    def before_request(self, tokens: Sequence[int]) -> None:
-        """Check the files of the nodes a restore for ``tokens`` may read; drop bad ones.
+    def before_request(self, tokens: Sequence[int]) -> List[Tuple[int, int]]:
+        """Fill the parked nodes a restore for ``tokens`` may read (checked); drop bad
+        ones. Returns the ``(start, end)`` of the nodes that came from disk.
 
         Call with the trie's lock held, right before restoring."""
-        path: List[TrieNode] = []
-        bad = 0
+        return self.tier.before_request(tokens)
+
+    def prefetch(self, tokens: Sequence[int]) -> int:
+        """Start reading the files of the parked nodes a request for ``tokens`` would
+        restore (no MLX; call with the trie's lock held, from any thread). Returns how
+        many files. Never raises."""
         try:
             path, _ = self.trie.find(tokens)
-            bad = next((i for i, n in enumerate(path)
-                        if not all([self.verifier.ensure(s) for s in n.snapshots])), len(path))
-        except Exception as e:  # never break a request
-            warn(f"prefix cache check failed ({type(e).__name__}: {e}); continuing")
-            bad = 0
-        if self.agree.size > 1:  # a file bad on any rank is bad on all of them
-            bad = self.agree.all_min([bad])[0]
-        if bad < len(path):
-            self._drop_subtree(path[bad])
+            return self.verifier.prefetch(s for n in path if n.parked for s in n.snapshots)
+        except Exception:  # noqa: BLE001 - an early read is only a head start
+            return 0
 
     def _drop_subtree(self, node: TrieNode) -> None:
-        if node.detached:
-            return
-        order = [node]
-        i = 0
-        while i < len(order):
-            order.extend(order[i].children.values())
-            i += 1
-        for n in reversed(order):
-            if n.in_use:
-                # Pinned by a critical section in progress: drop its state, keep the node.
-                self.trie.set_snapshots(n, [None] * self.trie.num_layers)
-                continue
-            self.trie.remove(n)
-            self.keep.discard(n)
+        self.tier.drop_subtree(node)
 
     def purge_bad(self) -> None:
         """Drop nodes (with subtrees) whose files turned out bad or whose state was closed
@@ -153,6 +154,10 @@ class PersistentStore:
                 self._drop_subtree(n)
 
     def _drop_found_bad(self) -> None:
+        if self.agree.size > 1:
+            # Found on this rank only: dropping here alone would make the tries differ.
+            # Those nodes go on every rank when a request reaches them (`before_request`).
+            return
         for s in self.verifier.found_bad():
             n = self.holders.get(s)
             if n is not None and not n.detached:
@@ -239,6 +244,9 @@ class PersistentStore:
             for n in resync:
                 if not n.detached:
                     changed[n] = STRUCT
+            self.tier.settle(changed)
+            for n in self.journal.drain()[0]:  # nodes the settling removed
+                changed.setdefault(n, STRUCT)
             self.capturer.capture(d, changed, delta)
         self._stale = set()
         with self._qmu:
@@ -271,6 +279,7 @@ class PersistentStore:
                 if isinstance(e, (OSError, sqlite3.Error)):
                     raise OSError(f"cannot write the prefix cache at {d}: {e}") from e
                 raise
+        self.tier.evicted(out.evicted)
         with self._qmu:
             for ref in out.resync:
                 n = ref()
@@ -324,11 +333,8 @@ class PersistentStore:
         return idx
 
     def _requeue(self, delta: Delta) -> None:
-        for f in delta.files.values():
-            for ref, _ in f.snaps:
-                s = ref()
-                if s is not None:
-                    self.verifier.forget_pending(s)
+        for name in delta.files:
+            self.verifier.written_file(delta.dir, name, False)
         delta.strip()
         with self._qmu:
             if self._queue is not None:
@@ -373,6 +379,7 @@ class PersistentStore:
 
     def close(self) -> None:
         """Checkpoint and close the index (reopened if used again)."""
+        self.verifier.prefetcher.close()
         with self._io:
             if self._index is not None:
                 self._index.close()
