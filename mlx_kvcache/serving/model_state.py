@@ -17,7 +17,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..caches import CacheError, layer_signature, make_prompt_cache
+from ..caches import CacheError, KVQuantization, layer_signature, make_prompt_cache
 from ..prefix.agreement import Agreement, any_rank, every
 from ..prefix.manager import PrefixManager
 from ..prefix.stats import human_bytes
@@ -41,6 +41,12 @@ class ModelState:
     track_padding: bool = False
     #: The server's segment type of each recorded node (``stats_by_type``).
     types: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+    #: Top-level cache entries of the target model: a cache list holds them, then the
+    #: draft model's (mlx-lm's layout for speculative decoding).
+    target_entries: int = 0
+    #: The draft model's vocabulary when smaller than the target's (ids it lacks are fed
+    #: to it clamped), else None.
+    draft_vocab: Optional[int] = None
 
 
 def open_model(provider, key, agree: Agreement, *, max_bytes: int, checkpoint_interval: int,
@@ -48,16 +54,21 @@ def open_model(provider, key, agree: Agreement, *, max_bytes: int, checkpoint_in
                sharding: str = "") -> ModelState:
     """The state for the model ``provider`` just loaded under ``key``."""
     model = provider.model
-    manager, why_not = None, None
-    if getattr(provider, "draft_model", None) is not None:
-        why_not = "a draft model is loaded (speculative decoding caches two models)"
-    else:
-        try:
-            manager = PrefixManager(lambda: make_prompt_cache(model), max_bytes=max_bytes,
-                                    pre_end_margin=pre_end_margin,
-                                    snapshot_interval=checkpoint_interval)
-        except CacheError as e:
-            why_not = str(e)
+    draft = getattr(provider, "draft_model", None)
+    manager, why_not, quant, entries = None, None, None, 0
+
+    def make_caches():
+        # With a draft model one node holds both models' layers (as `PrefixCache` does):
+        # a hit skips prefill on both, the budget counts both.
+        caches = make_prompt_cache(model)
+        return caches if draft is None else caches + make_prompt_cache(draft)
+    try:
+        quant = _quantization(getattr(provider, "cli_args", None))
+        entries = len(make_prompt_cache(model))
+        manager = PrefixManager(make_caches, max_bytes=max_bytes, pre_end_margin=pre_end_margin,
+                                snapshot_interval=checkpoint_interval, kv_quant=quant)
+    except CacheError as e:
+        why_not = str(e)
     if not every(agree, manager is not None):  # a rank that cannot cache turns it off for all
         manager, why_not = None, why_not or "another rank cannot snapshot its layers"
     track = False
@@ -70,7 +81,10 @@ def open_model(provider, key, agree: Agreement, *, max_bytes: int, checkpoint_in
             manager, why_not = None, ("mlx-lm's batch path does not compute exact attention "
                                       "caches for padded rows of this model")
         track = not every(agree, recurrent_ok)
-    st = ModelState(key, manager, why_not=why_not, track_padding=track)
+    st = ModelState(key, manager, why_not=why_not, track_padding=track, target_entries=entries)
+    if draft is not None:
+        tv, dv = vocab_size(model), vocab_size(draft)
+        st.draft_vocab = dv if dv is not None and (tv is None or dv < tv) else None
     if manager is None:
         log.warning("mlx_kvcache: prompt caching is off for this model: %s", why_not)
         return st
@@ -84,6 +98,16 @@ def open_model(provider, key, agree: Agreement, *, max_bytes: int, checkpoint_in
     if cache_dir is not None:
         _open_store(st, provider, key, agree, cache_dir, max_disk_bytes, sharding)
     return st
+
+
+def _quantization(args) -> Optional[KVQuantization]:
+    """mlx-lm's ``--kv-bits`` / ``--kv-group-size`` / ``--quantized-kv-start`` as the
+    canonical schedule (`KVQuantization`; raises `CacheError` when invalid)."""
+    bits = getattr(args, "kv_bits", None)
+    if bits is None:
+        return None
+    return KVQuantization(bits, getattr(args, "kv_group_size", 64),
+                          getattr(args, "quantized_kv_start", 5000))
 
 
 def _padding_exact(model, agree):
@@ -110,15 +134,22 @@ def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes,
     mgr = st.manager
     path = key[0] if isinstance(key, tuple) else key
     adapter = key[1] if isinstance(key, tuple) and len(key) > 1 else None
+    draft = key[2] if isinstance(key, tuple) and len(key) > 2 else None
     try:
         if path and os.path.isdir(str(path)):
             fp = directory_fingerprint(path, adapter, cache_root=cache_dir)
         else:  # a hub id: the loaded weights themselves
             fp = model_fingerprint(provider.model, provider.tokenizer)
+        if getattr(provider, "draft_model", None) is not None:  # nodes hold both models' layers
+            if draft and os.path.isdir(str(draft)):
+                dfp = directory_fingerprint(draft, cache_root=cache_dir)
+            else:
+                dfp = model_fingerprint(provider.draft_model)
+            fp = hashlib.sha256(f"target {fp}\ndraft {dfp}\n".encode()).hexdigest()
         if agree.size > 1:  # this rank's shard of this plan: its own directory
             fp = hashlib.sha256(f"{fp}|{sharding}".encode()).hexdigest()
-        st.store = PersistentStore(mgr.trie, layer_signature(mgr.ops), cache_dir, fp,
-                                   max_disk_bytes, keep=mgr.keep, agree=agree)
+        st.store = PersistentStore(mgr.trie, layer_signature(mgr.ops, mgr.kv_quant), cache_dir,
+                                   fp, max_disk_bytes, keep=mgr.keep, agree=agree)
     except Exception as e:  # fail-open: the server runs without a disk tier
         log.warning("mlx_kvcache: the prompt cache will not persist: %s", e)
         st.store = None

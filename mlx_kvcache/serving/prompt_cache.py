@@ -28,30 +28,20 @@ import json
 import logging
 import os
 import struct
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..prefix.agreement import SOLO, Agreement, every
-from ..prefix.stats import human_bytes
+from ..prefix.explain import Explainer, Reuse
+from . import sequential
 from .model_state import ModelState, open_model
 from .native import from_native, to_native
 from .padding import was_padded
+from .recent import RequestLog
 
 __all__ = ["TriePromptCache"]
 
 log = logging.getLogger("mlx_kvcache")
 _STATS = struct.Struct("<qqqqqq")  # bytes held, nodes, disk bytes, evicted, requests, cached
-
-
-@dataclass
-class _Fetch:
-    """What a fetch did, kept until the request's final insert logs it."""
-
-    prompt: List[int]
-    matched: int
-    cached: int
-    reason: Optional[str]
 
 
 class TriePromptCache:
@@ -85,9 +75,10 @@ class TriePromptCache:
         self.requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.clears = 0
         self._model: Optional[ModelState] = None
-        self._fetches: "OrderedDict[int, _Fetch]" = OrderedDict()
-        self._seq = 0
+        self._log = RequestLog()
+        self._explainer = Explainer()
         self._told: List[str] = []
         self._told_padded = False
         self._ranks: List[Tuple[int, ...]] = []  # every rank's counters, as last shared
@@ -101,6 +92,7 @@ class TriePromptCache:
             self.provider, model_key, self.agree, max_bytes=self.max_bytes,
             checkpoint_interval=self.checkpoint_interval, pre_end_margin=self.pre_end_margin,
             cache_dir=self.cache_dir, max_disk_bytes=self.max_disk_bytes, sharding=self.sharding)
+        self._explainer = Explainer(_decoder(getattr(self.provider, "tokenizer", None)))
         self._share_stats()
         return self._model
 
@@ -143,52 +135,119 @@ class TriePromptCache:
             st = self._state(model_key)
             if st.manager is None or not st.manager.whole_state or len(tokens) < 2:
                 return []
+            if sequential.current() is not None:
+                return []  # the sequential fetch plans (and takes) its own stops
             return st.manager.preview(tokens).stops
         return self._guard("planning checkpoints", plan, [])
 
     def _fetch(self, model_key, tokens: List[int]) -> Tuple[Optional[List[Any]], List[int]]:
         st = self._state(model_key)
+        seq = sequential.current()
         if st.manager is None or not tokens:
+            self._log.fetched(tokens, 0, 0, "sequential" if seq else "batch",
+                              self._off(st, tokens))
             return None, tokens
-        live, plan = st.manager.checkout(tokens)
-        st.manager.forget(live)  # the server owns these caches from here on
+        mgr = st.manager
+        live, plan = mgr.checkout(tokens)
         self.requests += 1
         self.prompt_tokens += len(tokens)
-        self.cached_tokens += plan.restored
-        self._seq += 1
-        self._fetches[self._seq] = _Fetch(tokens, plan.matched, plan.restored, plan.reason)
-        while len(self._fetches) > 256:
-            self._fetches.popitem(last=False)
-        if plan.restored == 0 and not st.track_padding:
-            return None, tokens
-        # Tracking batch padding needs our recurrent class in every row, a miss included.
-        return to_native(live.caches, st.track_padding), tokens[plan.restored:]
+        if seq is None:
+            mgr.forget(live)  # the server owns these caches from here on
+            self._fetched(st, tokens, plan, plan.restored, "batch")
+            if plan.restored == 0 and not st.track_padding:
+                return None, tokens
+            # Tracking batch padding needs our recurrent class in every row, a miss included.
+            return to_native(live.caches, st.track_padding), tokens[plan.restored:]
+        try:
+            handed = self._sequential(st, live, plan, tokens, seq)
+        finally:
+            mgr.forget(live)
+        return to_native(live.caches), tokens[handed:]
+
+    def _fetched(self, st: ModelState, tokens, plan, restored: int, path: str) -> None:
+        self.cached_tokens += restored
+        mgr = st.manager
+        reuse = mgr.peek(lambda: self._explainer.explain(
+            mgr.trie, tokens, plan.matched, restored, plan.reason, mgr.ops,
+            mgr.evicted_bytes, self.clears))
+        self._log.fetched(tokens, plan.matched, restored, path, reuse)
+
+    @staticmethod
+    def _off(st: Optional[ModelState], tokens) -> Optional[Reuse]:
+        why = st.why_not if st is not None and st.why_not else "the prompt cache is off"
+        return Reuse("off", 0, len(tokens), None, "", "", "", f"caching is off: {why}")
+
+    def _sequential(self, st: ModelState, live, plan, key: List[int],
+                    seq: "sequential.SequentialRequest") -> int:
+        """Prefill a sequential request through its planned stops (see `sequential`);
+        returns the offset its caches are handed over at."""
+        mgr, start, stops = st.manager, plan.restored, list(plan.stops)
+        quant, n = mgr.kv_quant, len(key)
+        if quant is not None and start < n - 1 < quant.start:
+            # Decoding will switch to quantized rows at the start: store the prompt's rows
+            # before that happens (a repeat needs them unquantized).
+            stops = sorted(set(stops) | {n - 1})
+        runs = sequential.image_runs(key) if seq.vision is not None else []
+        if runs:
+            for a, b in runs:  # never a part of an image: mlx-lm would feed it twice
+                if a < start < b:
+                    if not all(c.restore(None, a) for c in live.leaves):
+                        live.reset()
+                        a = 0
+                    start = a
+                    break
+            stops = [s for s in stops if start < s <= runs[0][0]]  # text only
+        self._fetched(st, key, plan, start, "sequential")
+        seq.restored = seq.handed = start
+        prompt = seq.prompt if seq.prompt is not None and len(seq.prompt) == len(key) else key
+        provider = self.provider
+        nt = st.target_entries
+
+        def checkpoint(at: int) -> bool:
+            return mgr.checkpoint(live, key[:at])
+        seq.handed = sequential.prefill(
+            live, provider.model, getattr(provider, "draft_model", None), nt, prompt, start,
+            stops, step=seq.prefill_step, checkpoint=checkpoint, progress=seq.progress,
+            draft_vocab=st.draft_vocab, stream=seq.stream)
+        return seq.handed
 
     def _insert(self, model_key, tokens: List[int], prompt_cache: List[Any], cache_type: str) -> None:
         st = self._state(model_key)
         if st.manager is None or not tokens:
             return
-        caches = from_native(prompt_cache, len(tokens))
+        seq = sequential.current()
+        note, key = "", tokens
+        if seq is not None and seq.absorbed is not None:
+            # A draft-model generation: its caches hold a prefix of the key (both models
+            # at one committed offset), or nothing consistent (-1).
+            tokens = tokens[: max(seq.absorbed, 0)]
+            if seq.stats.drafted_tokens:
+                note = (f" | drafted {seq.stats.drafted_tokens} accepted "
+                        f"{seq.stats.accepted_tokens}")
+        caches = from_native(prompt_cache, len(tokens), st.manager.kv_quant) if tokens else None
         if caches is not None and st.track_padding and was_padded(prompt_cache):
             caches = None  # mlx-lm computed this row's recurrent state over its padding
             if not self._told_padded:
                 self._told_padded = True
                 log.info("mlx_kvcache: not storing a recurrent state computed in a padded "
                          "batch row (said once)")
-        elif caches is None:
+        elif caches is None and tokens:
             kinds = sorted({type(c).__name__ for c in prompt_cache})
             if kinds != self._told:  # once per kind of cache, not once per request
                 self._told = kinds
                 log.warning("mlx_kvcache: not caching: a %s cache list does not hold exactly "
-                            "the tokens it is stored under, or cannot be snapshotted (e.g. "
-                            "--kv-bits quantized caches)", "/".join(kinds))
+                            "the tokens it is stored under, or cannot be snapshotted",
+                            "/".join(kinds))
         if not every(self.agree, caches is not None):
+            self._log_request(st, key, note + " | not stored")
             return
         node = st.manager.record(caches, tokens)
         if node is not None:
             st.types[node] = cache_type
+            mgr = st.manager
+            self._explainer.remember(tokens, mgr.evicted_bytes, self.clears)
         self._share_stats()
-        self._log_request(st, tokens)
+        self._log_request(st, key, note)
         if st.writer is not None:
             try:
                 plan = st.manager.run(st.store.capture)
@@ -267,6 +326,7 @@ class TriePromptCache:
             "evicted_bytes": evicted, "checkpoint_interval": self.checkpoint_interval,
             "cache_dir": str(st.store.directory()) if st and st.store else None,
             "enabled": bool(st and st.manager),
+            "recent": self._log.listing(),
         }
         if st is not None and st.manager is None:
             out["disabled_because"] = st.why_not
@@ -293,6 +353,7 @@ class TriePromptCache:
                                 "disk_cleared": True}
         if st is not None and st.manager is not None:
             st.manager.clear()
+            self.clears += 1
             if st.store is not None:
                 mine["directory"] = str(st.store.directory())
                 try:
@@ -334,22 +395,17 @@ class TriePromptCache:
             st.store.close()
 
     # -- the request log line -------------------------------------------------------------
-    def _log_request(self, st: ModelState, tokens: List[int]) -> None:
+    def _log_request(self, st: ModelState, tokens: List[int], extra: str = "") -> None:
         """One line per request, at its final insert (prompt plus answer)."""
-        hit = None
-        for key, f in reversed(self._fetches.items()):
-            if len(tokens) >= len(f.prompt) and tokens[: len(f.prompt)] == f.prompt:
-                hit = key
-                break
-        if hit is None:
-            return
-        f = self._fetches.pop(hit)
         mgr = st.manager
         held = mgr.peek(lambda: mgr.trie.nbytes)
-        where = f"rank {self.agree.rank} | " if self.agree.size > 1 else ""
-        line = (f"[cache] {where}prompt {len(f.prompt)} tok | cached {f.cached} | prefilled "
-                f"{len(f.prompt) - f.cached} | answer {len(tokens) - len(f.prompt)} tok | "
-                f"held {human_bytes(held)} of {human_bytes(self.max_bytes)}")
-        if f.matched > f.cached + 1 and f.reason:
-            line += f" (matched {f.matched}: {f.reason})"
-        log.info(line)
+        self._log.finished(tokens, held, self.max_bytes,
+                           self.agree.rank if self.agree.size > 1 else None, extra)
+
+
+def _decoder(tokenizer):
+    """Token ids to text for the miss explanations (None: show ids)."""
+    decode = getattr(tokenizer, "decode", None)
+    if decode is None:
+        return None
+    return lambda ids: decode(ids, skip_special_tokens=False)
