@@ -326,6 +326,10 @@ class TriePromptCache:
             "evicted_bytes": evicted, "checkpoint_interval": self.checkpoint_interval,
             "cache_dir": str(st.store.directory()) if st and st.store else None,
             "enabled": bool(st and st.manager),
+            # the layers each node holds (with a draft model: the target's, then the draft's)
+            "layers": len(st.manager.ops) if st and st.manager else 0,
+            "kv_bits": st.manager.kv_quant.signature()[1:] if st and st.manager
+            and st.manager.kv_quant else None,
             "recent": self._log.listing(),
         }
         if st is not None and st.manager is None:

@@ -153,11 +153,25 @@ def _speculative(model, tokenizer, rest: List[int], max_tokens: int, draft, stre
 
     def hand_back() -> None:
         cache[:] = to_native(ours)  # the server inserts this very list
-    return _responses(spec, tokenizer, len(rest), max_tokens, stream, tic, req, hand_back)
+
+    def absorb_last() -> List[int]:
+        # mlx-lm's decoding has absorbed every token it emitted (it runs a step ahead),
+        # and its server stores them all: so do we, for a next turn that reuses as much.
+        tc, dc = lists()
+        x = mx.array(spec.seq[-1:])[None]
+        model(x, cache=tc)
+        settle(tc, 1)
+        draft(clamp_ids(x, draft_vocab), cache=dc)
+        settle(dc, 1)
+        mx.eval(cache_arrays(leaf_caches(ours)))
+        return spec.seq
+    return _responses(spec, tokenizer, len(rest), max_tokens, stream, tic, req, hand_back,
+                      absorb_last)
 
 
 def _responses(spec, tokenizer, prompt_size: int, max_tokens: int, stream, tic, req,
-               hand_back: Callable[[], None]) -> Iterator[GenerationResponse]:
+               hand_back: Callable[[], None],
+               absorb_last: Callable[[], List[int]]) -> Iterator[GenerationResponse]:
     detok = tokenizer.detokenizer
     detok.reset()
     eos = tokenizer.eos_token_ids
@@ -192,6 +206,8 @@ def _responses(spec, tokenizer, prompt_size: int, max_tokens: int, stream, tic, 
         try:
             with mx.stream(stream):
                 held, ok = spec.finish(complete)
+                if ok and complete and len(held) == len(spec.seq) - 1:
+                    held = absorb_last()
             req.absorbed = len(held) if ok else -1
         finally:
             hand_back()
