@@ -88,21 +88,19 @@ def excerpt(ids: Sequence[int], decode: Optional[Decode], left: bool = False) ->
     ids = [int(t) for t in ids]
     if not ids:
         return ""
-    if decode is None:
-        text = "[" + " ".join(map(str, ids)) + "]"
-    else:
-        parts = []
-        for neg, run in itertools.groupby(ids, key=lambda t: t < 0):
-            run = list(run)
-            if neg:
-                parts.append("<image>")
-                continue
-            try:
-                parts.append(decode(run))
-            except Exception:  # a tokenizer that cannot decode these ids: show them
-                parts.append("[" + " ".join(map(str, run)) + "]")
-        text = "".join(parts)
-    text = _escape(text)
+    parts = []
+    for neg, group in itertools.groupby(ids, key=lambda t: t < 0):
+        run = list(group)
+        if neg:
+            parts.append("<image>")
+            continue
+        try:
+            if decode is None:
+                raise TypeError
+            parts.append(_escape(decode(run)))
+        except Exception:  # no tokenizer, or one that cannot decode these ids: show them
+            parts.append("[" + " ".join(map(str, run)) + "]")
+    text = "".join(parts)
     if len(text) > CHARS:
         text = text[-CHARS:] if left else text[:CHARS]
     return text

@@ -144,8 +144,9 @@ class TriePromptCache:
         st = self._state(model_key)
         seq = sequential.current()
         if st.manager is None or not tokens:
+            why = st.why_not or "the prompt cache is off"
             self._log.fetched(tokens, 0, 0, "sequential" if seq else "batch",
-                              self._off(st, tokens))
+                              Reuse("off", 0, len(tokens), None, "", "", "", f"caching is off: {why}"))
             return None, tokens
         mgr = st.manager
         live, plan = mgr.checkout(tokens)
@@ -172,42 +173,19 @@ class TriePromptCache:
             mgr.evicted_bytes, self.clears))
         self._log.fetched(tokens, plan.matched, restored, path, reuse)
 
-    @staticmethod
-    def _off(st: Optional[ModelState], tokens) -> Optional[Reuse]:
-        why = st.why_not if st is not None and st.why_not else "the prompt cache is off"
-        return Reuse("off", 0, len(tokens), None, "", "", "", f"caching is off: {why}")
-
     def _sequential(self, st: ModelState, live, plan, key: List[int],
                     seq: "sequential.SequentialRequest") -> int:
-        """Prefill a sequential request through its planned stops (see `sequential`);
-        returns the offset its caches are handed over at."""
-        mgr, start, stops = st.manager, plan.restored, list(plan.stops)
-        quant, n = mgr.kv_quant, len(key)
-        if quant is not None and start < n - 1 < quant.start:
-            # Decoding will switch to quantized rows at the start: store the prompt's rows
-            # before that happens (a repeat needs them unquantized).
-            stops = sorted(set(stops) | {n - 1})
-        runs = sequential.image_runs(key) if seq.vision is not None else []
-        if runs:
-            for a, b in runs:  # never a part of an image: mlx-lm would feed it twice
-                if a < start < b:
-                    if not all(c.restore(None, a) for c in live.leaves):
-                        live.reset()
-                        a = 0
-                    start = a
-                    break
-            stops = [s for s in stops if start < s <= runs[0][0]]  # text only
+        """Prefill a sequential request through its stops (see `sequential`); returns the
+        offset its caches are handed over at."""
+        mgr = st.manager
+        start, stops = sequential.plan_stops(live, plan, key, seq, mgr.kv_quant)
         self._fetched(st, key, plan, start, "sequential")
         seq.restored = seq.handed = start
         prompt = seq.prompt if seq.prompt is not None and len(seq.prompt) == len(key) else key
-        provider = self.provider
-        nt = st.target_entries
-
-        def checkpoint(at: int) -> bool:
-            return mgr.checkpoint(live, key[:at])
         seq.handed = sequential.prefill(
-            live, provider.model, getattr(provider, "draft_model", None), nt, prompt, start,
-            stops, step=seq.prefill_step, checkpoint=checkpoint, progress=seq.progress,
+            live, self.provider.model, getattr(self.provider, "draft_model", None),
+            st.target_entries, prompt, start, stops, step=seq.prefill_step,
+            checkpoint=lambda at: mgr.checkpoint(live, key[:at]), progress=seq.progress,
             draft_vocab=st.draft_vocab, stream=seq.stream)
         return seq.handed
 

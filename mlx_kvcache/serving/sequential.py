@@ -34,7 +34,8 @@ from ..caches import cache_arrays, settle
 from ..generation.speculative import clamp_ids
 from ..prefix.stats import RequestStats
 
-__all__ = ["SequentialRequest", "current", "serving", "image_runs", "prefill"]
+__all__ = ["SequentialRequest", "current", "serving", "image_runs", "outside_images", "plan_stops",
+           "prefill"]
 
 _local = threading.local()
 
@@ -95,6 +96,36 @@ def image_runs(key: Sequence[int]) -> List[Tuple[int, int]]:
     if start is not None:
         runs.append((start, len(key)))
     return runs
+
+
+def plan_stops(live, plan, key: Sequence[int], seq: SequentialRequest,
+          quant: Any = None) -> Tuple[int, List[int]]:
+    """``(start, stops)`` of a sequential request restored by ``plan`` onto ``live``: the
+    plan's stops, plus the prompt's end when decoding will cross ``quant``'s start (its
+    rows must be stored before they are quantized); with images, text ones only, and
+    never a start inside an image (`outside_images`)."""
+    start, out, n = plan.restored, list(plan.stops), len(key)
+    if quant is not None and start < n - 1 < quant.start:
+        out = sorted(set(out) | {n - 1})
+    runs = image_runs(key) if seq.vision is not None else []
+    if runs:
+        start = outside_images(live, start, runs)
+        out = [s for s in out if start < s <= runs[0][0]]
+    return start, out
+
+
+def outside_images(live, start: int, runs: Sequence[Tuple[int, int]]) -> int:
+    """``live`` restored to ``start``, moved back to the beginning of the image ``start``
+    falls inside of, if any (every layer rewinds live, or all start over from 0): mlx-lm
+    counts an image as cached only when its first patch is, and would feed the rest of a
+    part-cached image again. Returns the offset ``live`` holds."""
+    for a, b in runs:
+        if a < start < b:
+            if not all([c.restore(None, a) for c in live.leaves]):
+                live.reset()
+                return 0
+            return a
+    return start
 
 
 def prefill(live, model, draft, target_entries: int, tokens: Sequence[int], start: int,

@@ -26,7 +26,7 @@ With ``--kv-bits`` both models switch to quantized rows exactly at ``quantized_k
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
