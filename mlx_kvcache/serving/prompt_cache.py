@@ -161,6 +161,9 @@ class TriePromptCache:
             return to_native(live.caches, st.track_padding), tokens[plan.restored:]
         try:
             handed = self._sequential(st, live, plan, tokens, seq)
+        except Exception:
+            seq.restored = seq.handed = 0  # mlx-lm recomputes the prompt (see `_guard`)
+            raise
         finally:
             mgr.forget(live)
         return to_native(live.caches), tokens[handed:]
