@@ -129,9 +129,12 @@ def drafting(log: Path):
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     out = {k: write_model_dir(root / k, k)
-           for k in ("llama", "qwen3_5", "llama_hd32", "llama4", "qwen3_next")}
+           for k in ("llama", "qwen3_5", "gemma3_text", "llama_hd32", "llama4", "qwen3_next")}
+    # noisy copies: drafts that agree with their target on some tokens only
     out["llama_draft"] = write_draft_dir(root / "llama_draft", out["llama"], sigma=0.3)
     out["qwen3_5_draft"] = write_draft_dir(root / "qwen3_5_draft", out["qwen3_5"], sigma=0.3)
+    out["gemma3_text_draft"] = write_draft_dir(root / "gemma3_draft", out["gemma3_text"],
+                                               sigma=0.05)
     out["hd32_draft"] = write_draft_dir(root / "hd32_draft", out["llama_hd32"], sigma=0.3)
     out["paged"] = write_paged_model_dir(root / "paged")
     return out
@@ -166,16 +169,22 @@ def test_draft_model_llama_same_as_plain_decoding_and_cached(dirs, tmp_path):
     restart_hits(d, tmp_path, cache, ours[0], "--draft-model", str(dd))
 
 
-def test_draft_model_on_a_hybrid_where_stock_raises(dirs, tmp_path):
+@pytest.mark.parametrize("kind", ["qwen3_5", "gemma3_text"])
+def test_draft_model_where_stock_raises_or_is_wrong(kind, dirs, tmp_path):
     """A hybrid target with a hybrid draft: stock refuses ("requires a trimmable prompt
-    cache"); ours answers as plain decoding does, reusing checkpoints of both models."""
-    d, dd = dirs["qwen3_5"], dirs["qwen3_5_draft"]
-    with Server.stock(d, tmp_path / "stock_draft.log", tmp_path, "--draft-model", str(dd)) as s:
-        with pytest.raises(Exception):
-            s.chat(REQUESTS[0], max_tokens=TOKENS)
-    assert "trimmable" in (tmp_path / "stock_draft.log").read_text()
+    cache"). A sliding-window model whose window wraps: stock trims rows the window lost and
+    answers wrongly. Ours answer as plain decoding does, reusing checkpoints of both models."""
+    d, dd = dirs[kind], dirs[kind + "_draft"]
     with Server.stock(d, tmp_path / "plain.log", tmp_path) as s:
         plain, _ = play(s)
+    with Server.stock(d, tmp_path / "stock_draft.log", tmp_path, "--draft-model", str(dd)) as s:
+        if kind == "qwen3_5":
+            with pytest.raises(Exception):
+                s.chat(REQUESTS[0], max_tokens=TOKENS)
+            assert "trimmable" in (tmp_path / "stock_draft.log").read_text()
+        else:
+            with pytest.raises(AssertionError):
+                same_answer(plain[0], s.chat(REQUESTS[0], max_tokens=TOKENS))
     cache, log = tmp_path / "cache", tmp_path / "ours.log"
     with Server.ours(d, log, tmp_path, "--cache-dir", str(cache), "--draft-model", str(dd),
                      "--checkpoint-interval", "16") as s:
@@ -186,7 +195,7 @@ def test_draft_model_on_a_hybrid_where_stock_raises(dirs, tmp_path):
     check_reuse(ours, plain, report)
     at = divergence(d)  # inside the long message: exact the second time
     assert cached(ours)[DIVERGED] == at and cached(ours)[DIVERGED - 1] >= at - 16, cached(ours)
-    assert report["layers"] == 6
+    assert report["layers"] == {"qwen3_5": 6, "gemma3_text": 8}[kind]
     spec = drafting(log)
     assert 0 < sum(a for _, a in spec) < sum(d for d, _ in spec), spec
     restart_hits(d, tmp_path, cache, ours[0], "--draft-model", str(dd), "--checkpoint-interval",

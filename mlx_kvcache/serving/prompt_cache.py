@@ -225,8 +225,8 @@ class TriePromptCache:
         node = st.manager.record(caches, tokens)
         if node is not None:
             st.types[node] = cache_type
-            mgr = st.manager
-            self._explainer.remember(tokens, mgr.evicted_bytes, self.clears)
+            if cache_type == "assistant":  # a request's end (segment ends are its prefixes)
+                self._explainer.remember(tokens, st.manager.evicted_bytes, self.clears)
         self._share_stats()
         self._log_request(st, key, note)
         if st.writer is not None:

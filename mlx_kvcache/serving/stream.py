@@ -52,7 +52,7 @@ def make_stream_generate(original: Callable) -> Callable:
             if req.ctx is not None:  # usage: what the cache gave, not what the fetch computed
                 req.ctx.prompt_cache_count = req.restored
             done = len(req.prompt) - len(rest)
-            if draft_model is not None:
+            if draft_model is not None and max_tokens != 0:  # (0: mlx-lm's own error)
                 return _speculative(model, tokenizer, list(rest), max_tokens, draft_model,
                                     stream, kwargs, req)
             kwargs = dict(kwargs)
