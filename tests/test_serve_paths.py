@@ -167,6 +167,10 @@ def test_draft_model_llama_same_as_plain_decoding_and_cached(dirs, tmp_path):
     assert len(spec) == len(REQUESTS)
     assert 0 < sum(a for _, a in spec) < sum(d for d, _ in spec), spec  # accepts and rejects
     restart_hits(d, tmp_path, cache, ours[0], "--draft-model", str(dd))
+    # the disk cache is keyed on both models: another draft never reads it
+    with Server.ours(d, tmp_path / "other.log", tmp_path, "--cache-dir", str(cache),
+                     "--draft-model", str(dirs["hd32_draft"])) as s:
+        assert answer(s.chat(REQUESTS[0], max_tokens=TOKENS))[2] == 0
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "gemma3_text"])
@@ -344,3 +348,14 @@ def test_seeded_hybrid_requests_checkpoint_and_misses_are_explained(dirs, tmp_pa
     text = log.read_text()
     assert f'diverged at {at}: cached "…{reuse["before"]}|1a2b3c' in text
     restart_hits(d, tmp_path, cache, ours[0], "--checkpoint-interval", "16")
+
+
+def test_the_seam_swaps_stream_generate_only_while_serving():
+    from mlx_lm import server as S
+
+    from mlx_kvcache.serving import seam
+
+    before = S.stream_generate
+    with seam.patched(lambda parser: None, lambda *a, **k: None, ["mlx-kvcache serve"]):
+        assert S.stream_generate is not before and S.stream_generate.__wrapped__ is before
+    assert S.stream_generate is before
