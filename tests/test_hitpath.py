@@ -162,7 +162,7 @@ def test_request_log_line_finds_its_fetch_among_several(caplog):
     assert len(lines) == 2  # the segment inserts log nothing
     assert lines[0].startswith(f"[cache] prompt {len(b)} tok") and "answer 3 tok" in lines[0]
     assert lines[1].startswith(f"[cache] prompt {len(a)} tok")
-    assert not pc._fetches
+    assert not pc._log._pending
 
 
 def _prefix_cache(m, tokens):

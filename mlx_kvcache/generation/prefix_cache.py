@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..caches import CacheError, KVQuantization, make_prompt_cache
+from ..prefix.explain import Explainer
 from ..prefix.manager import PrefixManager
 from ..prefix.stats import CacheStats, RequestStats
 from . import request, sizing, validation
@@ -156,6 +157,8 @@ class PrefixCache(Persistence):
         self._stats_lock = threading.Lock()
         self._stats = CacheStats(max_bytes=budget)
         self.last_request: Optional[RequestStats] = None
+        self._explainer = Explainer()
+        self._clears = 0
         self.vocab_size = validation.model_vocab_size(model)
         #: The target's vocabulary (a wider draft never proposes past it), and the draft's
         #: when it is smaller: ids the draft lacks are fed to it clamped (it only proposes;
@@ -229,8 +232,21 @@ class PrefixCache(Persistence):
         s.bytes_held = s.snapshot_bytes + s.live_bytes
         return s
 
-    def _account(self, st: RequestStats) -> None:
+    def _explain(self, tokenizer, tokens, plan):
+        """Where a request's reuse stops and why (`RequestStats.reuse`)."""
+        mgr = self.manager
+        decode = getattr(tokenizer, "decode", None)
+        try:
+            return mgr.peek(lambda: self._explainer.explain(
+                mgr.trie, tokens, plan.matched, plan.restored, plan.reason, mgr.ops,
+                mgr.evicted_bytes, self._clears, decode=decode))
+        except Exception:  # an explanation never fails a request
+            return None
+
+    def _account(self, st: RequestStats, stored: Optional[Sequence[int]] = None) -> None:
         # Called once per request when it ends (inside the manager's critical section).
+        if stored is not None and self.manager is not None:
+            self._explainer.remember(stored, self.manager.evicted_bytes, self._clears)
         st.cache_bytes = self.manager.nbytes if self.manager else 0
         with self._stats_lock:
             self._stats.add(st)
@@ -341,3 +357,4 @@ class PrefixCache(Persistence):
         correctly (they own their caches) but record nothing."""
         if self.manager:
             self.manager.clear()
+            self._clears += 1

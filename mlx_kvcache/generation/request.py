@@ -97,6 +97,7 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
         stats.matched_tokens, stats.restored_tokens = plan.matched, plan.restored
         stats.disk_tokens = plan.from_disk
         stats.reason = plan.reason
+        stats.reuse = pc._explain(tokenizer, tokens, plan)
         start, stops = plan.restored, plan.stops
     sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
 
@@ -233,6 +234,8 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
             feed.fed, _ = engine.run(spec.finish, stats.finish_reason is not None)
             feed.pending = []
         if live is not None:
-            mgr.checkin(live, feed.fed, feed.pending, on_done=lambda _: pc._account(stats))
+            fed = feed.fed
+            mgr.checkin(live, fed, feed.pending,
+                        on_done=lambda recorded: pc._account(stats, fed if recorded else None))
         else:
             pc._account(stats)

@@ -261,8 +261,11 @@ class PrefixManager(Budget):
             snaps = [c.snapshot(m) for c in live.leaves]
             parent = node
             node = self.trie.add_child(parent, seq[m:], snaps)
+            q = self.kv_quant
             if (parent is not self.trie.root and len(parent.children) == 1
-                    and parent not in self.keep and len(parent.tokens) < self.merge_below):
+                    and parent not in self.keep and len(parent.tokens) < self.merge_below
+                    # merging would quantize unquantized rows that targets <= start need
+                    and (q is None or not parent.end <= q.start < node.end)):
                 node = self.trie.merge_with_child(parent)
         self.trie.touch(node)
         if keep and (self.whole_state or (self.kv_quant is not None and o == self.kv_quant.start)):

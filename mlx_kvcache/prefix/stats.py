@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -45,6 +45,9 @@ class RequestStats:
     #: Tokens fed to the target a second time because a layer that cannot rewind was
     #: restored from its pre-verify snapshot.
     replayed_tokens: int = 0
+    #: Where reuse stopped and why: the divergence, the text on both sides of it, the rule
+    #: that cost tokens (`mlx_kvcache.prefix.explain.Reuse`; None without a trie).
+    reuse: Optional[Any] = None
 
     @property
     def reused_tokens(self) -> int:

@@ -27,6 +27,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from mlx_lm.server import GenerationContext, ResponseGenerator
 
+from . import sequential
 from .lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
 from .validation import generation_problem
 
@@ -55,17 +56,22 @@ def split_segments(segments: List[List[int]], types: List[str],
     return out, out_types
 
 
-class _KeepGoing:
-    """A sequential request's answer queue on a sharded model: the request runs to its end
-    even when its client leaves (its output is dropped). mlx-lm stops it on rank 0 only
+class _SequentialQueue:
+    """A sequential request's answer queue: hands the request's `GenerationContext` to the
+    prompt cache's view of it (`sequential.SequentialRequest`: usage reports what the cache
+    restored). On a sharded model (``keep_going``) the request also runs to its end when
+    its client leaves (its output is dropped): mlx-lm stops it on rank 0 only
     (NotImplementedError), which leaves the other ranks one request behind, hung."""
 
-    def __init__(self, queue: Queue) -> None:
-        self._queue = queue
+    def __init__(self, queue: Queue, request: "sequential.SequentialRequest",
+                 keep_going: bool = False) -> None:
+        self._queue, self._request, self._keep_going = queue, request, keep_going
 
     def put(self, item, *args, **kwargs) -> None:
         if isinstance(item, GenerationContext):
-            item.stop = lambda: None  # the handler's ``ctx.stop()`` must not stop rank 0 alone
+            self._request.ctx = item
+            if self._keep_going:
+                item.stop = lambda: None  # the handler's ``ctx.stop()`` must not stop rank 0 alone
         self._queue.put(item, *args, **kwargs)
 
 
@@ -95,6 +101,10 @@ class ServerResponseGenerator(ResponseGenerator):
         if problem:
             raise ValueError(problem)
         self._make_state_machine(self.model_provider.model_key, tokenizer, args.stop_words)
+        seq = sequential.current()
+        if seq is not None:  # the sequential fetch plans its own stops
+            seq.prompt, seq.vision = prompt, vision
+            return prompt, segments, types, state, vision
         checkpoints = getattr(self.prompt_cache, "checkpoints", None)
         if vision is None and checkpoints is not None and self.model_provider.model is not None:
             cuts = checkpoints(self.model_provider.model_key, prompt)
@@ -103,10 +113,15 @@ class ServerResponseGenerator(ResponseGenerator):
         return prompt, segments, types, state, vision
 
     def _serve_single(self, request, stream):
-        if self._is_distributed:
-            rqueue, req, args = request
-            request = (_KeepGoing(rqueue), req, args)
-        super()._serve_single(request, stream)
+        # The fetch inside is sequential: it prefills through the planned stops, storing
+        # the caches at each, reporting progress on the request's queue (`sequential`).
+        rqueue, req, args = request
+        seq = sequential.SequentialRequest(
+            progress=lambda done, total: rqueue.put((done, total)), stream=stream,
+            prefill_step=int(getattr(self.cli_args, "prefill_step_size", None) or 2048))
+        with sequential.serving(seq):
+            super()._serve_single((_SequentialQueue(rqueue, seq, self._is_distributed), req, args),
+                                  stream)
 
     # -- commands shared with every rank ------------------------------------------------------
     def _next_request(self, timeout=None):

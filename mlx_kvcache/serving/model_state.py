@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..caches import CacheError, layer_signature, make_prompt_cache
+from ..caches import CacheError, KVQuantization, layer_signature, make_prompt_cache
 from ..generation import sizing
 from ..prefix.agreement import Agreement, any_rank, every
 from ..prefix.manager import PrefixManager
@@ -43,6 +43,12 @@ class ModelState:
     #: The memory and disk budgets in force (defaults follow the model and the disk).
     max_bytes: int = 0
     max_disk_bytes: Optional[int] = None
+    #: Top-level cache entries of the target model: a cache list holds them, then the
+    #: draft model's (mlx-lm's layout for speculative decoding).
+    target_entries: int = 0
+    #: The draft model's vocabulary when smaller than the target's (ids it lacks are fed
+    #: to it clamped), else None.
+    draft_vocab: Optional[int] = None
 
 
 def open_model(provider, key, agree: Agreement, *, max_bytes: Optional[int],
@@ -52,19 +58,24 @@ def open_model(provider, key, agree: Agreement, *, max_bytes: Optional[int],
     """The state for the model ``provider`` just loaded under ``key``. ``max_bytes`` /
     ``max_disk_bytes`` None: the defaults (`generation.sizing`), said in the log."""
     model = provider.model
-    manager, why_not = None, None
+    draft = getattr(provider, "draft_model", None)
+    manager, why_not, quant, entries = None, None, None, 0
     if max_bytes is None:
-        max_bytes, why = sizing.default_ram_budget(sizing.model_bytes(model))
+        max_bytes, why = sizing.default_ram_budget(sizing.model_bytes(model, draft))
         log.info("mlx_kvcache: prompt cache memory budget %s (--prompt-cache-bytes)", why)
-    if getattr(provider, "draft_model", None) is not None:
-        why_not = "a draft model is loaded (speculative decoding caches two models)"
-    else:
-        try:
-            manager = PrefixManager(lambda: make_prompt_cache(model), max_bytes=max_bytes,
-                                    pre_end_margin=pre_end_margin,
-                                    snapshot_interval=checkpoint_interval)
-        except CacheError as e:
-            why_not = str(e)
+
+    def make_caches():
+        # With a draft model one node holds both models' layers (as `PrefixCache` does):
+        # a hit skips prefill on both, the budget counts both.
+        caches = make_prompt_cache(model)
+        return caches if draft is None else caches + make_prompt_cache(draft)
+    try:
+        quant = _quantization(getattr(provider, "cli_args", None))
+        entries = len(make_prompt_cache(model))
+        manager = PrefixManager(make_caches, max_bytes=max_bytes, pre_end_margin=pre_end_margin,
+                                snapshot_interval=checkpoint_interval, kv_quant=quant)
+    except CacheError as e:
+        why_not = str(e)
     if not every(agree, manager is not None):  # a rank that cannot cache turns it off for all
         manager, why_not = None, why_not or "another rank cannot snapshot its layers"
     track = False
@@ -77,11 +88,15 @@ def open_model(provider, key, agree: Agreement, *, max_bytes: Optional[int],
             manager, why_not = None, ("mlx-lm's batch path does not compute exact attention "
                                       "caches for padded rows of this model")
         track = not every(agree, recurrent_ok)
-    st = ModelState(key, manager, why_not=why_not, track_padding=track, max_bytes=max_bytes)
+    st = ModelState(key, manager, why_not=why_not, track_padding=track, max_bytes=max_bytes,
+                    target_entries=entries)
+    if draft is not None:
+        tv, dv = vocab_size(model), vocab_size(draft)
+        st.draft_vocab = dv if dv is not None and (tv is None or dv < tv) else None
     if manager is None:
         log.warning("mlx_kvcache: prompt caching is off for this model: %s", why_not)
         return st
-    _check_budget(model, max_bytes, checkpoint_interval)
+    _check_budget((model, draft), max_bytes, checkpoint_interval)
     if track:
         log.info("mlx_kvcache: mlx-lm's batch path computes wrong recurrent states for "
                  "padded rows of this model: states of requests batched with longer ones "
@@ -94,16 +109,28 @@ def open_model(provider, key, agree: Agreement, *, max_bytes: Optional[int],
     return st
 
 
-def _check_budget(model, max_bytes: int, interval: int) -> None:
-    """One warning when the budget cannot hold one checkpoint of this model."""
+def _check_budget(models, max_bytes: int, interval: int) -> None:
+    """One warning when the budget cannot hold one checkpoint of these models (a target
+    and its draft share each node)."""
     tokens = max(1, min(int(interval), 2048))
     try:
-        one = sizing.checkpoint_bytes(model, lambda: make_prompt_cache(model), tokens)
+        one = sum(sizing.checkpoint_bytes(m, lambda m=m: make_prompt_cache(m), tokens)
+                  for m in models if m is not None)
     except Exception:  # noqa: BLE001 - a model that cannot take one token: no advice
         return
     problem = sizing.budget_problem(max_bytes, one, tokens, live_counted=False)
     if problem:
         log.warning("mlx_kvcache: %s (--prompt-cache-bytes)", problem)
+
+
+def _quantization(args) -> Optional[KVQuantization]:
+    """mlx-lm's ``--kv-bits`` / ``--kv-group-size`` / ``--quantized-kv-start`` as the
+    canonical schedule (`KVQuantization`; raises `CacheError` when invalid)."""
+    bits = getattr(args, "kv_bits", None)
+    if bits is None:
+        return None
+    return KVQuantization(bits, getattr(args, "kv_group_size", 64),
+                          getattr(args, "quantized_kv_start", 5000))
 
 
 def _padding_exact(model, agree):
@@ -131,11 +158,18 @@ def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes,
     mgr = st.manager
     path = key[0] if isinstance(key, tuple) else key
     adapter = key[1] if isinstance(key, tuple) and len(key) > 1 else None
+    draft = key[2] if isinstance(key, tuple) and len(key) > 2 else None
     try:
         if path and os.path.isdir(str(path)):
             fp = directory_fingerprint(path, adapter, cache_root=cache_dir)
         else:  # a hub id: the loaded weights themselves
             fp = model_fingerprint(provider.model, provider.tokenizer)
+        if getattr(provider, "draft_model", None) is not None:  # nodes hold both models' layers
+            if draft and os.path.isdir(str(draft)):
+                dfp = directory_fingerprint(draft, cache_root=cache_dir)
+            else:
+                dfp = model_fingerprint(provider.draft_model)
+            fp = hashlib.sha256(f"target {fp}\ndraft {dfp}\n".encode()).hexdigest()
         if agree.size > 1:  # this rank's shard of this plan: its own directory
             fp = hashlib.sha256(f"{fp}|{sharding}".encode()).hexdigest()
         if cold_bits is not None:  # compressed snapshots: never served as exact ones
@@ -146,8 +180,9 @@ def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes,
                 cache_dir, sizing.own_bytes(d if d.is_dir() else None))
             log.info("mlx_kvcache: prompt cache disk budget %s (--max-disk-bytes)", why)
         st.max_disk_bytes = max_disk_bytes
-        st.store = PersistentStore(mgr.trie, layer_signature(mgr.ops), cache_dir, fp,
-                                   max_disk_bytes, keep=mgr.keep, agree=agree, cold_bits=cold_bits)
+        st.store = PersistentStore(mgr.trie, layer_signature(mgr.ops, mgr.kv_quant), cache_dir,
+                                   fp, max_disk_bytes, keep=mgr.keep, agree=agree,
+                                   cold_bits=cold_bits)
     except Exception as e:  # fail-open: the server runs without a disk tier
         log.warning("mlx_kvcache: the prompt cache will not persist: %s", e)
         st.store = None

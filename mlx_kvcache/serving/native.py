@@ -65,16 +65,20 @@ def _native(c: Any, track: bool = False) -> Any:
     return c.obj if isinstance(c, GenericCache) else c  # the model's own object
 
 
-def from_native(caches: List[Any], length: int) -> Optional[List[Any]]:
+def from_native(caches: List[Any], length: int, quant: Any = None) -> Optional[List[Any]]:
     """Our cache objects sharing the arrays of mlx-lm ``caches`` that hold ``length``
     tokens; None when a layer does not hold exactly ``length`` tokens (then nothing must
-    be stored from it)."""
+    be stored from it). ``quant`` (a `KVQuantization`): the schedule the server's
+    quantized caches follow (mlx-lm's class does not record it)."""
     ours = [convert(_untracked(c)) for c in caches]
     try:
         leaves = leaf_caches(ours)
     except CacheError:  # a class whose state cannot be snapshotted
         return None
     for c in leaves:
+        if (isinstance(c, QuantizedKVCache) and quant is not None and c.quantized_kv_start < 0
+                and (c.bits, c.group_size) == (quant.bits, quant.group_size)):
+            c.quantized_kv_start = quant.start
         if isinstance(c, RecurrentCache):
             if c.empty() or c.lengths is not None or c.left_padding is not None:
                 return None  # a batch row's padding bookkeeping: not a single sequence

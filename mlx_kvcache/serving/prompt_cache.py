@@ -33,34 +33,23 @@ import json
 import logging
 import os
 import struct
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..prefix.agreement import SOLO, Agreement, every
-from ..prefix.stats import human_bytes
+from ..prefix.explain import Explainer, Reuse
 from ..prefix.tokens import as_tokens
+from . import sequential
 from .model_state import ModelState, open_model
 from .native import from_native, to_native
 from .padding import was_padded
+from .recent import RequestLog
 
 __all__ = ["TriePromptCache"]
 
 log = logging.getLogger("mlx_kvcache")
 _STATS = struct.Struct("<qqqqqqq")  # bytes held, nodes, disk bytes, evicted, requests, cached, from disk
-
-
-@dataclass
-class _Fetch:
-    """What a fetch did, kept until the request's final insert logs it."""
-
-    prompt: np.ndarray  # read-only int64 (`as_tokens`), shared with the trie's bookkeeping
-    matched: int
-    cached: int
-    reason: Optional[str]
-    from_disk: int = 0
 
 
 class TriePromptCache:
@@ -104,9 +93,10 @@ class TriePromptCache:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.disk_tokens = 0  # of the cached tokens, those read back from disk
+        self.clears = 0
         self._model: Optional[ModelState] = None
-        self._fetches: "OrderedDict[int, _Fetch]" = OrderedDict()
-        self._seq = 0
+        self._log = RequestLog()
+        self._explainer = Explainer()
         self._told: List[str] = []
         self._told_padded = False
         self._ranks: List[Tuple[int, ...]] = []  # every rank's counters, as last shared
@@ -122,6 +112,7 @@ class TriePromptCache:
             cache_dir=self.cache_dir, max_disk_bytes=self.max_disk_bytes, sharding=self.sharding,
             cold_bits=self.cold_bits)
         self.max_bytes = self._model.max_bytes
+        self._explainer = Explainer(_decoder(getattr(self.provider, "tokenizer", None)))
         self._share_stats()
         return self._model
 
@@ -166,57 +157,106 @@ class TriePromptCache:
                 st.manager.peek(st.store.prefetch, tokens)
             if not st.manager.whole_state or len(tokens) < 2:
                 return []
+            if sequential.current() is not None:
+                return []  # the sequential fetch plans (and takes) its own stops
             return st.manager.preview(tokens).stops
         return self._guard("planning checkpoints", plan, [])
 
     def _fetch(self, model_key, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:
         # The server's list becomes an array once; everything after is O(edges + bytes).
         st = self._state(model_key)
+        seq = sequential.current()
         if st.manager is None or not len(tokens):
+            why = st.why_not or "the prompt cache is off"
+            self._log.fetched(tokens, 0, 0, "sequential" if seq else "batch",
+                              Reuse("off", 0, len(tokens), None, "", "", "", f"caching is off: {why}"))
             return None, list(tokens)
+        mgr = st.manager
         ids = as_tokens(tokens)
-        live, plan = st.manager.checkout(ids)
-        st.manager.forget(live)  # the server owns these caches from here on
+        live, plan = mgr.checkout(ids)
         self.requests += 1
         self.prompt_tokens += len(ids)
-        self.cached_tokens += plan.restored
         self.disk_tokens += plan.from_disk
-        self._seq += 1
-        self._fetches[self._seq] = _Fetch(ids, plan.matched, plan.restored, plan.reason,
-                                          plan.from_disk)
-        while len(self._fetches) > 256:
-            self._fetches.popitem(last=False)
-        rest = list(tokens[plan.restored:])
-        if plan.restored == 0 and not st.track_padding:
-            return None, rest
-        # Tracking batch padding needs our recurrent class in every row, a miss included.
-        return to_native(live.caches, st.track_padding), rest
+        if seq is None:
+            mgr.forget(live)  # the server owns these caches from here on
+            self._fetched(st, ids, plan, plan.restored, "batch")
+            rest = list(tokens[plan.restored:])
+            if plan.restored == 0 and not st.track_padding:
+                return None, rest
+            # Tracking batch padding needs our recurrent class in every row, a miss included.
+            return to_native(live.caches, st.track_padding), rest
+        try:
+            handed = self._sequential(st, live, plan, ids, seq)
+        except Exception:
+            seq.restored = seq.handed = 0  # mlx-lm recomputes the prompt (see `_guard`)
+            raise
+        finally:
+            mgr.forget(live)
+        return to_native(live.caches), list(tokens[handed:])
+
+    def _fetched(self, st: ModelState, tokens: np.ndarray, plan, restored: int, path: str) -> None:
+        self.cached_tokens += restored
+        mgr = st.manager
+        reuse = mgr.peek(lambda: self._explainer.explain(
+            mgr.trie, tokens, plan.matched, restored, plan.reason, mgr.ops,
+            mgr.evicted_bytes, self.clears))
+        self._log.fetched(tokens, plan.matched, restored, path, reuse,
+                          from_disk=plan.from_disk if st.store is not None else None)
+
+    def _sequential(self, st: ModelState, live, plan, key: np.ndarray,
+                    seq: "sequential.SequentialRequest") -> int:
+        """Prefill a sequential request through its stops (see `sequential`); returns the
+        offset its caches are handed over at."""
+        mgr = st.manager
+        start, stops = sequential.plan_stops(live, plan, key, seq, mgr.kv_quant)
+        self._fetched(st, key, plan, start, "sequential")
+        seq.restored = seq.handed = start
+        prompt = seq.prompt if seq.prompt is not None and len(seq.prompt) == len(key) else key
+        seq.handed = sequential.prefill(
+            live, self.provider.model, getattr(self.provider, "draft_model", None),
+            st.target_entries, prompt, start, stops, step=seq.prefill_step,
+            checkpoint=lambda at: mgr.checkpoint(live, key[:at]), progress=seq.progress,
+            draft_vocab=st.draft_vocab, stream=seq.stream)
+        return seq.handed
 
     def _insert(self, model_key, tokens: Sequence[int], prompt_cache: List[Any],
                 cache_type: str) -> None:
         st = self._state(model_key)
         if st.manager is None or not len(tokens):
             return
-        tokens = as_tokens(tokens)
-        caches = from_native(prompt_cache, len(tokens))
+        seq = sequential.current()
+        note, key = "", as_tokens(tokens)
+        tokens = key
+        if seq is not None and seq.absorbed is not None:
+            # A draft-model generation: its caches hold a prefix of the key (both models
+            # at one committed offset), or nothing consistent (-1).
+            tokens = key[: max(seq.absorbed, 0)]
+            if seq.stats.drafted_tokens:
+                note = (f" | drafted {seq.stats.drafted_tokens} accepted "
+                        f"{seq.stats.accepted_tokens}")
+        caches = (from_native(prompt_cache, len(tokens), st.manager.kv_quant)
+                  if len(tokens) else None)
         if caches is not None and st.track_padding and was_padded(prompt_cache):
             caches = None  # mlx-lm computed this row's recurrent state over its padding
             if not self._told_padded:
                 self._told_padded = True
                 log.info("mlx_kvcache: not storing a recurrent state computed in a padded "
                          "batch row (said once)")
-        elif caches is None:
+        elif caches is None and tokens:
             kinds = sorted({type(c).__name__ for c in prompt_cache})
             if kinds != self._told:  # once per kind of cache, not once per request
                 self._told = kinds
                 log.warning("mlx_kvcache: not caching: a %s cache list does not hold exactly "
-                            "the tokens it is stored under, or cannot be snapshotted (e.g. "
-                            "--kv-bits quantized caches)", "/".join(kinds))
+                            "the tokens it is stored under, or cannot be snapshotted",
+                            "/".join(kinds))
         if not every(self.agree, caches is not None):
+            self._log_request(st, key, note + " | not stored")
             return
-        st.manager.record(caches, tokens, label=cache_type)
+        node = st.manager.record(caches, tokens, label=cache_type)
+        if node is not None and cache_type == "assistant":  # a request's end (segment ends are its prefixes)
+            self._explainer.remember(tokens, st.manager.evicted_bytes, self.clears)
         self._share_stats()
-        self._log_request(st, tokens)
+        self._log_request(st, key, note)
         if st.writer is not None:
             try:
                 plan = st.manager.run(st.store.capture)
@@ -297,6 +337,11 @@ class TriePromptCache:
             "evicted_bytes": evicted, "checkpoint_interval": self.checkpoint_interval,
             "cache_dir": str(st.store.directory()) if st and st.store else None,
             "cold_bits": self.cold_bits, "enabled": bool(st and st.manager),
+            # the layers each node holds (with a draft model: the target's, then the draft's)
+            "layers": len(st.manager.ops) if st and st.manager else 0,
+            "kv_bits": st.manager.kv_quant.signature()[1:] if st and st.manager
+            and st.manager.kv_quant else None,
+            "recent": self._log.listing(),
         }
         if st is not None and st.store is not None:
             mgr, tier = st.manager, st.store.tier
@@ -327,6 +372,7 @@ class TriePromptCache:
                                 "disk_cleared": True}
         if st is not None and st.manager is not None:
             st.manager.clear()
+            self.clears += 1
             if st.store is not None:
                 mine["directory"] = str(st.store.directory())
                 try:
@@ -368,36 +414,18 @@ class TriePromptCache:
             st.store.close()
 
     # -- the request log line -------------------------------------------------------------
-    def _log_request(self, st: ModelState, tokens: np.ndarray) -> None:
+    def _log_request(self, st: ModelState, tokens: np.ndarray, extra: str = "") -> None:
         """One line per request, at its final insert (prompt plus answer)."""
-        hit = self._fetch_of(tokens)
-        if hit is None:
-            return
-        f = self._fetches.pop(hit)
         mgr = st.manager
         held = mgr.peek(lambda: mgr.trie.nbytes)
-        where = f"rank {self.agree.rank} | " if self.agree.size > 1 else ""
-        tiers = f"from disk {f.from_disk} | " if st.store is not None else ""
-        line = (f"[cache] {where}prompt {len(f.prompt)} tok | cached {f.cached} | prefilled "
-                f"{len(f.prompt) - f.cached} | answer {len(tokens) - len(f.prompt)} tok | "
-                f"{tiers}held {human_bytes(held)} of {human_bytes(self.max_bytes)}")
-        if st.store is not None:
-            line += f" | disk {human_bytes(st.store.disk_bytes)}"
-        if f.matched > f.cached + 1 and f.reason:
-            line += f" (matched {f.matched}: {f.reason})"
-        log.info(line)
+        disk = st.store.disk_bytes if st.store is not None else None
+        self._log.finished(tokens, held, self.max_bytes,
+                           self.agree.rank if self.agree.size > 1 else None, extra, disk)
 
-    def _fetch_of(self, tokens: np.ndarray) -> Optional[int]:
-        """The pending fetch whose prompt ``tokens`` extends (the latest, if several).
 
-        The pending fetches are the requests in flight (at most 256 kept): each is
-        screened in O(1) — its length, last and first token — and only a match is
-        compared whole, in one vectorised step. Never a walk over the tokens."""
-        n = len(tokens)
-        for key in reversed(self._fetches):
-            p = self._fetches[key].prompt
-            k = len(p)
-            if k <= n and tokens[k - 1] == p[k - 1] and tokens[0] == p[0] \
-                    and np.array_equal(tokens[:k], p):
-                return key
+def _decoder(tokenizer):
+    """Token ids to text for the miss explanations (None: show ids)."""
+    decode = getattr(tokenizer, "decode", None)
+    if decode is None:
         return None
+    return lambda ids: decode(ids, skip_special_tokens=False)

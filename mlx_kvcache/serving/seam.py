@@ -4,7 +4,9 @@ mlx-lm's server has no plug-in hook for its prompt cache: ``run()`` builds an
 ``LRUPromptCache`` and hands it to ``ResponseGenerator``. We reuse everything else
 unchanged and replace only that, through module attributes ``main()`` looks up when it
 runs: its ``argparse`` (so our options join the server's own parser, ``--help`` included)
-and its ``run`` (so our prompt cache, response generator and HTTP handler are used).
+and its ``run`` (so our prompt cache, response generator and HTTP handler are used) — and
+``stream_generate``, which the sequential path looks up per request (`stream`: mlx-lm's
+own except with a draft model, where ours decodes exactly on every cache kind).
 Nothing of mlx-lm's code is copied. Before touching anything the seam is probed; a
 version whose seam changed gets one clear line instead of a server that misbehaves.
 """
@@ -41,7 +43,7 @@ def check() -> Optional[str]:
 
     missing = [name for name in ("main", "run", "argparse", "ResponseGenerator", "APIHandler",
                                  "ModelProvider", "LRUPromptCache", "ThreadingHTTPServer",
-                                 "get_system_fingerprint", "_parse_size")
+                                 "get_system_fingerprint", "_parse_size", "stream_generate")
                if not hasattr(S, name)]
     if missing:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server has no "
@@ -81,6 +83,10 @@ def check() -> Optional[str]:
     G = importlib.import_module("mlx_lm.generate")  # ``mlx_lm.generate`` is also a function
     if not hasattr(G, "PromptProcessingBatch"):
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.generate has no PromptProcessingBatch")
+    single = inspect.getsource(S.ResponseGenerator._serve_single)
+    if "stream_generate(" not in single or "draft_model=" not in single:
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: ResponseGenerator._serve_single no "
+                        f"longer calls stream_generate(draft_model=...)")
     src = inspect.getsource(S.main)
     if "argparse.ArgumentParser(" not in src or "run(" not in src:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server.main no longer builds "
@@ -97,22 +103,27 @@ def check() -> Optional[str]:
 def patched(add_options: Callable[[argparse.ArgumentParser], None],
             run: Callable, argv: List[str]) -> Iterator[None]:
     """While inside: ``mlx_lm.server.main()`` parses ``argv`` with our options added and
-    calls ``run`` instead of its own; everything is put back afterwards."""
+    calls ``run`` instead of its own, and the sequential path's ``stream_generate`` is
+    ours (`stream`: mlx-lm's, except with a draft model); everything is put back
+    afterwards."""
     import sys
 
     from mlx_lm import server as S
+
+    from .stream import make_stream_generate
 
     class Parser(argparse.ArgumentParser):
         def parse_args(self, args=None, namespace=None):
             add_options(self)
             return super().parse_args(args, namespace)
 
-    saved = (S.argparse, S.run, sys.argv)
+    saved = (S.argparse, S.run, S.stream_generate, sys.argv)
     shim = argparse.Namespace(**{k: getattr(argparse, k) for k in dir(argparse)
                                  if not k.startswith("_")})
     shim.ArgumentParser = Parser
     S.argparse, S.run, sys.argv = shim, run, argv
+    S.stream_generate = make_stream_generate(S.stream_generate)
     try:
         yield
     finally:
-        S.argparse, S.run, sys.argv = saved
+        S.argparse, S.run, S.stream_generate, sys.argv = saved

@@ -3,9 +3,11 @@
 (``servers``)."""
 
 from .dirs import (
-    CHAT_TEMPLATE, DIR_CONFIGS, DIR_VOCAB, SPECIALS, write_model_dir, write_tokenizer_dir,
+    CHAT_TEMPLATE, DIR_CONFIGS, DIR_VOCAB, SPECIALS, write_draft_dir, write_model_dir,
+    write_paged_model_dir, write_tokenizer_dir,
 )
 from .models import MODELS, V, TokenIdTokenizer, build, noisy_copy
 
 __all__ = ["MODELS", "V", "TokenIdTokenizer", "build", "CHAT_TEMPLATE", "DIR_CONFIGS",
-           "DIR_VOCAB", "SPECIALS", "write_model_dir", "write_tokenizer_dir", "noisy_copy"]
+           "DIR_VOCAB", "SPECIALS", "write_model_dir", "write_tokenizer_dir", "noisy_copy",
+           "write_draft_dir", "write_paged_model_dir"]

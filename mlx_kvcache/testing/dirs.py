@@ -53,6 +53,18 @@ DIR_CONFIGS = {
         full_attention_interval=2, tie_word_embeddings=True,
         rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                          "rope_type": "default"})},
+    # full attention with head_dim 32: quantized KV (``--kv-bits``) needs head dims that are
+    # a multiple of its group size (32 or 64)
+    "llama_hd32": dict(_TINY, model_type="llama", num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False),
+    # chunked attention (chunks of 8): three `ChunkedKVCache` layers and one `KVCache`
+    "llama4": {"model_type": "llama4", "text_config": dict(
+        _TINY, model_type="llama4_text", attention_bias=False, attention_chunk_size=8,
+        head_dim=16, intermediate_size=64, intermediate_size_mlp=128,
+        interleave_moe_layer_step=2, num_experts_per_tok=1, num_hidden_layers=4,
+        num_key_value_heads=2, num_local_experts=2, rms_norm_eps=1e-5, rope_scaling=None,
+        use_qk_norm=True, floor_scale=8)},
     # Mamba-1: recurrent layers only, which ignore the batch path's padding masks
     "mamba": dict(model_type="mamba", vocab_size=DIR_VOCAB, hidden_size=64,
                   intermediate_size=128, state_size=8, num_hidden_layers=2, conv_kernel=4,
@@ -106,4 +118,43 @@ def write_model_dir(path, kind: str = "llama", seed: int = 0, **overrides):
         "weight_map": {k: "model.safetensors" for k in sorted(weights)}}))
     (path / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer_dir(path)
+    return path
+
+
+def write_draft_dir(path, target, sigma: float = 0.3, seed: int = 0):
+    """A draft model for speculative decoding: a copy of the model directory ``target``
+    (same architecture and tokenizer) with Gaussian noise of ``sigma`` times each weight
+    tensor's standard deviation, so it agrees with the target on some tokens only (0: an
+    identical copy). Returns the path."""
+    import shutil
+    from pathlib import Path
+
+    path, target = Path(path), Path(target)
+    if path.exists():
+        shutil.rmtree(path)
+    shutil.copytree(target, path)
+    weights = mx.load(str(target / "model.safetensors"))
+    mx.random.seed(seed)
+    noisy = {k: (v + sigma * mx.std(v) * mx.random.normal(v.shape, v.dtype)) if v.ndim else v
+             for k, v in weights.items()}
+    mx.save_safetensors(str(path / "model.safetensors"), noisy, metadata={"format": "mlx"})
+    return path
+
+
+def write_paged_model_dir(path, seed: int = 0):
+    """A model directory whose model makes a cache class neither mlx-lm nor mlx_kvcache
+    knows (`paged_model`: a llama keeping its keys and values in pages), loaded through
+    mlx-lm's own custom-model mechanism (``model_file`` in its config; servers need
+    ``--trust-remote-code``). Returns the path."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from . import paged_model
+
+    path = write_model_dir(path, "llama", seed=seed)
+    shutil.copy(paged_model.__file__, path / "model.py")
+    config = json.loads((path / "config.json").read_text())
+    config["model_file"] = "model.py"
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return path

@@ -1,0 +1,104 @@
+"""What the server says about each request's reuse: one log line per request and the last
+few requests in ``GET /v1/cache`` (``recent``), each with where reuse stopped and why
+(`mlx_kvcache.prefix.explain`) — so a user sees, for instance, that their client rewrites
+a line at the top of its system prompt every turn.
+
+Bounded and O(1) per request: a fetch is remembered until its request's final insert
+(at most `PENDING` at once, the oldest forgotten first), and `RECENT` finished requests
+are listed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional
+
+import numpy as np
+
+from ..prefix.explain import Reuse
+from ..prefix.stats import human_bytes
+
+__all__ = ["RequestLog", "RECENT"]
+
+log = logging.getLogger("mlx_kvcache")
+
+#: Finished requests listed by ``GET /v1/cache``.
+RECENT = 16
+#: Fetches remembered while their requests run.
+PENDING = 256
+
+
+@dataclass
+class _Fetch:
+    prompt: np.ndarray
+    matched: int
+    cached: int
+    path: str
+    reuse: Optional[Reuse]
+    started: float
+    from_disk: Optional[int] = None  # of the cached tokens, read back from disk (a disk tier)
+
+
+class RequestLog:
+    """Fetches waiting for their request's end, and the last `RECENT` requests."""
+
+    def __init__(self) -> None:
+        self._pending: "OrderedDict[int, _Fetch]" = OrderedDict()
+        self._seq = itertools.count(1)
+        self.recent: Deque[Dict[str, Any]] = deque(maxlen=RECENT)
+
+    def fetched(self, prompt, matched: int, cached: int, path: str,
+                reuse: Optional[Reuse], from_disk: Optional[int] = None) -> None:
+        """A request's fetch (``from_disk``: None without a disk tier)."""
+        self._pending[next(self._seq)] = _Fetch(np.asarray(prompt, dtype=np.int64), matched,
+                                               cached, path, reuse, time.time(), from_disk)
+        while len(self._pending) > PENDING:
+            self._pending.popitem(last=False)
+
+    def finished(self, tokens, held: int, max_bytes: int, rank: Optional[int] = None,
+                 extra: str = "", disk_bytes: Optional[int] = None) -> None:
+        """The request whose prompt ``tokens`` (prompt + answer) start with ended: log its
+        line and list it. The newest matching fetch is taken (a request's own fetch is
+        the newest one with its prompt). Each pending fetch is screened in O(1) (length,
+        first and last token) and only a match compared whole, vectorised."""
+        toks = np.asarray(tokens, dtype=np.int64)
+        hit = None
+        for key in reversed(self._pending):  # newest first; usually the last one
+            p = self._pending[key].prompt
+            n = len(p)
+            if n and len(toks) >= n and toks[n - 1] == p[n - 1] and toks[0] == p[0] \
+                    and np.array_equal(toks[:n], p):
+                hit = key
+                break
+        if hit is None:
+            return
+        f = self._pending.pop(hit)
+        n = len(f.prompt)
+        where = f"rank {rank} | " if rank is not None else ""
+        line = (f"[cache] {where}prompt {n} tok | cached {f.cached} | prefilled "
+                f"{n - f.cached} | answer {len(toks) - n} tok | held {human_bytes(held)} of "
+                f"{human_bytes(max_bytes)}")
+        if f.from_disk is not None:
+            line += f" | from disk {f.from_disk}"
+        if disk_bytes is not None:
+            line += f" | disk {human_bytes(disk_bytes)}"
+        line += extra
+        if f.reuse is not None and f.reuse.kind != "hit":
+            line += f" | {f.reuse.line()}"
+        log.info(line)
+        entry: Dict[str, Any] = {"time": round(f.started, 3), "path": f.path,
+                                 "prompt_tokens": n, "cached_tokens": f.cached,
+                                 "matched_tokens": f.matched, "answer_tokens": len(toks) - n}
+        if f.from_disk is not None:
+            entry["disk_tokens"] = f.from_disk
+        if f.reuse is not None:
+            entry["reuse"] = f.reuse.as_dict()
+        self.recent.append(entry)
+
+    def listing(self) -> List[Dict[str, Any]]:
+        """The last requests, oldest first (a copy)."""
+        return [dict(e) for e in self.recent]

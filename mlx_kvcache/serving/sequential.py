@@ -1,0 +1,162 @@
+"""The server's sequential path: requests mlx-lm serves one at a time (a ``seed``, images,
+a draft model, ``--kv-bits``, models whose caches cannot batch) get the batch path's
+checkpoints.
+
+mlx-lm's ``_serve_single`` fetches one cache for the prompt, runs ``stream_generate`` on
+the rest and inserts at the end; on a hybrid model that stores a state only at the end of
+each request, so a prompt diverging inside a long message recomputes it all. Here the
+generator marks the fetch as sequential (`serving`: a per-thread `SequentialRequest`,
+filled in by ``_tokenize`` with the prompt and images), and the prompt cache's fetch then
+restores, prefills through the planned stops — the ``--checkpoint-interval`` offsets, the
+branch point, the pre-end margin, ``quantized_kv_start`` — storing the caches at each, and
+hands mlx-lm the caches at the last stop with the rest of the prompt. mlx-lm's own
+``stream_generate`` (or, with a draft model, ours: `stream`) goes on from there.
+
+Images: mlx-lm keys such a prompt by its tokens with each image's patch tokens replaced by
+a negative id of that image, so two images never share a prefix. What is before the first
+image is plain text, computed from token ids exactly as mlx-lm computes it (the model embeds
+text ids the same way with or without images); from the first image on, the rows depend on
+the image's pixels, which only mlx-lm's prefill computes. So: stops only up to the first
+image, and a restore never lands inside an image (mlx-lm counts an image as cached only
+when its first patch is; a part of an image would be fed twice).
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from ..caches import cache_arrays, settle
+from ..generation.speculative import clamp_ids
+from ..prefix.stats import RequestStats
+
+__all__ = ["SequentialRequest", "current", "serving", "image_runs", "outside_images", "plan_stops",
+           "prefill"]
+
+_local = threading.local()
+
+
+@dataclass
+class SequentialRequest:
+    """One sequential request, as the prompt cache and `stream` see it."""
+
+    #: mlx-lm's progress report for this request (``(done, total)`` on its queue).
+    progress: Optional[Callable[[int, int], None]] = None
+    #: The stream mlx-lm generates on.
+    stream: Any = None
+    #: The largest prefill chunk (``--prefill-step-size``).
+    prefill_step: int = 2048
+    #: The prompt's token ids (set by ``_tokenize``; the cache key differs with images).
+    prompt: Optional[List[int]] = None
+    #: mlx-lm's ``Vision`` of the prompt (its images), or None.
+    vision: Any = None
+    #: mlx-lm's ``GenerationContext`` (its ``prompt_cache_count`` is what usage reports).
+    ctx: Any = None
+    #: Tokens restored from the cache, and tokens the caches hold when mlx-lm takes over
+    #: (restored + what the fetch prefilled through its stops).
+    restored: int = 0
+    handed: int = 0
+    #: After a draft-model generation: the tokens its caches hold (-1: none consistently).
+    #: None: mlx-lm's convention (the caches hold the whole key the server inserts).
+    absorbed: Optional[int] = None
+    #: Speculative decoding counters of a draft-model generation.
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+def current() -> Optional[SequentialRequest]:
+    """The sequential request this (generation) thread is serving, if any."""
+    return getattr(_local, "request", None)
+
+
+@contextmanager
+def serving(request: SequentialRequest) -> Iterator[SequentialRequest]:
+    """Mark this thread as serving ``request`` on the sequential path."""
+    saved = current()
+    _local.request = request
+    try:
+        yield request
+    finally:
+        _local.request = saved
+
+
+def image_runs(key: Sequence[int]) -> List[Tuple[int, int]]:
+    """``[start, end)`` of each run of image placeholders (negative ids) in a cache key."""
+    runs: List[Tuple[int, int]] = []
+    start = None
+    for i, t in enumerate(key):
+        if t < 0 and start is None:
+            start = i
+        elif t >= 0 and start is not None:
+            runs.append((start, i))
+            start = None
+    if start is not None:
+        runs.append((start, len(key)))
+    return runs
+
+
+def plan_stops(live, plan, key: Sequence[int], seq: SequentialRequest,
+          quant: Any = None) -> Tuple[int, List[int]]:
+    """``(start, stops)`` of a sequential request restored by ``plan`` onto ``live``: the
+    plan's stops, plus the prompt's end when decoding will cross ``quant``'s start (its
+    rows must be stored before they are quantized); with images, text ones only, and
+    never a start inside an image (`outside_images`)."""
+    start, out, n = plan.restored, list(plan.stops), len(key)
+    if quant is not None and start < n - 1 < quant.start:
+        out = sorted(set(out) | {n - 1})
+    runs = image_runs(key) if seq.vision is not None else []
+    if runs:
+        start = outside_images(live, start, runs)
+        out = [s for s in out if start < s <= runs[0][0]]
+    return start, out
+
+
+def outside_images(live, start: int, runs: Sequence[Tuple[int, int]]) -> int:
+    """``live`` restored to ``start``, moved back to the beginning of the image ``start``
+    falls inside of, if any (every layer rewinds live, or all start over from 0): mlx-lm
+    counts an image as cached only when its first patch is, and would feed the rest of a
+    part-cached image again. Returns the offset ``live`` holds."""
+    for a, b in runs:
+        if a < start < b:
+            if not all([c.restore(None, a) for c in live.leaves]):
+                live.reset()
+                return 0
+            return a
+    return start
+
+
+def prefill(live, model, draft, target_entries: int, tokens: Sequence[int], start: int,
+            stops: Sequence[int], *, step: int, checkpoint: Callable[[int], bool],
+            progress: Optional[Callable[[int, int], None]] = None,
+            draft_vocab: Optional[int] = None, stream: Any = None) -> int:
+    """Feed ``tokens[start:stops[-1]]`` to ``live`` (a live set holding ``tokens[:start]``;
+    with a draft model its caches follow the target's), in chunks of at most ``step``
+    that end exactly at each stop, calling ``checkpoint(offset)`` there. Before every
+    pass the ``kv_bits`` switch is applied (exactly at its start). Returns the offset the
+    caches hold."""
+    pos = start
+    end_all = stops[-1] if stops else start
+    total = len(tokens) - start
+    with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
+        while pos < end_all:
+            end = min(pos + step, end_all, next(s for s in stops if s > pos))
+            live.quantize_due()
+            caches = live.caches
+            x = mx.array(list(tokens[pos:end]))[None]
+            model(x, cache=caches[:target_entries])
+            settle(caches[:target_entries], end - pos)
+            if draft is not None:
+                draft(clamp_ids(x, draft_vocab), cache=caches[target_entries:])
+                settle(caches[target_entries:], end - pos)
+            mx.eval(cache_arrays(live.leaves))
+            mx.clear_cache()
+            pos = end
+            if pos in stops:
+                checkpoint(pos)
+            if progress is not None:
+                progress(pos - start, total)
+    live.quantize_due()  # a cache at or past the start hands over quantized
+    return pos
