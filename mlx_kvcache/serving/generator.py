@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from queue import Empty, Queue
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -109,11 +110,31 @@ class ServerResponseGenerator(ResponseGenerator):
         super()._serve_single(request, stream)
 
     # -- commands shared with every rank ------------------------------------------------------
+    def _phase(self, name: str):
+        profile = getattr(self._agree, "profile", None)
+        return profile.phase(name) if profile is not None else nullcontext()
+
+    def _share_object(self, obj):
+        # mlx-lm's own sharing (each request, the uids to remove each loop): one all_sum of
+        # the size, a second of the data when there is any. Counted with ours.
+        out = super()._share_object(obj)
+        profile = getattr(self._agree, "profile", None)
+        if self._is_distributed and profile is not None:
+            profile.add("coll.mlx-lm", 1 if out is None else 2)
+        return out
+
     def _next_request(self, timeout=None):
         if self._is_distributed and self._agree is not None:
-            # A stop signal on any rank reaches rank 0 here (one tiny collective a turn).
-            if self._agree.all_max([int(self.lifecycle.signals > 0)])[0] and self._rank == 0:
+            # One tiny collective a turn: a stop signal on any rank reaches rank 0, and
+            # the prompt cache settles what its inserts left rank-local (`rank_turn`).
+            cache = self.prompt_cache
+            flags = cache.turn_flags() if hasattr(cache, "turn_flags") else [0, 0]
+            with self._phase("loop"):
+                agreed = self._agree.all_max([int(self.lifecycle.signals > 0), *flags])
+            if agreed[0] and self._rank == 0:
                 self.lifecycle.stop_asked.set()
+            if hasattr(cache, "end_turn"):
+                cache.end_turn(agreed[1:])
         request = super()._next_request(timeout)
         if request is None or not isinstance(request[1], Control):
             return request
@@ -125,6 +146,11 @@ class ServerResponseGenerator(ResponseGenerator):
             self._stop = True
             self.lifecycle.stopped.set()
             rqueue.put(None)
+        elif control.kind == "stats":  # every rank's counters, gathered for GET /v1/cache
+            share = getattr(self.prompt_cache, "share_stats", None)
+            if share is not None:
+                share()
+            rqueue.put({})
         elif control.kind == "clear":
             clear = getattr(self.prompt_cache, "clear", None)
             try:

@@ -18,8 +18,11 @@ n_bytes=)``, ``nbytes``, ``len()`` and ``stats_by_type()``. Here:
   background after each insert, flushed by `close`.
 
 On the ranks of a sharded model (``mlx.launch``) every decision is agreed between ranks
-(`mlx_kvcache.prefix.agreement`), so every rank restores, stores and evicts alike. The
-HTTP threads (rank 0) only read counters; `clear` runs on every rank's generation thread.
+(`mlx_kvcache.prefix.agreement`), so every rank restores, stores and evicts alike: where a
+request restores at its fetch; what its inserts leave rank-local (bytes, a cache list that
+cannot be stored) once per turn of the generation loop (`rank_turn`), so checkpoints
+cost no collective. The HTTP threads (rank 0) only read counters; `clear` and the
+gather of every rank's counters run on every rank's generation thread.
 """
 
 from __future__ import annotations
@@ -28,30 +31,20 @@ import json
 import logging
 import os
 import struct
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..prefix.agreement import SOLO, Agreement, every
-from ..prefix.stats import human_bytes
+from ..prefix.agreement import SOLO, Agreement
 from .model_state import ModelState, open_model
 from .native import from_native, to_native
 from .padding import was_padded
+from .profile import Profile
+from .rank_turn import RankTurn
+from .request_log import RequestLog
 
 __all__ = ["TriePromptCache"]
 
 log = logging.getLogger("mlx_kvcache")
 _STATS = struct.Struct("<qqqqqq")  # bytes held, nodes, disk bytes, evicted, requests, cached
-
-
-@dataclass
-class _Fetch:
-    """What a fetch did, kept until the request's final insert logs it."""
-
-    prompt: List[int]
-    matched: int
-    cached: int
-    reason: Optional[str]
 
 
 class TriePromptCache:
@@ -67,12 +60,14 @@ class TriePromptCache:
         max_entries: ``--prompt-cache-size``, honoured by ``trim_to(n_sequences=...)``.
         agree: how the ranks of a sharded model agree (one process: `SOLO`).
         sharding: names this rank's shard of the model (its persisted cache's directory).
+        profile: counts collectives and checkpoints (and, profiling, times them).
     """
 
     def __init__(self, model_provider, *, max_bytes: int, checkpoint_interval: int = 2048,
                  cache_dir: Optional[str] = None, max_disk_bytes: Optional[int] = None,
                  max_entries: Optional[int] = None, pre_end_margin: int = 4,
-                 agree: Agreement = SOLO, sharding: str = "") -> None:
+                 agree: Agreement = SOLO, sharding: str = "",
+                 profile: Optional[Profile] = None) -> None:
         self.provider = model_provider
         self.max_bytes = int(max_bytes)
         self.checkpoint_interval = int(checkpoint_interval)
@@ -86,21 +81,26 @@ class TriePromptCache:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self._model: Optional[ModelState] = None
-        self._fetches: "OrderedDict[int, _Fetch]" = OrderedDict()
-        self._seq = 0
+        self._requests = RequestLog()
         self._told: List[str] = []
         self._told_padded = False
         self._ranks: List[Tuple[int, ...]] = []  # every rank's counters, as last shared
+        self.profile = profile or getattr(agree, "profile", None) or Profile()
+        self._turn = RankTurn()
 
     # -- the model's trie, made when the model loads (in the generation thread) ----------
     def _state(self, model_key) -> ModelState:
         if self._model is not None and self._model.key == model_key:
             return self._model
         self.close()
-        self._model = open_model(
-            self.provider, model_key, self.agree, max_bytes=self.max_bytes,
-            checkpoint_interval=self.checkpoint_interval, pre_end_margin=self.pre_end_margin,
-            cache_dir=self.cache_dir, max_disk_bytes=self.max_disk_bytes, sharding=self.sharding)
+        with self.profile.phase("open"):
+            self._model = open_model(
+                self.provider, model_key, self.agree, max_bytes=self.max_bytes,
+                checkpoint_interval=self.checkpoint_interval, pre_end_margin=self.pre_end_margin,
+                cache_dir=self.cache_dir, max_disk_bytes=self.max_disk_bytes,
+                sharding=self.sharding)
+        if self.agree.size > 1 and self._model.manager is not None:
+            self._model.manager.defer_budget = True  # settled once a turn (`rank_turn`)
         self._share_stats()
         return self._model
 
@@ -109,13 +109,14 @@ class TriePromptCache:
         self._guard("opening the prompt cache", lambda: self._state(model_key), None)
 
     # -- the protocol mlx-lm's server calls ---------------------------------------------
-    def _guard(self, what: str, fn, fallback):
+    def _guard(self, what: str, fn, fallback, phase: str = "other"):
         # Nothing here may raise into the server: an exception in its generation thread
         # ends it. One process: log, and the request goes on without reuse. A rank of a
         # sharded model must not go on out of step with the others (the next collective
         # would hang them all): it exits, and the launcher stops the rest.
         try:
-            return fn()
+            with self.profile.phase(phase):
+                return fn()
         except Exception:
             log.exception("mlx_kvcache: %s failed", what)
             if self.agree.size > 1:
@@ -126,25 +127,30 @@ class TriePromptCache:
     def fetch_nearest_cache(self, model_key, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:
         tokens = list(tokens)
         return self._guard("a prompt cache fetch", lambda: self._fetch(model_key, tokens),
-                           (None, tokens))
+                           (None, tokens), "fetch")
 
     def insert_cache(self, model_key, tokens: Sequence[int], prompt_cache: List[Any],
                      *, cache_type: str = "assistant") -> None:
         tokens = list(tokens)
+        final = self._requests.final_of(tokens)
         self._guard("a prompt cache insert",
-                    lambda: self._insert(model_key, tokens, prompt_cache, cache_type), None)
+                    lambda: self._insert(model_key, tokens, prompt_cache, cache_type, final),
+                    None, "checkpoint" if final is None else "final")
 
     def checkpoints(self, model_key, tokens: Sequence[int]) -> List[int]:
         """Prompt offsets where prefill should stop so the caches can be stored there:
         every ``checkpoint_interval`` tokens, a few tokens before the end and at the branch
         point where a restore will land short (hybrid and sliding-window models; KV layers
-        reach any token from the final insert anyway). Changes nothing."""
+        reach any token from the final insert anyway). Those below where the fetch will
+        restore are included (the server drops them with the cached tokens): they follow
+        from the trie's structure, the same on every rank without a collective. Changes
+        nothing."""
         def plan():
             st = self._state(model_key)
             if st.manager is None or not st.manager.whole_state or len(tokens) < 2:
                 return []
-            return st.manager.preview(tokens).stops
-        return self._guard("planning checkpoints", plan, [])
+            return st.manager.cuts(tokens)
+        return self._guard("planning checkpoints", plan, [], "plan")
 
     def _fetch(self, model_key, tokens: List[int]) -> Tuple[Optional[List[Any]], List[int]]:
         st = self._state(model_key)
@@ -155,16 +161,14 @@ class TriePromptCache:
         self.requests += 1
         self.prompt_tokens += len(tokens)
         self.cached_tokens += plan.restored
-        self._seq += 1
-        self._fetches[self._seq] = _Fetch(tokens, plan.matched, plan.restored, plan.reason)
-        while len(self._fetches) > 256:
-            self._fetches.popitem(last=False)
+        self._requests.fetched(tokens, plan.matched, plan.restored, plan.reason)
         if plan.restored == 0 and not st.track_padding:
             return None, tokens
         # Tracking batch padding needs our recurrent class in every row, a miss included.
         return to_native(live.caches, st.track_padding), tokens[plan.restored:]
 
-    def _insert(self, model_key, tokens: List[int], prompt_cache: List[Any], cache_type: str) -> None:
+    def _insert(self, model_key, tokens: List[int], prompt_cache: List[Any], cache_type: str,
+                final: Optional[int] = None) -> None:
         st = self._state(model_key)
         if st.manager is None or not tokens:
             return
@@ -182,13 +186,21 @@ class TriePromptCache:
                 log.warning("mlx_kvcache: not caching: a %s cache list does not hold exactly "
                             "the tokens it is stored under, or cannot be snapshotted (e.g. "
                             "--kv-bits quantized caches)", "/".join(kinds))
-        if not every(self.agree, caches is not None):
+        sharded = self.agree.size > 1
+        if caches is None and not sharded:
             return
+        # On a sharded model every rank records (the node without state where its caches
+        # cannot be stored), with no collective; the turn settles the rest (`rank_turn`).
+        made = sharded and RankTurn.makes_node(st.manager, tokens)
         node = st.manager.record(caches, tokens)
+        if sharded:
+            self._turn.inserted(node, made, caches is None)
+        self.profile.add(f"{'stored' if node is not None and caches is not None else 'not_stored'}"
+                         f".{self.profile.current}")
         if node is not None:
             st.types[node] = cache_type
-        self._share_stats()
-        self._log_request(st, tokens)
+        if final is not None:
+            self._log_request(st, tokens, final)
         if st.writer is not None:
             try:
                 plan = st.manager.run(st.store.capture)
@@ -205,10 +217,27 @@ class TriePromptCache:
 
         def trim():
             if n_bytes is not None:
-                mgr._evict(max(int(n_bytes), 0))
+                if mgr.defer_budget:  # this rank's ceiling, fitted at the turn's settle
+                    self._turn.limit = max(int(n_bytes), 0)
+                else:
+                    mgr._evict(max(int(n_bytes), 0))
             if n_sequences is not None:
-                mgr._evict_to_count(int(n_sequences))
-        self._guard("trimming the prompt cache", lambda: mgr.run(trim), None)
+                mgr._evict_to_count(int(n_sequences))  # the node count: the same on every rank
+        self._guard("trimming the prompt cache", lambda: mgr.run(trim), None, "trim")
+
+    # -- once per turn of a sharded server's generation loop ----------------------------
+    def turn_flags(self) -> List[int]:
+        """This rank's part of the turn's collective (`rank_turn`): read-only."""
+        st = self._model
+        return self._turn.flags(st.manager if st is not None else None)
+
+    def end_turn(self, agreed: Sequence[int]) -> None:
+        """After the turn's collective, on every rank (``agreed``: every rank's
+        `turn_flags`, element-wise max): fit the budget, drop what not every rank stored."""
+        st = self._model
+        self._guard("settling the prompt cache",
+                    lambda: self._turn.settle(st.manager if st is not None else None,
+                                              self.agree, agreed), None, "turn")
 
     @property
     def nbytes(self) -> int:
@@ -249,14 +278,21 @@ class TriePromptCache:
         disk = st.store.disk_bytes if st.store is not None else 0
         return (held, nodes, disk, evicted, self.requests, self.cached_tokens)
 
+    def share_stats(self) -> None:
+        """Gather every rank's counters for rank 0's ``GET /v1/cache`` (one small gather;
+        on every rank's generation thread, at the same point)."""
+        self._guard("gathering the ranks' counters", self._share_stats, None)
+
     def _share_stats(self) -> None:
         """Every rank's counters, for rank 0's ``GET /v1/cache`` (one small gather)."""
         if self.agree.size > 1:
-            self._ranks = [_STATS.unpack(b) for b in self.agree.all_gather(_STATS.pack(*self._local()))]
+            with self.profile.phase("stats"):
+                self._ranks = [_STATS.unpack(b)
+                               for b in self.agree.all_gather(_STATS.pack(*self._local()))]
 
     def report(self) -> Dict[str, Any]:
         """What ``GET /v1/cache`` returns (on a sharded model: this rank's view, and every
-        rank's counters as of its last insert under ``ranks``)."""
+        rank's counters as of the last `share_stats` under ``ranks``)."""
         held, nodes, disk, evicted, _, _ = self._local()
         st = self._model
         out: Dict[str, Any] = {
@@ -267,6 +303,7 @@ class TriePromptCache:
             "evicted_bytes": evicted, "checkpoint_interval": self.checkpoint_interval,
             "cache_dir": str(st.store.directory()) if st and st.store else None,
             "enabled": bool(st and st.manager),
+            "profile": self.profile.snapshot(),
         }
         if st is not None and st.manager is None:
             out["disabled_because"] = st.why_not
@@ -285,7 +322,7 @@ class TriePromptCache:
         could not be cleared, ``error`` naming it (per rank under ``ranks``)."""
         return self._guard("clearing the prompt cache", self._clear_here,
                            {"cleared": False, "memory_cleared": False, "disk_cleared": False,
-                            "error": "clearing the prompt cache failed (see the log)"})
+                            "error": "clearing the prompt cache failed (see the log)"}, "clear")
 
     def _clear_here(self) -> Dict[str, Any]:
         st = self._model
@@ -334,22 +371,11 @@ class TriePromptCache:
             st.store.close()
 
     # -- the request log line -------------------------------------------------------------
-    def _log_request(self, st: ModelState, tokens: List[int]) -> None:
+    def _log_request(self, st: ModelState, tokens: List[int], key: int) -> None:
         """One line per request, at its final insert (prompt plus answer)."""
-        hit = None
-        for key, f in reversed(self._fetches.items()):
-            if len(tokens) >= len(f.prompt) and tokens[: len(f.prompt)] == f.prompt:
-                hit = key
-                break
-        if hit is None:
-            return
-        f = self._fetches.pop(hit)
         mgr = st.manager
         held = mgr.peek(lambda: mgr.trie.nbytes)
         where = f"rank {self.agree.rank} | " if self.agree.size > 1 else ""
-        line = (f"[cache] {where}prompt {len(f.prompt)} tok | cached {f.cached} | prefilled "
-                f"{len(f.prompt) - f.cached} | answer {len(tokens) - len(f.prompt)} tok | "
-                f"held {human_bytes(held)} of {human_bytes(self.max_bytes)}")
-        if f.matched > f.cached + 1 and f.reason:
-            line += f" (matched {f.matched}: {f.reason})"
-        log.info(line)
+        log.info(self._requests.line(key, tokens, held, self.max_bytes, where))
+        if self.profile.timing:
+            log.info(self.profile.line(self.agree.rank))
