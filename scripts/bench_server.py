@@ -211,7 +211,15 @@ def run(kind, model_args, sessions_n, turns, max_tokens, ours_extra, work, syste
 INTERVALS = (128, 512, 4096)
 
 
-def run_two_ranks(work, sessions_n, turns, intervals=INTERVALS):
+def two_rank_plans(intervals=INTERVALS):
+    """The contenders of workload 2: name -> ``LaunchedServer`` options."""
+    plans = {"stock": dict(program=[sys.executable, str(ROOT / "scripts" / "stock_server.py")])}
+    for i in intervals:
+        plans[f"ours {i}"] = dict(extra=["--checkpoint-interval", str(i), "--no-persist"])
+    return plans
+
+
+def run_two_ranks(work, sessions_n, turns, intervals=INTERVALS, plans=None):
     """Stock and ours (one per checkpoint interval), each under ``mlx.launch -n 2 --backend
     ring`` (pipeline parallel, a hybrid model split unevenly over the ranks), all started
     at once and interleaved round by round (as `run`), workload b's shape. Every rank
@@ -225,10 +233,7 @@ def run_two_ranks(work, sessions_n, turns, intervals=INTERVALS):
         linear_num_value_heads=6, linear_num_key_heads=2, linear_key_head_dim=32,
         linear_value_head_dim=32))
     os.environ[ENV] = "1"
-    stock_prog = [sys.executable, str(ROOT / "scripts" / "stock_server.py")]
-    plans = {"stock": dict(program=stock_prog)}
-    for i in intervals:
-        plans[f"ours {i}"] = dict(extra=["--checkpoint-interval", str(i), "--no-persist"])
+    plans = plans or two_rank_plans(intervals)
     servers, res = {}, {k: [] for k in plans}
     sessions = {k: make_sessions("b", sessions_n, 0) for k in plans}
     try:
@@ -290,34 +295,39 @@ def rank_profiles(output: str):
     return out
 
 
+#: The prompt cache's phases (``coll.<phase>``: its collectives; ``time.<phase>``: time in
+#: it), `mlx_kvcache.serving.profile`.
+PHASES = ("plan", "fetch", "checkpoint", "final", "trim", "settle", "stats", "turn")
+
+
 def breakdown(profiles, requests):
-    """Per contender and rank: collectives per request and per checkpoint, prefill passes
-    per request, and where the time went (seconds per request)."""
-    print(f"\n  where the time goes, per rank (MLX_KVCACHE_PROFILE=1; {requests} requests; "
-          f"seconds per request; 'coll' = collectives, 'ckpt' = checkpoints stored)")
+    """Per contender and rank: checkpoints, prefill passes and collectives per request
+    (turns of the generation loop with no request in flight left out), collectives per
+    checkpoint, and where the time went (seconds per request)."""
+    print(f"\n  where the time goes, per rank (MLX_KVCACHE_PROFILE=1; {requests} requests; idle "
+          f"turns of the loop left out)")
     for name, ranks in profiles.items():
         for rank, p in sorted(ranks.items()):
             c, t = p.get("counts", {}), p.get("seconds", {})
             ckpt = c.get("stored.checkpoint", 0)
-            coll = {k[5:]: v for k, v in c.items() if k.startswith("coll.")}
-            per_ckpt = c.get("coll.checkpoint", 0) / ckpt if ckpt else 0.0
+            ours = {k: c[f"coll.{k}"] for k in PHASES if c.get(f"coll.{k}")}
+            theirs = c.get("mlxlm.turn", 0) + c.get("mlxlm.batch", 0)
             passes = c.get("pass.prefill", 0)
-            coll_s = sum(v for k, v in t.items() if k.startswith("coll."))
-            print(f"  {name:<10} rank {rank}: ckpt/request {ckpt / requests:5.1f}; prefill passes/"
-                  f"request {passes / requests:5.1f} ({c.get('pass.prefill_tokens', 0) / max(passes, 1):.0f} "
-                  f"tok each); coll/request {sum(coll.values()) / requests:5.1f}, per ckpt "
-                  f"{per_ckpt:.1f} [" + " ".join(f"{k} {v}" for k, v in sorted(coll.items())) + "]")
+            per_ckpt = f"{c.get('coll.checkpoint', 0) / ckpt:.1f}" if ckpt else "-"
+            print(f"  {name:<10} rank {rank}: checkpoints {ckpt / requests:.1f}/request; prefill "
+                  f"passes {passes / requests:.1f}/request ({c.get('pass.prefill_tokens', 0) / max(passes, 1):.0f} "
+                  f"tokens each); collectives/request: ours {sum(ours.values()) / requests:.1f} ["
+                  + " ".join(f"{k} {v / requests:.1f}" for k, v in ours.items())
+                  + f"], mlx-lm's {theirs / requests:.1f}; ours per checkpoint {per_ckpt}")
+            local = sum(t.get(f"time.{k}", 0) - t.get(f"coll.{k}", 0) for k in PHASES)
+            local -= t.get("mlxlm.turn", 0)  # mlx-lm's sharing runs inside the turn
             parts = [("prefill passes", t.get("pass.prefill", 0)),
                      ("decode steps", t.get("pass.decode", 0)),
                      ("extract_cache", t.get("extract", 0)),
-                     ("plan", t.get("time.plan", 0) - t.get("coll.plan", 0)),
-                     ("fetch+restore", t.get("time.fetch", 0) - t.get("coll.fetch", 0)),
-                     ("ckpt inserts", t.get("time.checkpoint", 0) - t.get("coll.checkpoint", 0)),
-                     ("final inserts", t.get("time.final", 0) - t.get("coll.final", 0)),
-                     ("trim", t.get("time.trim", 0) - t.get("coll.trim", 0)),
-                     ("stats", t.get("time.stats", 0) - t.get("coll.stats", 0)),
-                     ("collectives", coll_s)]
-            print(f"  {'':<10}         s/request: " + ", ".join(
+                     ("prompt cache (snapshots, restores)", local),
+                     ("our collectives", sum(t.get(f"coll.{k}", 0) for k in PHASES)),
+                     ("mlx-lm's collectives", t.get("mlxlm.turn", 0) + t.get("mlxlm.batch", 0))]
+            print(f"  {'':<17}s/request: " + ", ".join(
                 f"{k} {v / requests:.3f}" for k, v in parts if v))
 
 

@@ -12,9 +12,11 @@ import mlx_kvcache  # noqa: F401  (the same fast BLAS the other contender gets)
 import mlx.core as mx
 from mlx_lm import server as S
 
-from mlx_kvcache.serving.profile import from_env
+from mlx_kvcache.serving.profile import from_env, probe_server_loop
 
 PROFILE = from_env()
+if PROFILE.timing:
+    probe_server_loop(PROFILE)
 
 
 class MeasuredLRUPromptCache(S.LRUPromptCache):

@@ -29,6 +29,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from mlx_lm.server import GenerationContext, ResponseGenerator
 
 from .lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
+from .profile import count_share, loop_phase
 from .validation import generation_problem
 
 log = logging.getLogger("mlx_kvcache")
@@ -115,27 +116,31 @@ class ServerResponseGenerator(ResponseGenerator):
         return profile.phase(name) if profile is not None else nullcontext()
 
     def _share_object(self, obj):
-        # mlx-lm's own sharing (each request, the uids to remove each loop): one all_sum of
-        # the size, a second of the data when there is any. Counted with ours.
-        out = super()._share_object(obj)
+        # mlx-lm's own sharing (each turn's request, the batch's removals): counted and
+        # timed beside ours.
         profile = getattr(self._agree, "profile", None)
-        if self._is_distributed and profile is not None:
-            profile.add("coll.mlx-lm", 1 if out is None else 2)
+        if not self._is_distributed or profile is None:
+            return super()._share_object(obj)
+        t0 = time.perf_counter()
+        out = super()._share_object(obj)
+        count_share(profile, out, t0)
         return out
 
     def _next_request(self, timeout=None):
-        if self._is_distributed and self._agree is not None:
-            # One tiny collective a turn: a stop signal on any rank reaches rank 0, and
-            # the prompt cache settles what its inserts left rank-local (`rank_turn`).
-            cache = self.prompt_cache
-            flags = cache.turn_flags() if hasattr(cache, "turn_flags") else [0, 0]
-            with self._phase("loop"):
+        if not (self._is_distributed and self._agree is not None):
+            request = super()._next_request(timeout)
+        else:
+            with self._phase(loop_phase(timeout)):
+                # One tiny collective a turn: a stop signal on any rank reaches rank 0,
+                # and the prompt cache settles what its inserts left rank-local.
+                cache = self.prompt_cache
+                flags = cache.turn_flags() if hasattr(cache, "turn_flags") else [0, 0]
                 agreed = self._agree.all_max([int(self.lifecycle.signals > 0), *flags])
-            if agreed[0] and self._rank == 0:
-                self.lifecycle.stop_asked.set()
-            if hasattr(cache, "end_turn"):
-                cache.end_turn(agreed[1:])
-        request = super()._next_request(timeout)
+                if agreed[0] and self._rank == 0:
+                    self.lifecycle.stop_asked.set()
+                if hasattr(cache, "end_turn"):
+                    cache.end_turn(agreed[1:])
+                request = super()._next_request(timeout)
         if request is None or not isinstance(request[1], Control):
             return request
         self._run_control(request[0], request[1])

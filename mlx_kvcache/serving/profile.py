@@ -1,8 +1,10 @@
 """Where a rank's time goes: collectives, prefill passes, snapshots (issue 19's breakdown).
 
 Always counted (a few integer additions): every collective the prompt cache and the
-generation loop issue, by the phase that issued it (``plan``, ``fetch``, ``checkpoint``,
-``final``, ``trim``, ``stats``, ``loop``, ...), and the checkpoints recorded.
+generation loop issue, by the phase that issued it (``coll.<phase>``: ``plan``, ``fetch``,
+``checkpoint``, ``final``, ``trim``, ``settle``, ``stats``, and ``turn`` / ``idle`` for the
+loop's own, with a request in flight or not), mlx-lm's own sharing (``mlxlm.turn``,
+``mlxlm.idle``, ``mlxlm.batch``), and the checkpoints recorded (``stored.checkpoint``).
 ``GET /v1/cache`` shows them under ``profile``; they are the same on every rank.
 
 With ``MLX_KVCACHE_PROFILE=1`` also timed, per rank: each phase of the prompt cache
@@ -91,6 +93,44 @@ class Profile:
 
     def line(self, rank: int) -> str:
         return f"[profile] rank {rank} | {json.dumps(self.snapshot(), separators=(',', ':'))}"
+
+
+def loop_phase(timeout) -> str:
+    """The phase of a turn of mlx-lm's generation loop: it waits for a request (a timeout)
+    only while its batch is idle (``idle``); otherwise a request is in flight (``turn``)."""
+    return "idle" if timeout is not None else "turn"
+
+
+def count_share(prof: Profile, out: Any, t0: float) -> None:
+    """Count one ``_share_object`` of mlx-lm's server (rank 0 sends the size, then the
+    data when there is any: one or two ``all_sum``): in a turn, sharing its request;
+    otherwise the batch's removals."""
+    where = prof.current if prof.current in ("turn", "idle") else "batch"
+    prof.add(f"mlxlm.{where}", 1 if out is None else 2,
+             time.perf_counter() - t0 if prof.timing else 0.0)
+
+
+def probe_server_loop(prof: Profile) -> None:
+    """The same counts for stock ``mlx_lm.server`` (the benchmark's stock contender;
+    class wrappers that call the original)."""
+    from mlx_lm import server as S
+
+    R = S.ResponseGenerator
+    next_request, share_object = R._next_request, R._share_object
+
+    def _next_request(self, timeout=None):
+        if not self._is_distributed:
+            return next_request(self, timeout)
+        with prof.phase(loop_phase(timeout)):
+            return next_request(self, timeout)
+
+    def _share_object(self, obj):
+        t0 = time.perf_counter()
+        out = share_object(self, obj)
+        if self._is_distributed:
+            count_share(prof, out, t0)
+        return out
+    R._next_request, R._share_object = _next_request, _share_object
 
 
 def from_env() -> Profile:

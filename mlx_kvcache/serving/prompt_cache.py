@@ -201,6 +201,11 @@ class TriePromptCache:
             st.types[node] = cache_type
         if final is not None:
             self._log_request(st, tokens, final)
+        if not sharded:  # sharded: once a turn, after the budget is settled (`end_turn`)
+            self._capture(st)
+
+    def _capture(self, st: ModelState) -> None:
+        """Hand what changed in the trie to the background writer."""
         if st.writer is not None:
             try:
                 plan = st.manager.run(st.store.capture)
@@ -235,9 +240,13 @@ class TriePromptCache:
         """After the turn's collective, on every rank (``agreed``: every rank's
         `turn_flags`, element-wise max): fit the budget, drop what not every rank stored."""
         st = self._model
-        self._guard("settling the prompt cache",
-                    lambda: self._turn.settle(st.manager if st is not None else None,
-                                              self.agree, agreed), None, "turn")
+        if st is None or st.manager is None:
+            return
+
+        def settle() -> None:
+            if self._turn.settle(st.manager, self.agree, agreed):
+                self._capture(st)  # what this turn's inserts left, once the budget holds
+        self._guard("settling the prompt cache", settle, None, "settle")
 
     @property
     def nbytes(self) -> int:

@@ -39,8 +39,8 @@ class RankTurn:
     """One rank's inserts since the last turn, and mlx-lm's last ``trim_to`` ceiling."""
 
     def __init__(self) -> None:
-        #: mlx-lm's ``trim_to(n_bytes=...)``: this rank's ceiling for the snapshots,
-        #: until the next settle.
+        #: mlx-lm's ``trim_to(n_bytes=...)``: this rank's ceiling for the snapshots, for
+        #: the turn it was asked in.
         self.limit: Optional[int] = None
         self._seq = 0
         self._made: Dict[int, TrieNode] = {}  # this turn's inserts: sequence number -> node
@@ -68,19 +68,18 @@ class RankTurn:
         over = manager.peek(lambda: manager.over_budget(self.limit))
         return [int(over), int(bool(self._stateless))]
 
-    def settle(self, manager: Optional[PrefixManager], agree: Agreement,
-               agreed: Sequence[int]) -> None:
+    def settle(self, manager: PrefixManager, agree: Agreement, agreed: Sequence[int]) -> bool:
         """After every turn's collective (``agreed``: the ranks' `flags`, element-wise
-        max), on every rank: acts only where a flag is up. Then the turn starts afresh."""
+        max), on every rank: acts only where a flag is up. Then the turn starts afresh.
+        Returns whether the turn had inserts."""
         try:
-            if manager is None:
-                return
             if agreed[1]:
                 self._drop_stateless(manager, agree)
             if agreed[0]:
                 manager.settle(self.limit)
-                self.limit = None
+            return bool(self._made)
         finally:
+            self.limit = None  # mlx-lm asks again with each request it adds to its batch
             self._made.clear()
             self._stateless = []
 
