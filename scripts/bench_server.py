@@ -44,6 +44,8 @@ its cache from disk; stock starts cold). Ratios are ours / stock.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import re
 import shlex
@@ -215,9 +217,23 @@ def run(kind, model_args, sessions_n, turns, max_tokens, ours_extra, work, syste
     return res, held, rss, restart, agree
 
 
-def run_two_ranks(work, sessions_n, turns, quick):
-    """Stock and ours each under ``mlx.launch -n 2 --backend ring`` (pipeline parallel, a
-    hybrid model split unevenly over the ranks), one after the other, workload b's shape."""
+INTERVALS = (128, 512, 4096)
+
+
+def two_rank_plans(intervals=INTERVALS):
+    """The contenders of workload 2: name -> ``LaunchedServer`` options."""
+    plans = {"stock": dict(program=[sys.executable, str(ROOT / "scripts" / "stock_server.py")])}
+    for i in intervals:
+        plans[f"ours {i}"] = dict(extra=["--checkpoint-interval", str(i), "--no-persist"])
+    return plans
+
+
+def run_two_ranks(work, sessions_n, turns, intervals=INTERVALS, plans=None):
+    """Stock and ours (one per checkpoint interval), each under ``mlx.launch -n 2 --backend
+    ring`` (pipeline parallel, a hybrid model split unevenly over the ranks), all started
+    at once and interleaved round by round (as `run`), workload b's shape. Every rank
+    profiles itself (``MLX_KVCACHE_PROFILE=1``: `mlx_kvcache.serving.profile`)."""
+    from mlx_kvcache.serving.profile import ENV
     from mlx_kvcache.testing.launch import LaunchedServer
 
     d = write_model_dir(work / "hybrid2", "qwen3_5", text_config=dict(
@@ -225,33 +241,103 @@ def run_two_ranks(work, sessions_n, turns, quick):
         num_hidden_layers=5, num_attention_heads=6, num_key_value_heads=2, head_dim=32,
         linear_num_value_heads=6, linear_num_key_heads=2, linear_key_head_dim=32,
         linear_value_head_dim=32))
-    res, agree, lines = {}, 0, {}
-    answers = {}
-    for name, extra in (("stock", []), ("ours", ["--checkpoint-interval", "128", "--no-persist"])):
-        sessions = make_sessions("b", sessions_n, 0)
-        with LaunchedServer(d, "--pipeline", *extra, stock=name == "stock",
-                            home=work / f"home_2r_{name}") as s:
-            res[name] = []
-            for turn in range(turns):
-                got = round_of(s, sessions, 16, staggered=turn == 0)
+    os.environ[ENV] = "1"
+    plans = plans or two_rank_plans(intervals)
+    servers, res = {}, {k: [] for k in plans}
+    sessions = {k: make_sessions("b", sessions_n, 0) for k in plans}
+    try:
+        for name, p in plans.items():
+            servers[name] = LaunchedServer(d, "--pipeline", *p.get("extra", []),
+                                           program=p.get("program"), home=work / "home_2r")
+        names = list(plans)
+        for turn in range(turns):
+            k = turn % len(names)
+            order = names[k:] + names[:k]  # each contender leads in turn
+            for name in order:
+                got = round_of(servers[name], sessions[name], 16, staggered=turn == 0)
                 res[name].extend(got)
-                for sess, r in zip(sessions, got):
+                for sess, r in zip(sessions[name], got):
                     sess.answered(r["text"])
-            if name == "ours":
-                lines = s.wait_for_lines(len(res[name]))
-        answers[name] = [r["text"] for r in res[name]]
-    agree = sum(a == b for a, b in zip(answers["stock"], answers["ours"]))
+            print(f"  2 turn {turn + 1}/{turns}: median TTFT " + ", ".join(
+                f"{n} {statistics.median(r['ttft'] for r in res[n][-sessions_n:]):.3f} s"
+                for n in names), flush=True)
+        lines, profiles = {}, {}
+        for name, s in servers.items():
+            if name != "stock":
+                lines[name] = s.wait_for_lines(len(res[name]))
+            profiles[name] = rank_profiles(s.job.output())
+        load = os.getloadavg()
+    finally:
+        for s in servers.values():
+            s.stop()
     print(f"\n  two ranks (mlx.launch -n 2 --backend ring, --pipeline, qwen3_5 hybrid, 5 layers "
-          f"split 3/2): {len(res['ours'])} requests per contender; same answer text "
-          f"{agree}/{len(res['ours'])}; ours' ranks reprocessed identical tokens: "
-          f"{bool(lines) and lines.get(0) == lines.get(1)}")
-    print(f"  {'':<28}{'stock':>12}{'ours':>12}{'ours/stock':>12}")
+          f"split 3/2): {len(res['stock'])} requests per contender, interleaved; load average "
+          f"at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min)")
+    for name in plans:
+        if name == "stock":
+            continue
+        agree = sum(a["text"] == b["text"] for a, b in zip(res["stock"], res[name]))
+        same = bool(lines[name]) and lines[name].get(0) == lines[name].get(1)
+        print(f"  {name}: same answer text as stock {agree}/{len(res[name])}; its ranks "
+              f"reprocessed identical tokens: {same}")
+    cols = [n for n in plans if n != "stock"]
+    print(f"  {'':<26}{'stock':>10}" + "".join(f"{n:>12}{'/stock':>8}" for n in cols) + "  goal")
+    goals = {"TTFT p50 (s)": "<= 0.5 at 128", "prompt tokens computed": "<= 0.55 at 128"}
     for label, f in (("TTFT p50 (s)", lambda rs: pct([r["ttft"] for r in rs], 0.5)),
                      ("TTFT p95 (s)", lambda rs: pct([r["ttft"] for r in rs], 0.95)),
                      ("prompt tokens computed", lambda rs: sum(r["prompt"] - r["cached"] for r in rs)),
                      ("cached-token ratio", lambda rs: sum(r["cached"] for r in rs) / max(1, sum(r["prompt"] for r in rs)))):
-        a, b = f(res["stock"]), f(res["ours"])
-        print(f"  {label:<28}{a:>12.3f}{b:>12.3f}{(b / a if a else float('nan')):>12.3f}")
+        a = f(res["stock"])
+        row = f"  {label:<26}{a:>10.3f}"
+        for n in cols:
+            b = f(res[n])
+            row += f"{b:>12.3f}{(b / a if a else float('nan')):>8.3f}"
+        print(row + f"  {goals.get(label, '')}")
+    breakdown(profiles, len(res["stock"]))
+
+
+def rank_profiles(output: str):
+    """Each rank's last ``[profile]`` line (cumulative counters and seconds)."""
+    out = {}
+    for m in re.finditer(r"\[profile\] rank (\d+) \| (\{.*\})", output):
+        out[int(m.group(1))] = json.loads(m.group(2))
+    return out
+
+
+#: The prompt cache's phases (``coll.<phase>``: its collectives; ``time.<phase>``: time in
+#: it), `mlx_kvcache.serving.profile`.
+PHASES = ("plan", "fetch", "checkpoint", "final", "trim", "settle", "stats", "turn")
+
+
+def breakdown(profiles, requests):
+    """Per contender and rank: checkpoints, prefill passes and collectives per request
+    (turns of the generation loop with no request in flight left out), collectives per
+    checkpoint, and where the time went (seconds per request)."""
+    print(f"\n  where the time goes, per rank (MLX_KVCACHE_PROFILE=1; {requests} requests; idle "
+          f"turns of the loop left out)")
+    for name, ranks in profiles.items():
+        for rank, p in sorted(ranks.items()):
+            c, t = p.get("counts", {}), p.get("seconds", {})
+            ckpt = c.get("stored.checkpoint", 0)
+            ours = {k: c[f"coll.{k}"] for k in PHASES if c.get(f"coll.{k}")}
+            theirs = c.get("mlxlm.turn", 0) + c.get("mlxlm.batch", 0)
+            passes = c.get("pass.prefill", 0)
+            per_ckpt = f"{c.get('coll.checkpoint', 0) / ckpt:.1f}" if ckpt else "-"
+            print(f"  {name:<10} rank {rank}: checkpoints {ckpt / requests:.1f}/request; prefill "
+                  f"passes {passes / requests:.1f}/request ({c.get('pass.prefill_tokens', 0) / max(passes, 1):.0f} "
+                  f"tokens each); collectives/request: ours {sum(ours.values()) / requests:.1f} ["
+                  + " ".join(f"{k} {v / requests:.1f}" for k, v in ours.items())
+                  + f"], mlx-lm's {theirs / requests:.1f}; ours per checkpoint {per_ckpt}")
+            local = sum(t.get(f"time.{k}", 0) - t.get(f"coll.{k}", 0) for k in PHASES)
+            local -= t.get("mlxlm.turn", 0)  # mlx-lm's sharing runs inside the turn
+            parts = [("prefill passes", t.get("pass.prefill", 0)),
+                     ("decode steps", t.get("pass.decode", 0)),
+                     ("extract_cache", t.get("extract", 0)),
+                     ("prompt cache (snapshots, restores)", local),
+                     ("our collectives", sum(t.get(f"coll.{k}", 0) for k in PHASES)),
+                     ("mlx-lm's collectives", t.get("mlxlm.turn", 0) + t.get("mlxlm.batch", 0))]
+            print(f"  {'':<17}s/request: " + ", ".join(
+                f"{k} {v / requests:.3f}" for k, v in parts if v))
 
 
 def pct(xs, q):
@@ -295,6 +381,9 @@ def main(argv=None):
     ap.add_argument("--system-words", type=int, default=None,
                     help="a: words of tool documentation in the shared system prompt (3600, "
                     "~4.7k tokens; quick 1500)")
+    ap.add_argument("--intervals", type=int, nargs="+", default=None,
+                    help="2: ours' --checkpoint-interval values, one contender each "
+                    f"(default {' '.join(map(str, INTERVALS))})")
     args = ap.parse_args(argv)
     n = args.sessions or 4
     turns = args.turns or (3 if args.quick else 4)
@@ -343,7 +432,8 @@ def main(argv=None):
         out = run("b", ["--model", str(d)], n, turns, 16, ["--checkpoint-interval", "128"], work, 0)
         report("b", *out, goals={"p50": "<= 0.5", "computed": "<= 0.5"})
     if args.only in (None, "2"):
-        run_two_ranks(work, 2 if args.quick else 3, turns, args.quick)
+        run_two_ranks(work, 2 if args.quick else 3, turns,
+                      tuple(args.intervals) if args.intervals else INTERVALS)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,14 @@ def test_two_ranks_agree_and_answer_like_one_process(kind, dirs, tmp_path):
     assert cached[1] > 0 and cached[3] > 0  # repeats hit
     assert all(r["evicted_bytes"] > 0 for r in report["ranks"]), report["ranks"]
     assert all(r["bytes_held"] <= 60000 for r in report["ranks"]), report["ranks"]
+    # Issue 19: a request agrees at its fetch only (where to restore, that the restore
+    # worked, the persisted files' check); its checkpoint and final inserts, its cuts and
+    # mlx-lm's trims issue no collective (the budget is settled once a turn of the loop).
+    counts = report["profile"]["counts"]
+    assert not any(counts.get(f"coll.{p}", 0) for p in ("plan", "checkpoint", "final", "trim")), counts
+    assert counts.get("coll.fetch", 0) <= 3 * len(requests()), counts
+    if kind == "qwen3_5":  # the hybrid: checkpoints inside the prompts
+        assert counts.get("stored.checkpoint", 0) > 0, counts
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])

@@ -102,6 +102,10 @@ class PrefixManager(Budget):
         #: The ranks of a sharded model decide together (see `agreement`); one process
         #: decides alone.
         self.agree: Agreement = SOLO
+        #: The budget is fitted by the caller once in a while (`settle`, agreed in one
+        #: collective), not at every record and restore: records then store on every rank
+        #: without agreement (a sharded server settles once per turn of its loop).
+        self.defer_budget = False
         self._lock = threading.Lock()
         self._exec = executor or (lambda fn, *a: fn(*a))
         self._inside = threading.local()  # per thread: critical sections entered, not left
@@ -168,6 +172,23 @@ class PrefixManager(Budget):
     def _plan(self, live: LiveSet, tokens, extra_stops: List[int]) -> Plan:
         return self._target(live, tokens, extra_stops)[0]
 
+    def cuts(self, tokens: Sequence[int], extra_stops: Sequence[int] = ()) -> List[int]:
+        """Every offset where a fresh live set's prefill of ``tokens`` may have to stop:
+        the stops of whatever plan `checkout` will make, and the ones below its restored
+        offset (never reached). From the trie's structure alone, so the same on every rank
+        with no agreement; no MLX (any thread)."""
+        tokens = as_tokens(tokens)
+        n = len(tokens)
+        if n < 2:
+            return []
+
+        def structural() -> List[int]:
+            _, matched = self.trie.find(tokens)
+            if matched >= n:
+                _, matched = self.trie.find(tokens[: n - 1])
+            return self._stops(n, 0, matched, list(extra_stops))
+        return self.peek(structural)
+
     def _target(self, live: LiveSet, tokens, extra_stops: List[int]):
         """``(plan, path, live_common)`` for ``tokens`` on ``live``."""
         n = len(tokens)
@@ -212,7 +233,8 @@ class PrefixManager(Budget):
         for nd in path:
             if nd.end <= target:
                 self.trie.touch(nd)
-        self._enforce()
+        if not self.defer_budget:
+            self._enforce()
         return live, plan
 
     # -- recording ------------------------------------------------------------------------
@@ -226,39 +248,45 @@ class PrefixManager(Budget):
         return self.run(lambda: live.epoch == self._epoch
                         and self._record(live, seq) is not None)
 
-    def _record(self, live: LiveSet, seq, keep: bool = True) -> Optional[TrieNode]:
+    def _record(self, live: Optional[LiveSet], seq, keep: bool = True) -> Optional[TrieNode]:
         """Record the live state (which holds exactly ``seq``) as a trie node end.
 
         Splits an edge where the point falls inside one, adds a child for tokens the trie
         lacks, and fills in the snapshots of layers that have none at that node. ``seq``
-        is an array (`tokens.as_tokens`): nothing here walks it token by token.
+        is an array (`tokens.as_tokens`): nothing here walks it token by token. With
+        ``defer_budget`` nothing is evicted or skipped here, and ``live`` may be None: the
+        node is made (the same structure as on the ranks that have states) without state.
         """
         o = len(seq)
         if o == 0:
             return None
-        if not live.consistent(o):
-            raise RuntimeError(f"caches are not all at offset {o}: {[c.offset for c in live.leaves]}")
-        live.tokens = seq
+        if live is not None:
+            if not live.consistent(o):
+                raise RuntimeError(f"caches are not all at offset {o}: {[c.offset for c in live.leaves]}")
+            live.tokens = seq
         path, m = self.trie.find(seq)
-        if not self._make_room(self._need(live, path, m, o)):
-            return None
-        if path and path[-1].detached:
-            # Eviction removed the node the match ended in, or merged it into its child.
-            # (Merges above it keep it valid: a merge keeps the deeper node, and m stays
-            # inside or at the end of its edge.)
-            path, m = self.trie.find(seq)
+        if not self.defer_budget:
+            if live is None or not self._make_room(self._need(live, path, m, o)):
+                return None
+            if path and path[-1].detached:
+                # Eviction removed the node the match ended in, or merged it into its
+                # child. (Merges above it keep it valid: a merge keeps the deeper node,
+                # and m stays inside or at the end of its edge.)
+                path, m = self.trie.find(seq)
         node = path[-1] if path else self.trie.root
         if path and node.end > m:
             node = self.trie.split(node, m)  # the point (or the divergence) is inside the edge
         if m == o:
-            missing = [i for i in range(len(live.leaves)) if not node.has_state(i)]
+            missing = [] if live is None else [i for i in range(len(live.leaves))
+                                               if not node.has_state(i)]
             if missing:
                 snaps = list(node.snapshots)
                 for i in missing:
                     snaps[i] = live.leaves[i].snapshot(node.start)
                 self.trie.set_snapshots(node, snaps)
         else:
-            snaps = [c.snapshot(m) for c in live.leaves]
+            snaps = ([None] * self.trie.num_layers if live is None
+                     else [c.snapshot(m) for c in live.leaves])
             parent = node
             node = self.trie.add_child(parent, seq[m:], snaps)
             q = self.kv_quant
@@ -316,18 +344,21 @@ class PrefixManager(Budget):
         if on_done is not None:
             on_done(recorded)
 
-    def record(self, caches: List[Any], tokens: Sequence[int],
+    def record(self, caches: Optional[List[Any]], tokens: Sequence[int],
                label: Optional[str] = None) -> Optional[TrieNode]:
         """Record a cache list computed elsewhere (it holds exactly ``tokens``; it is read,
         never kept or written), then enforce the budget. None when nothing was recorded.
-        ``label`` tags the node (`PrefixTrie.label_stats` counts per label)."""
+        ``label`` tags the node (`PrefixTrie.label_stats` counts per label). With
+        ``defer_budget`` the budget waits for `settle`, and ``caches`` None records the
+        node without state."""
         tokens = as_tokens(tokens)
 
         def section() -> Optional[TrieNode]:
-            node = self._record(LiveSet(caches, self._epoch), tokens)
+            node = self._record(None if caches is None else LiveSet(caches, self._epoch), tokens)
             if node is not None and label is not None:
                 self.trie.set_label(node, label)
-            self._enforce()
+            if not self.defer_budget:
+                self._enforce()
             return node
         return self.run(section)
 

@@ -13,6 +13,7 @@ layer reaches (`plan_restore`), and schedules a branch-point snapshot where it f
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
@@ -162,15 +163,34 @@ def choose_target(live: LiveSet, tokens: np.ndarray, path: List[TrieNode], match
     return t, top, live_common, (None if t >= top else reason)
 
 
+#: Reachable bits per reduction in `_agreed` (with its header: 64 values a collective).
+_AGREE_BITS = 58
+
+
 def _agreed(agree: Agreement, ordered: List[int], ok: List[int]) -> List[int]:
     """The candidates every rank reaches. Ranks with identical tries list identical
-    candidates; if they ever do not, all fall back to offset 0 (never a mismatch)."""
-    mine = np.asarray(ordered + ok, dtype=np.int64).tobytes()
-    views = [np.frombuffer(b, dtype=np.int64) for b in agree.all_gather(mine)]
-    if any(len(v) != 2 * len(ordered) or list(v[: len(ordered)]) != ordered for v in views):
+    candidates; if they ever do not, all fall back to offset 0 (never a mismatch).
+
+    One reduction of a fixed-size vector whatever the candidates: the list's length and a
+    hash of it, each with its negation (so one ``all_min`` also yields the maximum: the
+    ranks know whether they all listed the same), then the reachable bits. A path with
+    more candidates than fit takes more reductions, only once every rank knows they all
+    agree on the length (every rank issues the same collectives)."""
+    n = len(ordered)
+    digest = hashlib.blake2b(np.asarray(ordered, dtype=np.int64).tobytes(), digest_size=7)
+    h = int.from_bytes(digest.digest(), "little")
+
+    def bits(start: int) -> List[int]:
+        part = list(ok[start: start + _AGREE_BITS])
+        return part + [1] * (_AGREE_BITS - len(part))
+    got = agree.all_min([n, -n, h, -h] + bits(0))
+    if got[0] != -got[1] or got[2] != -got[3]:
         log.error("mlx_kvcache: ranks disagree on the prefix trie; recomputing from offset 0")
         return [int(t == 0) for t in ordered]
-    return [int(min(v[len(ordered) + j] for v in views)) for j in range(len(ordered))]
+    out = got[4:]
+    for start in range(_AGREE_BITS, n, _AGREE_BITS):
+        out += agree.all_min(bits(start))
+    return [int(v) for v in out[:n]]
 
 
 def stops(n: int, restored: int, matched: int, *, whole_state: bool, pre_end_margin: int,

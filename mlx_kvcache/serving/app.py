@@ -117,6 +117,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from .handler import CacheAPIHandler
     from .lifecycle import Lifecycle
     from .prompt_cache import TriePromptCache
+    from .profile import from_env as profile_from_env
 
     args = model_provider.cli_args
     life = Lifecycle(args.shutdown_grace)
@@ -124,13 +125,15 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: life.on_signal())
     cache_dir = None if args.no_persist else str(args.cache_dir or default_root())
-    agree = agreement()
+    profile = profile_from_env()
+    agree = agreement(profile)
     sharding = (f"{'pipeline' if args.pipeline else 'tensor'}-{agree.size}-rank{agree.rank}"
                 if agree.size > 1 else "")
     cache = TriePromptCache(model_provider, max_bytes=args.prompt_cache_bytes,
                             checkpoint_interval=args.checkpoint_interval, cache_dir=cache_dir,
                             max_disk_bytes=args.max_disk_bytes, max_entries=args.prompt_cache_size,
-                            agree=agree, sharding=sharding, cold_bits=args.cold_bits)
+                            agree=agree, sharding=sharding, cold_bits=args.cold_bits,
+                            profile=profile)
     load_default = model_provider.load_default
 
     def load_then_open_cache():

@@ -15,19 +15,23 @@ import mlx.core as mx
 import numpy as np
 
 from ..prefix.agreement import SOLO
+from .profile import Profile
 
 
 class MLXAgreement:
     """`mlx_kvcache.prefix.agreement.Agreement` over an ``mx.distributed`` group."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, profile: Optional[Profile] = None) -> None:
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
+        #: Counts every collective, by the phase of the prompt cache that issued it.
+        self.profile = profile or Profile()
 
     def _reduce(self, op, values: Sequence[int]) -> List[int]:
-        x = op(mx.array(np.asarray(list(values), dtype=np.int64)), group=self.group)
-        mx.eval(x)
+        with self.profile.collective("reduce"):
+            x = op(mx.array(np.asarray(list(values), dtype=np.int64)), group=self.group)
+            mx.eval(x)
         return [int(v) for v in x.tolist()]
 
     def all_min(self, values: Sequence[int]) -> List[int]:
@@ -41,13 +45,14 @@ class MLXAgreement:
         buf = np.zeros(max(n, 1) + 8, dtype=np.uint8)
         buf[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
         buf[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        out = mx.distributed.all_gather(mx.array(buf)[None], group=self.group)
-        mx.eval(out)
+        with self.profile.collective("gather"):
+            out = mx.distributed.all_gather(mx.array(buf)[None], group=self.group)
+            mx.eval(out)
         rows = np.asarray(out)
         return [bytes(r[8:8 + int(np.frombuffer(r[:8].tobytes(), dtype=np.int64)[0])]) for r in rows]
 
 
-def agreement() -> Any:
+def agreement(profile: Optional[Profile] = None) -> Any:
     """The agreement for this process: collectives when launched on several ranks."""
     group: Optional[Any] = None
     try:
@@ -56,4 +61,4 @@ def agreement() -> Any:
         group = None
     if group is None or group.size() < 2:
         return SOLO
-    return MLXAgreement(group)
+    return MLXAgreement(group, profile)

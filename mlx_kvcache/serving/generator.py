@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from queue import Empty, Queue
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -29,6 +30,7 @@ from mlx_lm.server import GenerationContext, ResponseGenerator
 
 from . import sequential
 from .lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
+from .profile import count_share, loop_phase
 from .validation import generation_problem
 
 log = logging.getLogger("mlx_kvcache")
@@ -124,12 +126,36 @@ class ServerResponseGenerator(ResponseGenerator):
                                   stream)
 
     # -- commands shared with every rank ------------------------------------------------------
+    def _phase(self, name: str):
+        profile = getattr(self._agree, "profile", None)
+        return profile.phase(name) if profile is not None else nullcontext()
+
+    def _share_object(self, obj):
+        # mlx-lm's own sharing (each turn's request, the batch's removals): counted and
+        # timed beside ours.
+        profile = getattr(self._agree, "profile", None)
+        if not self._is_distributed or profile is None:
+            return super()._share_object(obj)
+        t0 = time.perf_counter()
+        out = super()._share_object(obj)
+        count_share(profile, out, t0)
+        return out
+
     def _next_request(self, timeout=None):
-        if self._is_distributed and self._agree is not None:
-            # A stop signal on any rank reaches rank 0 here (one tiny collective a turn).
-            if self._agree.all_max([int(self.lifecycle.signals > 0)])[0] and self._rank == 0:
-                self.lifecycle.stop_asked.set()
-        request = super()._next_request(timeout)
+        if not (self._is_distributed and self._agree is not None):
+            request = super()._next_request(timeout)
+        else:
+            with self._phase(loop_phase(timeout)):
+                # One tiny collective a turn: a stop signal on any rank reaches rank 0,
+                # and the prompt cache settles what its inserts left rank-local.
+                cache = self.prompt_cache
+                flags = cache.turn_flags() if hasattr(cache, "turn_flags") else [0, 0]
+                agreed = self._agree.all_max([int(self.lifecycle.signals > 0), *flags])
+                if agreed[0] and self._rank == 0:
+                    self.lifecycle.stop_asked.set()
+                if hasattr(cache, "end_turn"):
+                    cache.end_turn(agreed[1:])
+                request = super()._next_request(timeout)
         if request is None or not isinstance(request[1], Control):
             return request
         self._run_control(request[0], request[1])
@@ -140,6 +166,11 @@ class ServerResponseGenerator(ResponseGenerator):
             self._stop = True
             self.lifecycle.stopped.set()
             rqueue.put(None)
+        elif control.kind == "stats":  # every rank's counters, gathered for GET /v1/cache
+            share = getattr(self.prompt_cache, "share_stats", None)
+            if share is not None:
+                share()
+            rqueue.put({})
         elif control.kind == "clear":
             clear = getattr(self.prompt_cache, "clear", None)
             try:

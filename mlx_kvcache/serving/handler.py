@@ -20,6 +20,9 @@ from .validation import body_problem, vocab_size
 
 #: The most request body read (and dropped) before refusing a request.
 _DRAIN_LIMIT = 64 << 20
+#: Seconds ``GET /v1/cache`` on a sharded model waits for the ranks' counters (the
+#: generation thread gathers them between two steps; a long step answers with the last).
+STATS_WAIT = 10.0
 
 
 class CacheAPIHandler(APIHandler):
@@ -137,6 +140,11 @@ class CacheAPIHandler(APIHandler):
         if cache is None or not hasattr(cache, "report"):
             return self._send_admin(503, {"error": "the prompt cache is not available"})
         if method == "GET":
+            if getattr(self.response_generator, "_is_distributed", False):
+                try:  # every rank's counters, gathered now (not at every request)
+                    self.response_generator.command("stats", timeout=STATS_WAIT)
+                except (RuntimeError, TimeoutError):
+                    pass  # those of the last gather
             report = cache.report()
             # Requests not yet taken by the generation thread, and answers open: what an
             # operator waits on before a stop.

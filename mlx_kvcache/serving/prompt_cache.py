@@ -23,8 +23,11 @@ n_bytes=)``, ``nbytes``, ``len()`` and ``stats_by_type()``. Here:
   memory and from disk, and the bytes in each tier.
 
 On the ranks of a sharded model (``mlx.launch``) every decision is agreed between ranks
-(`mlx_kvcache.prefix.agreement`), so every rank restores, stores and evicts alike. The
-HTTP threads (rank 0) only read counters; `clear` runs on every rank's generation thread.
+(`mlx_kvcache.prefix.agreement`), so every rank restores, stores and evicts alike: where a
+request restores at its fetch; what its inserts leave rank-local (bytes, a cache list that
+cannot be stored) once per turn of the generation loop (`rank_turn`), so checkpoints
+cost no collective. The HTTP threads (rank 0) only read counters; `clear` and the
+gather of every rank's counters run on every rank's generation thread.
 """
 
 from __future__ import annotations
@@ -37,13 +40,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..prefix.agreement import SOLO, Agreement, every
+from ..prefix.agreement import SOLO, Agreement
 from ..prefix.explain import Explainer, Reuse
 from ..prefix.tokens import as_tokens
 from . import sequential
 from .model_state import ModelState, open_model
 from .native import from_native, to_native
 from .padding import was_padded
+from .profile import Profile
+from .rank_turn import RankTurn
 from .recent import RequestLog
 
 __all__ = ["TriePromptCache"]
@@ -69,6 +74,7 @@ class TriePromptCache:
         max_entries: ``--prompt-cache-size``, honoured by ``trim_to(n_sequences=...)``.
         agree: how the ranks of a sharded model agree (one process: `SOLO`).
         sharding: names this rank's shard of the model (its persisted cache's directory).
+        profile: counts collectives and checkpoints (and, profiling, times them).
     """
 
     def __init__(self, model_provider, *, max_bytes: Optional[int] = None,
@@ -76,7 +82,7 @@ class TriePromptCache:
                  cache_dir: Optional[str] = None, max_disk_bytes: Optional[int] = None,
                  max_entries: Optional[int] = None, pre_end_margin: int = 4,
                  agree: Agreement = SOLO, sharding: str = "",
-                 cold_bits: Optional[int] = None) -> None:
+                 cold_bits: Optional[int] = None, profile: Optional[Profile] = None) -> None:
         self.provider = model_provider
         self.asked_max_bytes = None if max_bytes is None else int(max_bytes)
         #: The memory budget in force (set when a model loads when not given).
@@ -100,19 +106,24 @@ class TriePromptCache:
         self._told: List[str] = []
         self._told_padded = False
         self._ranks: List[Tuple[int, ...]] = []  # every rank's counters, as last shared
+        self.profile = profile or getattr(agree, "profile", None) or Profile()
+        self._turn = RankTurn()
 
     # -- the model's trie, made when the model loads (in the generation thread) ----------
     def _state(self, model_key) -> ModelState:
         if self._model is not None and self._model.key == model_key:
             return self._model
         self.close()
-        self._model = open_model(
-            self.provider, model_key, self.agree, max_bytes=self.asked_max_bytes,
-            checkpoint_interval=self.checkpoint_interval, pre_end_margin=self.pre_end_margin,
-            cache_dir=self.cache_dir, max_disk_bytes=self.max_disk_bytes, sharding=self.sharding,
-            cold_bits=self.cold_bits)
+        with self.profile.phase("open"):
+            self._model = open_model(
+                self.provider, model_key, self.agree, max_bytes=self.asked_max_bytes,
+                checkpoint_interval=self.checkpoint_interval, pre_end_margin=self.pre_end_margin,
+                cache_dir=self.cache_dir, max_disk_bytes=self.max_disk_bytes,
+                sharding=self.sharding, cold_bits=self.cold_bits)
         self.max_bytes = self._model.max_bytes
         self._explainer = Explainer(_decoder(getattr(self.provider, "tokenizer", None)))
+        if self.agree.size > 1 and self._model.manager is not None:
+            self._model.manager.defer_budget = True  # settled once a turn (`rank_turn`)
         self._share_stats()
         return self._model
 
@@ -121,13 +132,14 @@ class TriePromptCache:
         self._guard("opening the prompt cache", lambda: self._state(model_key), None)
 
     # -- the protocol mlx-lm's server calls ---------------------------------------------
-    def _guard(self, what: str, fn, fallback):
+    def _guard(self, what: str, fn, fallback, phase: str = "other"):
         # Nothing here may raise into the server: an exception in its generation thread
         # ends it. One process: log, and the request goes on without reuse. A rank of a
         # sharded model must not go on out of step with the others (the next collective
         # would hang them all): it exits, and the launcher stops the rest.
         try:
-            return fn()
+            with self.profile.phase(phase):
+                return fn()
         except Exception:
             log.exception("mlx_kvcache: %s failed", what)
             if self.agree.size > 1:
@@ -137,18 +149,24 @@ class TriePromptCache:
 
     def fetch_nearest_cache(self, model_key, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:
         return self._guard("a prompt cache fetch", lambda: self._fetch(model_key, tokens),
-                           (None, list(tokens)))
+                           (None, list(tokens)), "fetch")
 
     def insert_cache(self, model_key, tokens: Sequence[int], prompt_cache: List[Any],
                      *, cache_type: str = "assistant") -> None:
+        tokens = as_tokens(tokens)
+        final = self._log.final_of(tokens)
         self._guard("a prompt cache insert",
-                    lambda: self._insert(model_key, tokens, prompt_cache, cache_type), None)
+                    lambda: self._insert(model_key, tokens, prompt_cache, cache_type, final),
+                    None, "checkpoint" if final is None else "final")
 
     def checkpoints(self, model_key, tokens: Sequence[int]) -> List[int]:
         """Prompt offsets where prefill should stop so the caches can be stored there:
         every ``checkpoint_interval`` tokens, a few tokens before the end and at the branch
         point where a restore will land short (hybrid and sliding-window models; KV layers
-        reach any token from the final insert anyway). Changes nothing."""
+        reach any token from the final insert anyway). Those below where the fetch will
+        restore are included (the server drops them with the cached tokens): they follow
+        from the trie's structure, the same on every rank without a collective. Changes
+        nothing."""
         def plan():
             st = self._state(model_key)
             if st.manager is None:
@@ -159,8 +177,8 @@ class TriePromptCache:
                 return []
             if sequential.current() is not None:
                 return []  # the sequential fetch plans (and takes) its own stops
-            return st.manager.preview(tokens).stops
-        return self._guard("planning checkpoints", plan, [])
+            return st.manager.cuts(tokens)
+        return self._guard("planning checkpoints", plan, [], "plan")
 
     def _fetch(self, model_key, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:
         # The server's list becomes an array once; everything after is O(edges + bytes).
@@ -219,8 +237,8 @@ class TriePromptCache:
             draft_vocab=st.draft_vocab, stream=seq.stream)
         return seq.handed
 
-    def _insert(self, model_key, tokens: Sequence[int], prompt_cache: List[Any],
-                cache_type: str) -> None:
+    def _insert(self, model_key, tokens: np.ndarray, prompt_cache: List[Any], cache_type: str,
+                final: Optional[int] = None) -> None:
         st = self._state(model_key)
         if st.manager is None or not len(tokens):
             return
@@ -249,14 +267,29 @@ class TriePromptCache:
                 log.warning("mlx_kvcache: not caching: a %s cache list does not hold exactly "
                             "the tokens it is stored under, or cannot be snapshotted",
                             "/".join(kinds))
-        if not every(self.agree, caches is not None):
-            self._log_request(st, key, note + " | not stored")
+        sharded = self.agree.size > 1
+        if caches is None and (not sharded or not len(tokens)):
+            if final is not None:
+                self._log_request(st, key, final, note + " | not stored")
             return
-        node = st.manager.record(caches, tokens, label=cache_type)
-        if node is not None and cache_type == "assistant":  # a request's end (segment ends are its prefixes)
+        # On a sharded model every rank records (the node without state where its caches
+        # cannot be stored), with no collective; the turn settles the rest (`rank_turn`).
+        made = sharded and RankTurn.makes_node(st.manager, tokens)
+        node = st.manager.record(caches, tokens, label=cache_type) if len(tokens) else None
+        if sharded:
+            self._turn.inserted(node, made, caches is None)
+        self.profile.add(f"{'stored' if node is not None and caches is not None else 'not_stored'}"
+                         f".{self.profile.current}")
+        if node is not None and caches is not None and cache_type == "assistant":
+            # a request's end (segment ends are its prefixes)
             self._explainer.remember(tokens, st.manager.evicted_bytes, self.clears)
-        self._share_stats()
-        self._log_request(st, key, note)
+        if final is not None:
+            self._log_request(st, key, final, note if caches is not None else note + " | not stored")
+        if not sharded:  # sharded: once a turn, after the budget is settled (`end_turn`)
+            self._capture(st)
+
+    def _capture(self, st: ModelState) -> None:
+        """Hand what changed in the trie to the background writer."""
         if st.writer is not None:
             try:
                 plan = st.manager.run(st.store.capture)
@@ -273,10 +306,31 @@ class TriePromptCache:
 
         def trim():
             if n_bytes is not None:
-                mgr._evict(max(int(n_bytes), 0))
+                if mgr.defer_budget:  # this rank's ceiling, fitted at the turn's settle
+                    self._turn.limit = max(int(n_bytes), 0)
+                else:
+                    mgr._evict(max(int(n_bytes), 0))
             if n_sequences is not None:
-                mgr._evict_to_count(int(n_sequences))
-        self._guard("trimming the prompt cache", lambda: mgr.run(trim), None)
+                mgr._evict_to_count(int(n_sequences))  # the node count: the same on every rank
+        self._guard("trimming the prompt cache", lambda: mgr.run(trim), None, "trim")
+
+    # -- once per turn of a sharded server's generation loop ----------------------------
+    def turn_flags(self) -> List[int]:
+        """This rank's part of the turn's collective (`rank_turn`): read-only."""
+        st = self._model
+        return self._turn.flags(st.manager if st is not None else None)
+
+    def end_turn(self, agreed: Sequence[int]) -> None:
+        """After the turn's collective, on every rank (``agreed``: every rank's
+        `turn_flags`, element-wise max): fit the budget, drop what not every rank stored."""
+        st = self._model
+        if st is None or st.manager is None:
+            return
+
+        def settle() -> None:
+            if self._turn.settle(st.manager, self.agree, agreed):
+                self._capture(st)  # what this turn's inserts left, once the budget holds
+        self._guard("settling the prompt cache", settle, None, "settle")
 
     @property
     def nbytes(self) -> int:
@@ -317,14 +371,21 @@ class TriePromptCache:
         disk = st.store.disk_bytes if st.store is not None else 0
         return (held, nodes, disk, evicted, self.requests, self.cached_tokens, self.disk_tokens)
 
+    def share_stats(self) -> None:
+        """Gather every rank's counters for rank 0's ``GET /v1/cache`` (one small gather;
+        on every rank's generation thread, at the same point)."""
+        self._guard("gathering the ranks' counters", self._share_stats, None)
+
     def _share_stats(self) -> None:
         """Every rank's counters, for rank 0's ``GET /v1/cache`` (one small gather)."""
         if self.agree.size > 1:
-            self._ranks = [_STATS.unpack(b) for b in self.agree.all_gather(_STATS.pack(*self._local()))]
+            with self.profile.phase("stats"):
+                self._ranks = [_STATS.unpack(b)
+                               for b in self.agree.all_gather(_STATS.pack(*self._local()))]
 
     def report(self) -> Dict[str, Any]:
         """What ``GET /v1/cache`` returns (on a sharded model: this rank's view, and every
-        rank's counters as of its last insert under ``ranks``)."""
+        rank's counters as of the last `share_stats` under ``ranks``)."""
         held, nodes, disk, evicted, _, _, _ = self._local()
         st = self._model
         out: Dict[str, Any] = {
@@ -342,6 +403,7 @@ class TriePromptCache:
             "kv_bits": st.manager.kv_quant.signature()[1:] if st and st.manager
             and st.manager.kv_quant else None,
             "recent": self._log.listing(),
+            "profile": self.profile.snapshot(),
         }
         if st is not None and st.store is not None:
             mgr, tier = st.manager, st.store.tier
@@ -364,7 +426,7 @@ class TriePromptCache:
         could not be cleared, ``error`` naming it (per rank under ``ranks``)."""
         return self._guard("clearing the prompt cache", self._clear_here,
                            {"cleared": False, "memory_cleared": False, "disk_cleared": False,
-                            "error": "clearing the prompt cache failed (see the log)"})
+                            "error": "clearing the prompt cache failed (see the log)"}, "clear")
 
     def _clear_here(self) -> Dict[str, Any]:
         st = self._model
@@ -414,13 +476,16 @@ class TriePromptCache:
             st.store.close()
 
     # -- the request log line -------------------------------------------------------------
-    def _log_request(self, st: ModelState, tokens: np.ndarray, extra: str = "") -> None:
-        """One line per request, at its final insert (prompt plus answer)."""
+    def _log_request(self, st: ModelState, tokens: np.ndarray, fetch: int, extra: str = "") -> None:
+        """One line per request, at its final insert (``tokens``: prompt plus answer;
+        ``fetch``: its fetch in the log, `RequestLog.final_of`)."""
         mgr = st.manager
         held = mgr.peek(lambda: mgr.trie.nbytes)
         disk = st.store.disk_bytes if st.store is not None else None
-        self._log.finished(tokens, held, self.max_bytes,
+        self._log.finished(fetch, tokens, held, self.max_bytes,
                            self.agree.rank if self.agree.size > 1 else None, extra, disk)
+        if self.profile.timing:
+            log.info(self.profile.line(self.agree.rank))
 
 
 def _decoder(tokenizer):

@@ -59,23 +59,30 @@ class RequestLog:
         while len(self._pending) > PENDING:
             self._pending.popitem(last=False)
 
-    def finished(self, tokens, held: int, max_bytes: int, rank: Optional[int] = None,
-                 extra: str = "", disk_bytes: Optional[int] = None) -> None:
-        """The request whose prompt ``tokens`` (prompt + answer) start with ended: log its
-        line and list it. The newest matching fetch is taken (a request's own fetch is
-        the newest one with its prompt). Each pending fetch is screened in O(1) (length,
-        first and last token) and only a match compared whole, vectorised."""
+    def final_of(self, tokens) -> Optional[int]:
+        """The pending fetch whose prompt ``tokens`` extend (then this insert is that
+        request's final one: prompt + answer), or None. The newest match is taken (a
+        request's own fetch is the newest one with its prompt). Each pending fetch is
+        screened in O(1) (length, first and last token) and only a match compared whole,
+        vectorised."""
         toks = np.asarray(tokens, dtype=np.int64)
-        hit = None
         for key in reversed(self._pending):  # newest first; usually the last one
             p = self._pending[key].prompt
             n = len(p)
             if n and len(toks) >= n and toks[n - 1] == p[n - 1] and toks[0] == p[0] \
                     and np.array_equal(toks[:n], p):
-                hit = key
-                break
-        if hit is None:
+                return key
+        return None
+
+    def finished(self, key: int, tokens, held: int, max_bytes: int,
+                 rank: Optional[int] = None, extra: str = "",
+                 disk_bytes: Optional[int] = None) -> None:
+        """The request of the pending fetch ``key`` (`final_of`) ended with ``tokens``
+        (prompt + answer): log its line and list it."""
+        if key not in self._pending:
             return
+        toks = np.asarray(tokens, dtype=np.int64)
+        hit = key
         f = self._pending.pop(hit)
         n = len(f.prompt)
         where = f"rank {rank} | " if rank is not None else ""

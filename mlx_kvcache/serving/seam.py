@@ -64,6 +64,7 @@ def check() -> Optional[str]:
     for owner, name, params in (
             (S.ResponseGenerator, "_next_request", ["self", "timeout"]),
             (S.ResponseGenerator, "_serve_single", ["self", "request", "stream"]),
+            (S.ResponseGenerator, "_share_object", ["self", "obj"]),
             (S.ResponseGenerator, "_await_response", ["self", "response_queue"]),
             (S.ResponseGenerator, "generate", ["self", "request", "generation_args",
                                               "progress_callback"]),

@@ -136,9 +136,11 @@ class LaunchedServer(Client):
     """``mlx-kvcache serve`` (or ``mlx_lm server``) on ``n`` ranks; rank 0 speaks HTTP."""
 
     def __init__(self, model_dir, *extra: str, n: int = 2, stock: bool = False,
-                 home: Optional[Path] = None, start_timeout: Optional[float] = None):
+                 home: Optional[Path] = None, start_timeout: Optional[float] = None,
+                 program: Optional[Sequence[str]] = None):
         self.port = free_port()
-        cmd = ([sys.executable, "-m", "mlx_lm", "server"] if stock
+        cmd = (list(program) if program is not None  # e.g. a stock server that logs more
+               else [sys.executable, "-m", "mlx_lm", "server"] if stock
                else [sys.executable, "-m", "mlx_kvcache.cli", "serve"])
         cmd += ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port), *extra]
         env = {"XDG_CACHE_HOME": str(home)} if home is not None else {}
