@@ -43,12 +43,8 @@ import mlx_kvcache  # noqa: F401  (before mlx: preloads a fast BLAS)
 from mlx_kvcache.testing.servers import Server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = ("alpha beta gamma delta river stone cloud metric vector buffer kernel socket "
-         "render commit branch merge deploy cache token window state layer").split()
-
-
-def text(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_server import text  # noqa: E402  (the same filler words as the server benchmark)
 
 
 class Session:
@@ -210,7 +206,7 @@ def part2(work, d, n, task_words, tool_words, max_tokens, per_token, bits_list):
             sessions = [Session(i, task_words, tool_words) for i in range(n)]
             for sess in sessions:
                 sess.answered(ask(s, sess.history, max_tokens)["text"])
-            held, cached_tok = 0, 0
+            held = 0
             for sess in sessions:
                 r = ask(s, sess.history, max_tokens)
                 held += r["cached"] > r["prompt"] // 2

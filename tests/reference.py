@@ -79,6 +79,21 @@ def run(pc, prompt, max_tokens, **kw):
     return [(r.token, r.logprobs) for r in rs], rs[-1].cache
 
 
+def interleaved(gens):
+    """Advance the generators one step each in turn until every one ends (requests
+    open at once on one thread); each one's ``[(token, logprobs)]``."""
+    outs = [[] for _ in gens]
+    live = list(range(len(gens)))
+    while live:
+        for i in list(live):
+            try:
+                r = next(gens[i])
+                outs[i].append((r.token, r.logprobs))
+            except StopIteration:
+                live.remove(i)
+    return outs
+
+
 def assert_same(ref, got):
     assert [t for t, _ in ref] == [t for t, _ in got]
     diff = max(mx.abs(a - b).max().item() for (_, a), (_, b) in zip(ref, got))

@@ -14,7 +14,8 @@ import pytest
 
 from models import V
 from reference import (  # noqa: F401  (track_snapshots is an autouse fixture)
-    MARGIN, TOK, assert_same, check_no_leaks, cold, model, new_cache, run, track_snapshots,
+    MARGIN, TOK, assert_same, check_no_leaks, cold, interleaved, model, new_cache, run,
+    track_snapshots,
 )
 
 NAMES = ["llama", "gemma3_text", "qwen3_next"]
@@ -48,16 +49,7 @@ def test_interleaved_generators_on_one_thread(name):
     for seed, lengths in enumerate([(5, 3), (14, 9), (2, 20), (11, 11)]):
         ps = prompts(seed, lengths)
         run(pc, ps[0][:8], 2)  # something in the trie to restore from
-        gens = [pc.stream_generate(TOK, p, N) for p in ps]
-        outs = [[] for _ in ps]
-        live = list(range(len(ps)))
-        while live:
-            for i in list(live):
-                try:
-                    r = next(gens[i])
-                    outs[i].append((r.token, r.logprobs))
-                except StopIteration:
-                    live.remove(i)
+        outs = interleaved([pc.stream_generate(TOK, p, N) for p in ps])
         for p, got in zip(ps, outs):
             assert_same(cold(m, p, N), got)
         verify_clean(pc, m, ps)

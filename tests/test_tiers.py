@@ -20,7 +20,8 @@ import pytest
 
 from models import V, build
 from reference import (  # noqa: F401  (track_snapshots is an autouse fixture)
-    MARGIN, TOK, assert_same, check_no_leaks, cold, model, new_cache, run, track_snapshots,
+    MARGIN, TOK, assert_same, check_no_leaks, cold, interleaved, model, new_cache, run,
+    track_snapshots,
 )
 
 from mlx_kvcache.generation.sizing import checkpoint_bytes
@@ -294,16 +295,7 @@ def test_interleaved_requests_while_nodes_park_and_fill(tmp_path):
                    snapshot_interval=8)
     budget = None
     for rnd in range(3):
-        gens = [pc.stream_generate(TOK, p, N) for p in s.prompts]
-        outs = [[] for _ in gens]
-        live = list(range(len(gens)))
-        while live:
-            for i in list(live):
-                try:
-                    r = next(gens[i])
-                    outs[i].append((r.token, r.logprobs))
-                except StopIteration:
-                    live.remove(i)
+        outs = interleaved([pc.stream_generate(TOK, p, N) for p in s.prompts])
         for i, p in enumerate(s.prompts):
             assert_same(cold(m, p, N), outs[i])
             s.answered(i, [t for t, _ in outs[i]])

@@ -148,7 +148,6 @@ def write_paged_model_dir(path, seed: int = 0):
     ``--trust-remote-code``). Returns the path."""
     import json
     import shutil
-    from pathlib import Path
 
     from . import paged_model
 
