@@ -339,17 +339,17 @@ def test_interactive_eof_and_ctrl_c_at_prompt_exit_0(tiny_dir, tmp_path):
         try:
             read_until(lambda: b">>> " in out, 60)
             assert b">>> " in out, bytes(out)
-            # readline may flush input typed before it set the terminal up: retry the key.
-            for _ in range(5):
-                time.sleep(0.3)
+            # readline may flush input typed before it set the terminal up: retry the key
+            # while the child shows no reaction (a loaded runner may be slow to start it,
+            # or to exit once it reacted: then wait, never press again).
+            end = time.time() + 180
+            while status is None and time.time() < end:
+                seen = len(out)
                 os.write(fd, key)
-                read_until(lambda: False, 3)  # until the child closes the terminal
-                for _ in range(30):
-                    if reap():
-                        break
-                    time.sleep(0.1)
-                if status is not None:
-                    break
+                read_until(lambda: len(out) > seen or reap(), 3)
+                while not reap() and len(out) > seen and time.time() < end:
+                    read_until(lambda: False, 0.5)  # it reacted: wait for the exit
+                    time.sleep(0.1)  # (the read returns at once once the terminal closed)
             assert status is not None, f"chat did not exit on {key!r}: {bytes(out)!r}"
         finally:
             if not reap():
