@@ -117,10 +117,11 @@ def make_sessions(kind, n, system_words, seed=0):
 
 
 # -- one request --------------------------------------------------------------------------------
-def ask(server: Server, messages, max_tokens, first_token=None):
+def ask(server: Server, messages, max_tokens, first_token=None, timeout: float = 600):
+    """One streamed chat request: its TTFT, text, prompt and cached tokens."""
     t0 = time.perf_counter()
     ttft, parts, usage = None, [], {}
-    for chunk in server.stream_chat(messages, max_tokens=max_tokens, timeout=600):
+    for chunk in server.stream_chat(messages, max_tokens=max_tokens, timeout=timeout):
         if chunk.get("usage"):
             usage = chunk["usage"]
         for c in chunk.get("choices") or []:

@@ -44,7 +44,8 @@ from mlx_kvcache.testing.servers import Server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_server import text  # noqa: E402  (the same filler words as the server benchmark)
+import bench_server  # noqa: E402  (its requests and filler words)
+from bench_server import text  # noqa: E402
 
 
 class Session:
@@ -60,20 +61,7 @@ class Session:
 
 
 def ask(server, messages, max_tokens):
-    t0 = time.perf_counter()
-    ttft, parts, usage = None, [], {}
-    for chunk in server.stream_chat(messages, max_tokens=max_tokens, timeout=900):
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-        for c in chunk.get("choices") or []:
-            piece = (c.get("delta") or {}).get("content")
-            if piece and ttft is None:
-                ttft = time.perf_counter() - t0
-            parts.append(piece or "")
-    prompt = usage.get("prompt_tokens", 0)
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"ttft": ttft if ttft is not None else time.perf_counter() - t0,
-            "text": "".join(parts), "prompt": prompt, "cached": cached}
+    return bench_server.ask(server, messages, max_tokens, timeout=900)
 
 
 def io_written(pid: int) -> int:
