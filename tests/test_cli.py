@@ -307,6 +307,11 @@ def test_interactive_eof_and_ctrl_c_at_prompt_exit_0(tiny_dir, tmp_path):
         pid, fd = pty.fork()
         if pid == 0:  # child: stdin/stdout/stderr are the pty
             try:
+                # As a terminal's shell starts a job: Ctrl-C delivered. (A test run started
+                # in the background of a script inherits SIGINT ignored, and Python then
+                # installs no KeyboardInterrupt handler.)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
                 os.execve(sys.executable, [sys.executable, "-m", "mlx_kvcache.cli", "chat",
                                            "--no-persist", "--model", str(tiny_dir)], env)
             finally:
