@@ -97,6 +97,8 @@ def test_sessions_round_robin_from_disk_like_stock(tmp_path):
     finally:
         s.stop()
     with Server.ours(d, tmp_path / "b.log", tmp_path, *args) as s:
+        # The HTTP side answers while the generation thread may still be opening the cache.
+        s.watch.wait("the cache to open").until(lambda: "disk_nodes" in s.cache())
         rep = s.cache()
         assert rep["bytes_held"] == 0 and rep["disk_nodes"] == rep["nodes"] > 0, rep
         served(s, 2)  # a restart keeps the tier: every session continues from disk
