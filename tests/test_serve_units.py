@@ -58,15 +58,19 @@ def test_fetch_insert_round_trip_never_aliases(name):
     assert len(rest) >= 1
 
 
-def test_insert_refuses_a_cache_that_does_not_hold_the_tokens():
+def test_insert_refuses_a_cache_that_does_not_hold_the_tokens(caplog):
     m = build("llama")
     pc = TriePromptCache(provider(m), max_bytes=1 << 30)
     prompt = list(range(1, 20))
     _, cache = served(m, prompt)
-    pc.insert_cache(KEY, prompt, cache)  # holds prompt + 4 generated: not these 19 tokens
-    assert len(pc) == 0 and pc.nbytes == 0
-    pc.insert_cache(KEY, prompt, [mlc.QuantizedKVCache() for _ in m.layers])
-    assert len(pc) == 0
+    with caplog.at_level("INFO", logger="mlx_kvcache"):
+        pc.insert_cache(KEY, prompt, cache)  # holds prompt + 4 generated: not these 19 tokens
+        assert len(pc) == 0 and pc.nbytes == 0
+        pc.insert_cache(KEY, prompt, [mlc.QuantizedKVCache() for _ in m.layers])
+        assert len(pc) == 0
+    # refused with the one warning, never by an exception inside the insert
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    assert any("not caching" in r.getMessage() for r in caplog.records)
 
 
 def test_budget_trim_and_stats():

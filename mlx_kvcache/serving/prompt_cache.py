@@ -241,8 +241,7 @@ class TriePromptCache(CacheEndpoints):
         if st.manager is None or not len(tokens):
             return
         seq = sequential.current()
-        note, key = "", as_tokens(tokens)
-        tokens = key
+        note, key = "", tokens  # prompt + answer; ``tokens`` what the caches hold
         if seq is not None and seq.absorbed is not None:
             # A draft-model generation: its caches hold a prefix of the key (both models
             # at one committed offset), or nothing consistent (-1).
@@ -258,7 +257,7 @@ class TriePromptCache(CacheEndpoints):
                 self._told_padded = True
                 log.info("mlx_kvcache: not storing a recurrent state computed in a padded "
                          "batch row (said once)")
-        elif caches is None and tokens:
+        elif caches is None and len(tokens):
             kinds = sorted({type(c).__name__ for c in prompt_cache})
             if kinds != self._told:  # once per kind of cache, not once per request
                 self._told = kinds
