@@ -156,6 +156,9 @@ def test_a_restore_inside_an_image_moves_to_its_start():
     m(mx.arange(30)[None], cache=live_kv.caches)
     runs = sequential.image_runs([1] * 10 + [-4] * 8 + [2] * 12)
     assert runs == [(10, 18)]
+    # runs at either end, several, none
+    assert sequential.image_runs([-1, -1, 3, -2, 5, -7]) == [(0, 2), (3, 4), (5, 6)]
+    assert sequential.image_runs([1, 2, 3]) == [] and sequential.image_runs([]) == []
     assert sequential.outside_images(live_kv, 14, runs) == 10
     assert all(c.offset == 10 for c in live_kv.leaves)
     assert sequential.outside_images(live_kv, 10, runs) == 10  # at its start: fine

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from ..caches import cache_arrays, settle
 from ..generation.speculative import clamp_ids
@@ -84,18 +85,11 @@ def serving(request: SequentialRequest) -> Iterator[SequentialRequest]:
 
 
 def image_runs(key: Sequence[int]) -> List[Tuple[int, int]]:
-    """``[start, end)`` of each run of image placeholders (negative ids) in a cache key."""
-    runs: List[Tuple[int, int]] = []
-    start = None
-    for i, t in enumerate(key):
-        if t < 0 and start is None:
-            start = i
-        elif t >= 0 and start is not None:
-            runs.append((start, i))
-            start = None
-    if start is not None:
-        runs.append((start, len(key)))
-    return runs
+    """``[start, end)`` of each run of image placeholders (negative ids) in a cache key
+    (vectorised: no per-token Python on the request path)."""
+    neg = np.asarray(key) < 0
+    edges = np.flatnonzero(np.diff(neg.astype(np.int8), prepend=0, append=0))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
 
 
 def plan_stops(live, plan, key: Sequence[int], seq: SequentialRequest,
@@ -145,7 +139,7 @@ def prefill(live, model, draft, target_entries: int, tokens: Sequence[int], star
             end = min(pos + step, end_all, next(s for s in stops if s > pos))
             live.quantize_due()
             caches = live.caches
-            x = mx.array(list(tokens[pos:end]))[None]
+            x = mx.array(np.asarray(tokens[pos:end], dtype=np.int32))[None]
             model(x, cache=caches[:target_entries])
             settle(caches[:target_entries], end - pos)
             if draft is not None:
