@@ -79,15 +79,14 @@ class RequestLog:
                  disk_bytes: Optional[int] = None) -> None:
         """The request of the pending fetch ``key`` (`final_of`) ended with ``tokens``
         (prompt + answer): log its line and list it."""
-        if key not in self._pending:
+        f = self._pending.pop(key, None)
+        if f is None:  # forgotten: more than `PENDING` requests were in flight
             return
-        toks = np.asarray(tokens, dtype=np.int64)
-        hit = key
-        f = self._pending.pop(hit)
         n = len(f.prompt)
+        answer = len(tokens) - n
         where = f"rank {rank} | " if rank is not None else ""
         line = (f"[cache] {where}prompt {n} tok | cached {f.cached} | prefilled "
-                f"{n - f.cached} | answer {len(toks) - n} tok | held {human_bytes(held)} of "
+                f"{n - f.cached} | answer {answer} tok | held {human_bytes(held)} of "
                 f"{human_bytes(max_bytes)}")
         if f.from_disk is not None:
             line += f" | from disk {f.from_disk}"
@@ -99,7 +98,7 @@ class RequestLog:
         log.info(line)
         entry: Dict[str, Any] = {"time": round(f.started, 3), "path": f.path,
                                  "prompt_tokens": n, "cached_tokens": f.cached,
-                                 "matched_tokens": f.matched, "answer_tokens": len(toks) - n}
+                                 "matched_tokens": f.matched, "answer_tokens": answer}
         if f.from_disk is not None:
             entry["disk_tokens"] = f.from_disk
         if f.reuse is not None:
