@@ -160,3 +160,20 @@ def test_a_model_rewritten_in_place_gets_no_cache_of_the_old_one(model_dir, tmp_
     cold, _ = _served(prov2.model, prompt + [9, 10])
     assert max(mx.abs(a - b).max().item() for (_, a), (_, b) in zip(answer, cold)) < 1e-4
     pc2.close()
+
+
+def test_cache_key_combines_what_changes_the_snapshots():
+    """One derivation for `PrefixCache` and the server, unchanged (existing caches keep
+    their directories): draft, then shard, then cold bits, each a SHA-256 over the last."""
+    import hashlib
+
+    from mlx_kvcache.store import cache_key
+
+    fp, d = "a" * 64, "b" * 64
+    h = lambda s: hashlib.sha256(s.encode()).hexdigest()  # noqa: E731
+    both = h("target " + fp + "\ndraft " + d + "\n")
+    assert cache_key(fp) == fp
+    assert cache_key(fp, draft_fp=d) == both
+    assert cache_key(fp, draft_fp=d, sharding="pipeline-2-rank0", cold_bits=8) == \
+        h(h(both + "|pipeline-2-rank0") + "|cold8")
+    assert cache_key(fp, cold_bits=4) == h(fp + "|cold4") != cache_key(fp, cold_bits=8)

@@ -11,13 +11,12 @@ compressed (lossy; the directory is keyed by it, so exact and compressed caches 
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from typing import Optional
 
 from ..caches import layer_signature
 from ..store.autosave import Autosaver
-from .sizing import default_disk_budget, own_bytes
+from .sizing import disk_budget_for
 
 #: ``cold_bits`` accepted: `QuantizedSnapshot` widths worth storing.
 COLD_BITS = (4, 8)
@@ -49,11 +48,8 @@ class Persistence:
             return
         try:
             if self.max_disk_bytes is None:
-                from ..store.format import version_dir
-
-                d = version_dir(self.cache_dir) / self.fingerprint()[:16]
-                self.max_disk_bytes, self.disk_budget_note = default_disk_budget(
-                    self.cache_dir, own_bytes(d if d.is_dir() else None))
+                self.max_disk_bytes, self.disk_budget_note = disk_budget_for(
+                    self.cache_dir, self.fingerprint())
             self.load(self.cache_dir)
             self._autosaver = Autosaver(self._store.write)
         except Exception as e:  # fail-open: a cache problem never stops the model
@@ -64,15 +60,13 @@ class Persistence:
         """`mlx_kvcache.store.model_fingerprint` of the model (computed once); with a draft
         model, a hash of both models' fingerprints; with ``cold_bits``, of that too."""
         if self._fingerprint is None:
-            from ..store import model_fingerprint
+            from ..store import cache_key, model_fingerprint
 
-            fp = model_fingerprint(self.model, self._tokenizer_for_fp)
-            if self.draft_model is not None:  # nodes hold both models' layers
-                draft = model_fingerprint(self.draft_model)
-                fp = hashlib.sha256(f"target {fp}\ndraft {draft}\n".encode()).hexdigest()
-            if self.cold_bits is not None:  # compressed snapshots: never served as exact
-                fp = hashlib.sha256(f"{fp}|cold{self.cold_bits}".encode()).hexdigest()
-            self._fingerprint = fp
+            draft = self.draft_model
+            self._fingerprint = cache_key(
+                model_fingerprint(self.model, self._tokenizer_for_fp),
+                draft_fp=None if draft is None else model_fingerprint(draft),
+                cold_bits=self.cold_bits)
         return self._fingerprint
 
     @property

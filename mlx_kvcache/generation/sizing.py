@@ -25,7 +25,7 @@ from ..caches import leaf_caches, settle
 from ..caches.chunked import ChunkedKVCache
 from ..caches.rotating import RotatingKVCache
 from ..prefix.stats import human_bytes
-from ..store.format import disk_usage
+from ..store.format import disk_usage, model_dir
 
 #: The disk budget by default: a quarter of the free disk, at most this much.
 DISK_CAP = 32 << 30
@@ -114,6 +114,8 @@ def default_disk_budget(root, own: int = 0) -> Tuple[int, str]:
     return budget, why
 
 
-def own_bytes(directory) -> int:
-    """Bytes a cache directory holds now (0 when there is none)."""
-    return disk_usage(directory) if directory is not None else 0
+def disk_budget_for(root, fingerprint: str) -> Tuple[int, str]:
+    """`default_disk_budget` for the cache named ``fingerprint`` under ``root``: the
+    files it holds already count as free (they are its to reuse)."""
+    d = model_dir(root, fingerprint)
+    return default_disk_budget(root, disk_usage(d) if d.is_dir() else 0)

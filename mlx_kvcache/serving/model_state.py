@@ -10,7 +10,6 @@ rank, so no rank ever reads another plan's files.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -21,9 +20,8 @@ from ..generation import sizing
 from ..prefix.agreement import Agreement, any_rank, every
 from ..prefix.manager import PrefixManager
 from ..prefix.stats import human_bytes
-from ..store import PersistentStore, directory_fingerprint, model_fingerprint
+from ..store import PersistentStore, cache_key, directory_fingerprint, model_fingerprint
 from ..store.autosave import Autosaver
-from ..store.format import version_dir
 from .padding import padded_rows_exact, recurrent_kinds
 from .validation import vocab_size
 
@@ -164,20 +162,17 @@ def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes,
             fp = directory_fingerprint(path, adapter, cache_root=cache_dir)
         else:  # a hub id: the loaded weights themselves
             fp = model_fingerprint(provider.model, provider.tokenizer)
+        dfp = None
         if getattr(provider, "draft_model", None) is not None:  # nodes hold both models' layers
             if draft and os.path.isdir(str(draft)):
                 dfp = directory_fingerprint(draft, cache_root=cache_dir)
             else:
                 dfp = model_fingerprint(provider.draft_model)
-            fp = hashlib.sha256(f"target {fp}\ndraft {dfp}\n".encode()).hexdigest()
-        if agree.size > 1:  # this rank's shard of this plan: its own directory
-            fp = hashlib.sha256(f"{fp}|{sharding}".encode()).hexdigest()
-        if cold_bits is not None:  # compressed snapshots: never served as exact ones
-            fp = hashlib.sha256(f"{fp}|cold{cold_bits}".encode()).hexdigest()
+        # a rank's shard of this plan has its own directory
+        fp = cache_key(fp, draft_fp=dfp, sharding=sharding if agree.size > 1 else None,
+                       cold_bits=cold_bits)
         if max_disk_bytes is None:
-            d = version_dir(cache_dir) / fp[:16]
-            max_disk_bytes, why = sizing.default_disk_budget(
-                cache_dir, sizing.own_bytes(d if d.is_dir() else None))
+            max_disk_bytes, why = sizing.disk_budget_for(cache_dir, fp)
             log.info("mlx_kvcache: prompt cache disk budget %s (--max-disk-bytes)", why)
         st.max_disk_bytes = max_disk_bytes
         st.store = PersistentStore(mgr.trie, layer_signature(mgr.ops, mgr.kv_quant), cache_dir,

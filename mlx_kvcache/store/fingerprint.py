@@ -15,14 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import fields, is_dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from .format import RAW
 
-__all__ = ["model_fingerprint", "directory_fingerprint"]
+__all__ = ["model_fingerprint", "directory_fingerprint", "cache_key"]
 
 
 def _jsonable(v: Any) -> Any:
@@ -192,3 +192,19 @@ def directory_fingerprint(model_dir, adapter_dir=None, *, cache_root=None) -> st
 
 #: The file, in a cache root's version directory, that remembers weight-file digests.
 DIGESTS = "file-digests.sqlite"
+
+
+def cache_key(model_fp: str, *, draft_fp: Optional[str] = None, sharding: Optional[str] = None,
+              cold_bits: Optional[int] = None) -> str:
+    """The name of a persisted cache: the model's fingerprint, combined with everything
+    else that changes what its snapshots hold — a draft model's fingerprint (each node
+    holds both models' layers), a rank's shard (``sharding``: its own directory) and
+    compressed snapshots (``cold_bits``: never served as exact ones)."""
+    fp = model_fp
+    if draft_fp is not None:
+        fp = hashlib.sha256(f"target {fp}\ndraft {draft_fp}\n".encode()).hexdigest()
+    if sharding is not None:
+        fp = hashlib.sha256(f"{fp}|{sharding}".encode()).hexdigest()
+    if cold_bits is not None:
+        fp = hashlib.sha256(f"{fp}|cold{cold_bits}".encode()).hexdigest()
+    return fp

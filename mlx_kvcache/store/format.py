@@ -89,6 +89,11 @@ def version_dir(root: Path, version: int = FORMAT_VERSION) -> Path:
     return Path(root) / f"v{version}"
 
 
+def model_dir(root, fingerprint: str) -> Path:
+    """The directory of the cache named ``fingerprint`` under the cache root ``root``."""
+    return version_dir(Path(root).expanduser()) / fingerprint[:16]
+
+
 def token_bytes(tokens: Sequence[int]) -> bytes:
     """Token ids as the little-endian int64 bytes every digest and index row uses."""
     return np.asarray(tokens, dtype="<i8").tobytes()

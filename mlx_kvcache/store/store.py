@@ -42,7 +42,7 @@ from ..prefix.trie import PrefixTrie
 from . import save as _save
 from .agreed import agree_loaded
 from .delta import Capturer, Delta
-from .format import DirLock, FormatError, collectable, fsync_dir, version_dir
+from .format import DirLock, FormatError, collectable, fsync_dir, model_dir
 from .index import INDEX, Index
 from .lazy import GuardedOps, Verifier, warn
 from .load import install, new_holders
@@ -115,8 +115,7 @@ class PersistentStore:
         self._saved: dict = {}
 
     def directory(self, root=None) -> Path:
-        r = self.root if root is None else Path(root).expanduser()
-        return version_dir(r) / self.fingerprint[:16]
+        return model_dir(self.root if root is None else root, self.fingerprint)
 
     @property
     def disk_bytes(self) -> int:
