@@ -30,6 +30,7 @@ import mlx.core as mx
 
 from .buffers import KVBuffers, SnapshotKV
 from .checks import check_kv, check_offset, check_snapshot, check_target
+from .merging import MergeDispatch
 from .snapshot import CacheError, Snapshot, compact
 
 
@@ -224,7 +225,9 @@ class ChunkedKVCache(KVBuffers):
         pieces = self._own(base) + [(s.rows_from, s.to_offset, s.keys, s.values) for s in snapshots]
         return self._assemble(pieces, target)
 
-    def merge(self, parent: ChunkedSnapshot, child: ChunkedSnapshot) -> ChunkedSnapshot:
+    merge = MergeDispatch()
+
+    def merge_snapshots(self, parent: ChunkedSnapshot, child: ChunkedSnapshot) -> ChunkedSnapshot:
         """Adjacent ``[a, b)`` + ``[b, c)`` -> ``[a, c)``: the rows concatenate when the child
         holds all of its own, else the child's rows alone survive. Closes both."""
         check_snapshot(parent, ChunkedSnapshot, "ChunkedKVCache.merge")
@@ -271,23 +274,23 @@ class ChunkedKVCache(KVBuffers):
     # -- mlx-lm face (no make_mask: llama4 builds its own chunk mask) ---------------------
     @property
     def state(self) -> Tuple[Any, ...]:
-        """``(keys, values, offset, chunk_size, start_position)`` with only the rows held."""
-        if self.keys is None:
-            return None, None, self.offset, self.chunk_size, self.start_position
-        k, v = self.keys_and_values()
-        return k, v, self.offset, self.chunk_size, self.start_position
+        """``(keys, values, offset, chunk_size, start_position)``: the whole buffer (room to
+        grow included), mlx-lm 0.32's layout."""
+        return self.keys, self.values, self.offset, self.chunk_size, self.start_position
 
     @state.setter
     def state(self, v) -> None:
         self.keys, self.values, offset, chunk_size, start = v
         self.offset, self.chunk_size, self.start_position = int(offset), int(chunk_size), int(start)
 
-    @property
-    def meta_state(self) -> str:
-        return ""
+    @classmethod
+    def merge_batch(cls, caches: Sequence[Any]) -> Any:
+        """Refused, as mlx-lm's ``ChunkedKVCache`` (it has no batch form)."""
+        raise ValueError(f"{cls.__name__} does not support batching (mlx-lm's does not "
+                         f"either): generate one sequence at a time")
 
     @classmethod
-    def from_state(cls, state, meta_state=None) -> "ChunkedKVCache":
+    def from_state(cls, state) -> "ChunkedKVCache":
         obj = cls(int(state[3]))
         obj.state = state
         return obj

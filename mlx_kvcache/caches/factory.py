@@ -82,6 +82,19 @@ def make_prompt_cache(model: nn.Module, max_kv_size: Optional[int] = None) -> Li
     return [KVCache() for _ in range(n)]
 
 
+def load_prompt_cache(path: str, return_metadata: bool = False) -> Any:
+    """mlx-lm's ``load_prompt_cache``, with each layer as our class (`convert`).
+
+    mlx-lm rebuilds classes by name from its own module, so a file written with ours
+    (``mlx_lm.models.cache.save_prompt_cache`` takes them as they are) loads there as
+    mlx-lm's classes, and a file written from mlx-lm's classes loads here as ours: the
+    layout is mlx-lm 0.32's either way."""
+    loaded = mlc.load_prompt_cache(path, return_metadata=return_metadata)
+    cache, meta = loaded if return_metadata else (loaded, None)
+    cache = [convert(c) for c in cache]
+    return (cache, meta) if return_metadata else cache
+
+
 def leaf_caches(caches: Sequence[Any]) -> List[Any]:
     """The per-layer caches flattened (``CacheList`` entries expanded), in order; a class
     without a snapshot kind of its own appears as its `GenericCache` adapter."""

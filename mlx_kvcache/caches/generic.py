@@ -220,7 +220,7 @@ class GenericCache:
         self._mark()
         return True
 
-    def merge(self, parent, child):
+    def merge_snapshots(self, parent, child):
         """The child's state supersedes the parent's; the parent is closed."""
         for s in (parent, child):
             if s is not None:
@@ -228,6 +228,9 @@ class GenericCache:
         if parent is not None and parent is not child:
             parent.close()
         return child
+
+    #: The seed interface's name (this adapter is the trie's, never batched by mlx-lm).
+    merge = merge_snapshots
 
     def split(self, snapshot, at: int):
         """A whole state cannot be cut: ``(None, snapshot)``."""

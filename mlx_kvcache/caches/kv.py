@@ -9,6 +9,7 @@ from mlx_lm.models.cache import create_attention_mask
 
 from .buffers import KVBuffers, SnapshotKV, concat_rows
 from .checks import check_kv, check_offset, check_snapshot, check_target
+from .merging import MergeDispatch
 from .quantized import QuantizedKVCache, QuantizedSnapshot, merge_rows, quantize_rows, split_rows
 from .snapshot import CacheError, Snapshot, compact
 
@@ -178,7 +179,9 @@ class KVCache(KVBuffers):
         self.offset = target
         return True
 
-    def merge(self, parent: KVSnapshot, child: KVSnapshot) -> KVSnapshot:
+    merge = MergeDispatch()
+
+    def merge_snapshots(self, parent: KVSnapshot, child: KVSnapshot) -> KVSnapshot:
         """Concatenate adjacent ``[a, b)`` and ``[b, c)`` into ``[a, c)``; closes both.
 
         A layer's nodes may also hold quantized rows (``kv_bits``): a pair with a
@@ -236,26 +239,27 @@ class KVCache(KVBuffers):
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
 
+    @classmethod
+    def merge_batch(cls, caches: Sequence[Any]) -> Any:
+        """mlx-lm's ``KVCache.merge``: the caches stacked into a left-padded batch cache
+        (`batch.BatchKVCache`, whose ``extract`` gives back this class)."""
+        from .batch import BatchKVCache  # batch extracts into this module's class
+
+        return BatchKVCache.merge(caches)
+
     @property
     def state(self) -> Tuple[Any, ...]:
-        """``(keys, values, offset)`` with only the valid positions, as mlx-lm saves it."""
-        if self.keys is None:
-            return None, None, 0
-        k, v = self.keys_and_values()
-        return k, v, self.offset
+        """``(keys, values, offset)``: the whole buffer (room to grow included) and the
+        number of valid rows, mlx-lm 0.32's layout."""
+        return self.keys, self.values, self.offset
 
     @state.setter
     def state(self, v) -> None:
         keys, values, offset = v
         self.keys, self.values, self.offset = keys, values, int(offset)
 
-    @property
-    def meta_state(self) -> str:
-        # mlx-lm < 0.32 kept scalars here; 0.32 folds them into `state`.
-        return ""
-
     @classmethod
-    def from_state(cls, state, meta_state=None) -> "KVCache":
+    def from_state(cls, state) -> "KVCache":
         obj = cls()
         obj.state = state
         return obj

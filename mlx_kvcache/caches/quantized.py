@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
 from .checks import check_kv, check_offset, check_snapshot, check_target
+from .merging import MergeDispatch
 from .quantized_rows import (  # noqa: F401  (re-exported)
     BITS, GROUP_SIZES, QuantizedSnapshot, Triple, _kv_snapshot_type, _pack, check_quant,
     merge_rows, quantize_rows, split_rows,
@@ -213,7 +214,9 @@ class QuantizedKVCache:
         self.offset = target
         return True
 
-    def merge(self, parent: Snapshot, child: Snapshot) -> Optional[Snapshot]:
+    merge = MergeDispatch()
+
+    def merge_snapshots(self, parent: Snapshot, child: Snapshot) -> Optional[Snapshot]:
         """Concatenate adjacent ``[a, b)`` and ``[b, c)`` (see `merge_rows`); closes both."""
         return merge_rows(parent, child)
 
@@ -239,15 +242,19 @@ class QuantizedKVCache:
         self.values = None if values is None else tuple(values)
         self.offset = int(offset)
 
-    @property
-    def meta_state(self) -> str:
-        return ""
-
     @classmethod
-    def from_state(cls, state, meta_state=None) -> "QuantizedKVCache":
+    def from_state(cls, state) -> "QuantizedKVCache":
         obj = cls(int(state[3]), int(state[4]))
         obj.state = state
         return obj
+
+    @classmethod
+    def merge_batch(cls, caches: Sequence[Any]) -> Any:
+        """The caches stacked into a left-padded quantized batch cache
+        (`batch.BatchQuantizedKVCache`; mlx-lm's own quantized cache does not batch)."""
+        from .batch import BatchQuantizedKVCache  # batch extracts into this module's class
+
+        return BatchQuantizedKVCache.merge(caches)
 
     def is_trimmable(self) -> bool:
         return True

@@ -7,13 +7,14 @@ whole states and restore only to their own offset.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
 from mlx_lm.models.cache import ArraysCache
 
 from .checks import check_offset, check_snapshot, check_target
+from .merging import MergeDispatch
 from .snapshot import CacheError, Snapshot, compact
 
 
@@ -175,7 +176,9 @@ class RecurrentCache(ArraysCache):
         self._dirty = False
         return True
 
-    def merge(
+    merge = MergeDispatch()
+
+    def merge_snapshots(
         self, parent: Optional[RecurrentSnapshot], child: Optional[RecurrentSnapshot]
     ) -> Optional[RecurrentSnapshot]:
         """The child's state supersedes the parent's; the parent is closed."""
@@ -209,15 +212,20 @@ class RecurrentCache(ArraysCache):
         self.offset = int(offset)
         self._dirty = False
 
-    @property
-    def meta_state(self) -> str:
-        return ""
-
     @classmethod
-    def from_state(cls, state, meta_state=None) -> "RecurrentCache":
+    def from_state(cls, state) -> "RecurrentCache":
         obj = cls(len(state[0]))
         obj.state = state
         return obj
+
+    @classmethod
+    def merge_batch(cls, caches: Sequence[Any]) -> Any:
+        """mlx-lm's ``ArraysCache.merge``: the states stacked into a batch cache
+        (`batch.BatchRecurrentCache`, which counts each row's tokens so that ``extract``
+        gives back this class with its offset)."""
+        from .batch import BatchRecurrentCache  # batch extracts into this module's class
+
+        return BatchRecurrentCache.merge(caches)
 
     def is_trimmable(self) -> bool:
         return False

@@ -8,13 +8,14 @@ there, and a snapshot is therefore the whole window plus the write cursor.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from .buffers import KVBuffers, SnapshotKV
 from .checks import check_kv, check_offset, check_snapshot, check_target
+from .merging import MergeDispatch
 from .snapshot import CacheError, Snapshot, compact
 
 
@@ -215,7 +216,9 @@ class RotatingKVCache(KVBuffers):
             self.offset = self._idx = target
         return True
 
-    def merge(
+    merge = MergeDispatch()
+
+    def merge_snapshots(
         self, parent: Optional[RotatingSnapshot], child: Optional[RotatingSnapshot]
     ) -> Optional[RotatingSnapshot]:
         """The child's window supersedes the parent's; the parent is closed."""
@@ -260,15 +263,19 @@ class RotatingKVCache(KVBuffers):
         self.keys, self.values, offset, keep, max_size, idx = v
         self.offset, self.keep, self.max_size, self._idx = int(offset), int(keep), int(max_size), int(idx)
 
-    @property
-    def meta_state(self) -> str:
-        return ""
-
     @classmethod
-    def from_state(cls, state, meta_state=None) -> "RotatingKVCache":
+    def from_state(cls, state) -> "RotatingKVCache":
         obj = cls.__new__(cls)
         obj.state = state
         return obj
+
+    @classmethod
+    def merge_batch(cls, caches: Sequence[Any]) -> Any:
+        """mlx-lm's ``RotatingKVCache.merge``: the windows stacked into a left-padded batch
+        cache (`batch.BatchRotatingKVCache`, whose ``extract`` gives back this class)."""
+        from .batch import BatchRotatingKVCache  # batch extracts into this module's class
+
+        return BatchRotatingKVCache.merge(caches)
 
     def is_trimmable(self) -> bool:
         return self.offset < self.max_size

@@ -90,10 +90,13 @@ def _fresh(x: Any) -> Any:
 
 
 def _snapshot(c: Any) -> Any:
-    """``c``'s whole state, unchangeable by later writes (our snapshots; None: empty)."""
+    """``c``'s whole state, unchangeable by later writes (our snapshots; None: empty).
+
+    A cache of another class goes through mlx-lm 0.32's protocol: its ``state`` carries
+    everything, scalars included (there is no ``meta_state`` any more)."""
     if hasattr(c, "snapshot"):
         return c.snapshot(0)
-    return tree_map(_fresh, c.state), c.meta_state
+    return tree_map(_fresh, c.state)
 
 
 def _restore(c: Any, snap: Any, at: int) -> bool:
@@ -102,10 +105,7 @@ def _restore(c: Any, snap: Any, at: int) -> bool:
             c.free()
             return at == 0
         return c.restore(snap, at)
-    state, meta = snap
-    c.state = tree_map(_fresh, state)
-    if meta:
-        c.meta_state = meta
+    c.state = tree_map(_fresh, snap)
     return True
 
 
