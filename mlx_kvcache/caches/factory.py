@@ -88,11 +88,37 @@ def load_prompt_cache(path: str, return_metadata: bool = False) -> Any:
     mlx-lm rebuilds classes by name from its own module, so a file written with ours
     (``mlx_lm.models.cache.save_prompt_cache`` takes them as they are) loads there as
     mlx-lm's classes, and a file written from mlx-lm's classes loads here as ours: the
-    layout is mlx-lm 0.32's either way."""
+    layout is mlx-lm 0.32's either way.
+
+    mlx-lm's ``ArraysCache`` does not record how many tokens its state absorbed; the file's
+    other layers do (one prompt, one count). A non-empty recurrent layer of a file without
+    such a layer stays mlx-lm's class, never ours with a wrong ``offset``."""
     loaded = mlc.load_prompt_cache(path, return_metadata=return_metadata)
     cache, meta = loaded if return_metadata else (loaded, None)
-    cache = [convert(c) for c in cache]
+    counts = set(_token_counts(cache))
+    tokens = counts.pop() if len(counts) == 1 else None
+    cache = [_ours(c, tokens) for c in cache]
     return (cache, meta) if return_metadata else cache
+
+
+def _token_counts(caches: Sequence[Any]):
+    for c in caches:
+        if isinstance(c, mlc.CacheList):
+            yield from _token_counts(c.caches)
+        elif not isinstance(c, mlc.ArraysCache) and isinstance(getattr(c, "offset", None), int):
+            yield c.offset
+
+
+def _ours(c: Any, tokens: Optional[int]) -> Any:
+    if isinstance(c, mlc.CacheList):
+        return mlc.CacheList(*(_ours(x, tokens) for x in c.caches))
+    if type(c) is mlc.ArraysCache and not c.empty():
+        if tokens is None:
+            return c
+        out = convert(c)
+        out.offset = tokens
+        return out
+    return convert(c)
 
 
 def leaf_caches(caches: Sequence[Any]) -> List[Any]:
