@@ -32,7 +32,9 @@ from .caches import (  # noqa: E402
     RotatingSnapshot,
     Snapshot,
     convert,
+    ProtocolError,
     leaf_caches,
+    load_prompt_cache,
     make_prompt_cache,
     settle,
 )
@@ -59,6 +61,8 @@ __all__ = [
     "convert",
     "leaf_caches",
     "make_prompt_cache",
+    "load_prompt_cache",
+    "ProtocolError",
     "CacheStats",
     "RequestStats",
     "PrefixTrie",
