@@ -268,3 +268,10 @@ def test_merge_means_batch_with_one_argument_and_snapshots_with_two():
     assert r.merge(None, s) is s and r.merge_snapshots(None, s) is s
     assert isinstance(K.RotatingKVCache.merge([r]), K.BatchRotatingKVCache)
     assert isinstance(K.RecurrentCache.merge([K.RecurrentCache(2)]), K.BatchRecurrentCache)
+
+
+def test_cache_list_of_ours_merges_through_each_member():
+    """mlx-lm's ``CacheList.merge`` calls ``merge([...])`` on each member's first instance."""
+    lists = [mlc.CacheList(K.RecurrentCache(2), K.KVCache()) for _ in range(2)]
+    merged = mlc.CacheList.merge(lists)
+    assert [type(c) for c in merged.caches] == [K.BatchRecurrentCache, K.BatchKVCache]

@@ -62,8 +62,9 @@ def _differences() -> List[str]:
             out.append(f"{name} has no keys_and_values()")
     # The batch constructors and the batch verbs our merged caches rely on.
     for name in ("KVCache", "RotatingKVCache", "ArraysCache"):
-        m = inspect.getattr_static(getattr(mlc, name), "merge", None)
-        if not isinstance(m, classmethod) or list(inspect.signature(getattr(mlc, name).merge).parameters) != ["caches"]:
+        cls = getattr(mlc, name)
+        m = inspect.getattr_static(cls, "merge", None)
+        if not isinstance(m, classmethod) or list(inspect.signature(cls.merge).parameters) != ["caches"]:
             out.append(f"{name}.merge is not the classmethod merge(caches)")
     for name in ("BatchKVCache", "BatchRotatingKVCache"):
         cls = getattr(mlc, name, None)
