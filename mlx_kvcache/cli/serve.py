@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import List, Optional, TextIO
 
 __all__ = ["add_parser", "run", "run_argv"]
@@ -46,7 +47,7 @@ def _resolve_model(argv) -> Optional[list]:
     """Give mlx-lm a model directory: the embedded model (no ``--model``) and ``.gguf``
     files are exported once under the cache directory's ``models/``."""
     from ..models import ModelLoadError
-    from ..models.default import INSTALL_HINT, default_model_path
+    from ..models.default import DEFAULT_NAME, INSTALL_HINT, default_model_path
     from ..models.export import export_gguf
     from ..store import default_root
 
@@ -59,6 +60,7 @@ def _resolve_model(argv) -> Optional[list]:
     if known.help:
         return argv
     source = known.model
+    name = Path(str(source)).stem if source is not None else DEFAULT_NAME
     if source is None:
         source = default_model_path()
         if source is None:
@@ -85,6 +87,8 @@ def _resolve_model(argv) -> Optional[list]:
         if a.startswith("--model="):
             continue
         out.append(a)
+    if not any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in out):
+        out = ["--served-model-name", name, *out]
     return ["--model", str(d), *out]
 
 

@@ -74,7 +74,11 @@ def add_options(parser) -> None:
         "mlx_kvcache", "the prefix-trie prompt cache (replaces mlx-lm's LRU prompt cache; "
         "--prompt-cache-bytes bounds every byte it holds in memory, default half of what the "
         "model leaves of the machine's memory, at most a quarter of it; the cache directory "
-        "is a second tier that keeps what memory lets go)")
+        "is a second tier that keeps what memory lets go; --kv-bits quantizes only the tokens "
+        "from --quantized-kv-start on, 5000 by default: shorter prompts stay full precision)")
+    g.add_argument("--max-cache-bytes", dest="prompt_cache_bytes", type=_parse_size,
+                   default=None, metavar="SIZE",
+                   help="same as --prompt-cache-bytes (the chat command's other name for it)")
     g.add_argument("--cache-dir", default=None,
                    help=f"where the prompt cache persists between runs (default: "
                    f"{default_root()})")
@@ -100,6 +104,11 @@ def add_options(parser) -> None:
                    help="on SIGTERM / SIGINT, open requests get this long to finish before "
                    "their answers are ended (finish_reason \"length\"); a second signal ends "
                    f"them at once (default: {DEFAULT_GRACE:g})")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the id GET /v1/models lists for the served model (default: the "
+                   "--model repo id or directory; the embedded model: SmolLM2-135M-Instruct). "
+                   "A request naming a model that is neither this id, a local path nor a "
+                   "Hugging Face repo id (owner/name) is answered by the served model")
     g.add_argument("--admin-token", default=None, metavar="TOKEN",
                    help="require 'Authorization: Bearer TOKEN' on /v1/cache (default: "
                    f"${TOKEN_ENV}, else none: only requests addressed to this machine, never "
@@ -116,6 +125,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from .generator import ServerResponseGenerator
     from .handler import CacheAPIHandler
     from .lifecycle import Lifecycle
+    from .model_names import install as install_model_names
     from .prompt_cache import TriePromptCache
     from .profile import from_env as profile_from_env
 
@@ -143,6 +153,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
         if model_provider.model_key is not None:
             cache.prepare(model_provider.model_key)
     model_provider.load_default = load_then_open_cache
+    install_model_names(model_provider)
     generator = ServerResponseGenerator(model_provider, cache, lifecycle=life, agree=agree)
     if agree.rank != 0:
         _follow(generator, cache, life)
