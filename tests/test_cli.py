@@ -168,6 +168,35 @@ def test_cache_persists_across_runs(tiny_dir, tmp_path):
     assert rc == 0 and "loaded 0 cached tokens" in out3 and (tmp_path / "other").is_dir()
 
 
+def test_switching_kv_bits_keeps_each_settings_cache(tmp_path):
+    """--kv-bits on, off, on again (and another schedule) over one --cache-dir: each
+    setting has its own directory, so switching back finds its cache intact."""
+    model = build_tiny_model_dir(tmp_path / "model", head_dim=32)  # a multiple of the group
+    base = ["--model", str(model), "--max-tokens", "8", "--system", "be brief",
+            "--cache-dir", str(tmp_path / "c")]
+    quant = ["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0"]
+    loaded = re.compile(r"^\[cache\] loaded (\d+) cached tokens", re.M)
+
+    def run(args, line):
+        rc, out, err = run_chat(base + args, line + "\n", tmp_path, timeout=120, persist=True)
+        assert rc == 0 and "Traceback" not in out + err, (out, err)
+        (st,) = status_lines(out)
+        return int(loaded.search(out).group(1)), st
+
+    n, on1 = run(quant, "hello")
+    assert n == 0
+    n, off1 = run([], "hello")
+    assert n == 0  # the quantized cache is not served to the exact setting...
+    n, on2 = run(quant, "hello")
+    assert n >= on1["prompt"] + on1["answer"] - 1  # ...nor deleted by it
+    assert on2["reused"] == on2["prompt"] - 1
+    n, off2 = run([], "hello")
+    assert n >= off1["prompt"] + off1["answer"] - 1 and off2["reused"] == off2["prompt"] - 1
+    n, _ = run(["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "4"], "hello")
+    assert n == 0  # another schedule: its own directory too
+    assert len([d for d in (tmp_path / "c" / "v3").iterdir() if d.is_dir()]) == 3
+
+
 # -- speculative decoding -----------------------------------------------------------------------
 DRAFTED = re.compile(r"\| drafted (\d+) accepted (\d+) \(\d+%\)$", re.M)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import List, Optional, TextIO
@@ -49,7 +48,7 @@ def _resolve_model(argv) -> Optional[list]:
     from ..models import ModelLoadError
     from ..models.default import DEFAULT_NAME, INSTALL_HINT, default_model_path
     from ..models.export import export_gguf
-    from ..store import default_root
+    from ..store import default_root, exports_dir
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model")
@@ -69,7 +68,7 @@ def _resolve_model(argv) -> Optional[list]:
             return None
     elif not str(source).lower().endswith(".gguf"):
         return argv
-    root = os.path.join(os.path.expanduser(known.cache_dir or str(default_root())), "models")
+    root = exports_dir(known.cache_dir or default_root())
     try:
         d = export_gguf(source, root, dequantize=known.dequantize)
     except (ModelLoadError, OSError) as e:
