@@ -128,6 +128,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from .model_names import install as install_model_names
     from .prompt_cache import TriePromptCache
     from .profile import from_env as profile_from_env
+    from .sharding import sharding_problem
 
     args = model_provider.cli_args
     life = Lifecycle(args.shutdown_grace)
@@ -137,6 +138,12 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     cache_dir = None if args.no_persist else str(args.cache_dir or default_root())
     profile = profile_from_env()
     agree = agreement(profile)
+    if agree.size > 1:  # every rank reads the same config: all refuse alike, before serving
+        problem = sharding_problem(args.model, agree.size, bool(args.pipeline),
+                                   bool(getattr(args, "trust_remote_code", False)))
+        if problem:
+            sys.stderr.write(f"error: rank {agree.rank}: {problem}\n")
+            _exit(1)
     sharding = (f"{'pipeline' if args.pipeline else 'tensor'}-{agree.size}-rank{agree.rank}"
                 if agree.size > 1 else "")
     cache = TriePromptCache(model_provider, max_bytes=args.prompt_cache_bytes,
