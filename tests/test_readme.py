@@ -97,6 +97,10 @@ def test_first_screen_server_curl_and_openai_sdk(tmp_path):
             model="claude-sonnet-5", max_tokens=4,
             messages=[{"role": "user", "content": "What is the capital of Italy?"}])
         assert r.model == "claude-sonnet-5" and r.choices[0].message.content
+        r = client.chat.completions.create(  # offline, a repo id not in the (absent) Hub cache
+            model="mlx-community/Qwen3-4B-4bit", max_tokens=4,
+            messages=[{"role": "user", "content": "What is the capital of Italy?"}])
+        assert r.model == "mlx-community/Qwen3-4B-4bit" and r.choices[0].message.content
         assert client.models.retrieve("claude-sonnet-5").id == "claude-sonnet-5"
         log = s.tail(1 << 20)
     assert "Traceback" not in log and "CacheNotFound" not in log, log

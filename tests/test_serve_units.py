@@ -265,9 +265,12 @@ def test_a_padded_batch_row_is_stored_only_where_exact(name, exact):
     assert (restored == len(tokens[1])) == exact, restored
 
 
-def test_model_names_answer_unknown_names_with_the_served_model(tmp_path):
+def test_model_names_answer_unknown_names_with_the_served_model(tmp_path, monkeypatch):
+    import huggingface_hub
+
     from mlx_kvcache.serving import model_names as mn
 
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the Hub reachable
     d = tmp_path / "exported"
     d.mkdir()
     args = types.SimpleNamespace(model=str(d), served_model_name="SmolLM2-135M-Instruct")
@@ -280,6 +283,13 @@ def test_model_names_answer_unknown_names_with_the_served_model(tmp_path):
     assert mn.resolve(args, str(other)) == str(other)
     assert mn.resolve(args, "mlx-community/Qwen3-4B-4bit") == "mlx-community/Qwen3-4B-4bit"
     assert mn.resolve(args, 7) == 7  # not a string: mlx-lm's own 400
+    # offline, a repo id is loadable only from the local Hugging Face cache
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache",
+                        lambda repo, name: str(tmp_path) if repo == "org/cached" else None)
+    assert mn.resolve(args, "org/cached") == "org/cached"
+    assert mn.resolve(args, "mlx-community/Qwen3-4B-4bit") == mn.DEFAULT
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     listing = mn.models_listing(args, 123)
     assert [m["id"] for m in listing["data"]] == ["SmolLM2-135M-Instruct"]
     assert mn.model_entry(args, 123, "claude-sonnet-5")["id"] == "claude-sonnet-5"
@@ -293,8 +303,12 @@ def test_model_names_answer_unknown_names_with_the_served_model(tmp_path):
     assert mn.models_listing(none, 1) == {"object": "list", "data": []}
 
 
-def test_model_names_installed_on_the_provider_load():
+def test_model_names_installed_on_the_provider_load(monkeypatch):
+    import huggingface_hub
+
     from mlx_kvcache.serving import model_names as mn
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
 
     calls = []
     prov = types.SimpleNamespace(cli_args=types.SimpleNamespace(model="org/m"),

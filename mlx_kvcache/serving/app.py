@@ -108,7 +108,8 @@ def add_options(parser) -> None:
                    help="the id GET /v1/models lists for the served model (default: the "
                    "--model repo id or directory; the embedded model: SmolLM2-135M-Instruct). "
                    "A request naming a model that is neither this id, a local path nor a "
-                   "Hugging Face repo id (owner/name) is answered by the served model")
+                   "Hugging Face repo id (owner/name; offline: a cached one) is answered by the "
+                   "served model")
     g.add_argument("--admin-token", default=None, metavar="TOKEN",
                    help="require 'Authorization: Bearer TOKEN' on /v1/cache (default: "
                    f"${TOKEN_ENV}, else none: only requests addressed to this machine, never "

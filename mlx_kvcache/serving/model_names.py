@@ -6,14 +6,16 @@ anything else is handed to ``mlx_lm.load`` — so a client that sends its own na
 network error, and on a machine without a Hugging Face cache ``/v1/models`` answers an
 empty body (mlx-lm scans that cache and the scan raises). Here:
 
-* a name that is the served model's id, an existing local path, or shaped like a Hugging
-  Face repo id (``owner/name``) is loaded as mlx-lm loads it;
+* the served model's own names are the served model; an existing local path, or a
+  Hugging Face repo id (``owner/name``; offline, one in the local Hugging Face cache) is
+  loaded as mlx-lm loads it;
 * any other name is answered by the served model (the response still echoes the name the
   client sent);
 * ``/v1/models`` lists the served model under `served_id`, the id clients should send.
 
-The rule reads only the name and the local file system, so every rank of a sharded model
-(each resolves the request it is given) picks the same model.
+The rule reads only the name, the local file system and ``HF_HUB_OFFLINE``, so every rank
+of a sharded model (each resolves the request it is given, and mlx-lm already needs the
+same paths on every host) picks the same model.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def _served_names(cli_args) -> List[str]:
 def resolve(cli_args, name: Any) -> Any:
     """The name mlx-lm's model provider should load for a request's ``"model"``:
     `DEFAULT` for the served model's own names and for any name that is neither an
-    existing path nor a Hugging Face repo id; other names as they are (mlx-lm loads them).
+    existing path nor a Hugging Face repo id mlx-lm could load (`_hub_may_load`); other
+    names as they are (mlx-lm loads them).
     A value that is not a string is left for mlx-lm's own checks (400)."""
     if not isinstance(name, str):
         return name
@@ -66,9 +69,24 @@ def resolve(cli_args, name: Any) -> Any:
         return name  # no served model to answer with: mlx-lm's own behaviour
     if name in _served_names(cli_args):
         return DEFAULT
-    if os.path.exists(os.path.expanduser(name)) or _REPO_ID.match(name):
+    if os.path.exists(os.path.expanduser(name)) or (_REPO_ID.match(name) and _hub_may_load(name)):
         return name
     return DEFAULT
+
+
+def _hub_may_load(repo_id: str) -> bool:
+    """Whether mlx-lm could load the Hugging Face repo ``repo_id``: always with the Hub
+    reachable (it downloads); offline (``HF_HUB_OFFLINE``), only one already cached."""
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+    except ImportError:  # pragma: no cover - mlx-lm depends on it
+        return True
+    if not constants.HF_HUB_OFFLINE:
+        return True
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # noqa: BLE001 - a cache that cannot be read holds nothing
+        return False
 
 
 def install(provider) -> None:
