@@ -129,7 +129,9 @@ def test_serve_options_join_mlx_lm_parser():
     p = argparse.ArgumentParser()
     app.add_options(p)
     a = p.parse_args(["--checkpoint-interval", "64", "--no-persist", "--max-disk-bytes", "2G"])
-    assert a.checkpoint_interval == 64 and a.no_persist and a.max_disk_bytes == 2e9
+    # sizes read as in the chat command: G is a power of 1024, GB of 1000
+    assert a.checkpoint_interval == 64 and a.no_persist and a.max_disk_bytes == 2 << 30
+    assert p.parse_args(["--max-disk-bytes", "2GB"]).max_disk_bytes == 2 * 10**9
     assert a.shutdown_grace == 30 and a.admin_token is None
     a = p.parse_args(["--shutdown-grace", "2.5", "--admin-token", "t"])
     assert a.shutdown_grace == 2.5 and a.admin_token == "t"

@@ -63,9 +63,11 @@ def positive_int(s: str) -> int:
 
 
 def add_options(parser) -> None:
-    """Our options, added to mlx-lm's server parser (they show in ``--help``)."""
-    from mlx_lm.server import _parse_size
-
+    """Our options, added to mlx-lm's server parser (they show in ``--help``). Every byte
+    size, mlx-lm's ``--prompt-cache-bytes`` included, is read as the chat command reads it
+    (`parse_bytes`: 512M, 4G, 4GB, 2GiB; mlx-lm's own reader knows only M/G/MB/GB, all
+    decimal, and raises a traceback on anything else)."""
+    from ..prefix.stats import parse_bytes
     from ..store import default_root
     from .admin import TOKEN_ENV
     from .lifecycle import DEFAULT_GRACE
@@ -76,7 +78,13 @@ def add_options(parser) -> None:
         "model leaves of the machine's memory, at most a quarter of it; the cache directory "
         "is a second tier that keeps what memory lets go; --kv-bits quantizes only the tokens "
         "from --quantized-kv-start on, 5000 by default: shorter prompts stay full precision)")
-    g.add_argument("--max-cache-bytes", dest="prompt_cache_bytes", type=_parse_size,
+    # argparse has no public lookup of an option's action; mlx-lm's must read sizes as ours.
+    theirs = parser._option_string_actions.get("--prompt-cache-bytes")
+    if theirs is not None:
+        theirs.type, theirs.metavar = parse_bytes, "SIZE"
+        theirs.help = ("memory budget for the prompt cache, e.g. 512M or 4G (K/M/G: powers of "
+                       "1024; KB/MB/GB: of 1000)")
+    g.add_argument("--max-cache-bytes", dest="prompt_cache_bytes", type=parse_bytes,
                    default=None, metavar="SIZE",
                    help="same as --prompt-cache-bytes (the chat command's other name for it)")
     g.add_argument("--cache-dir", default=None,
@@ -84,7 +92,7 @@ def add_options(parser) -> None:
                    f"{default_root()})")
     g.add_argument("--no-persist", action="store_true",
                    help="keep the prompt cache in memory only (no disk tier)")
-    g.add_argument("--max-disk-bytes", type=_parse_size, default=None,
+    g.add_argument("--max-disk-bytes", type=parse_bytes, default=None, metavar="SIZE",
                    help="disk budget for this model's cache directory (default: a quarter of "
                    "the free disk, at most 32G)")
     g.add_argument("--cold-bits", type=int, choices=(4, 8), default=None,

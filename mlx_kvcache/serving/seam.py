@@ -43,7 +43,7 @@ def check() -> Optional[str]:
 
     missing = [name for name in ("main", "run", "argparse", "ResponseGenerator", "APIHandler",
                                  "ModelProvider", "LRUPromptCache", "ThreadingHTTPServer",
-                                 "get_system_fingerprint", "_parse_size", "stream_generate")
+                                 "get_system_fingerprint", "stream_generate")
                if not hasattr(S, name)]
     if missing:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server has no "
