@@ -87,6 +87,12 @@ def test_first_screen_server_curl_and_openai_sdk(tmp_path):
         lines = run([sys.executable, "-c", code], tmp_path).strip().splitlines()
         cached = [int(ln.rsplit("cached:", 1)[1]) for ln in lines]
         assert len(cached) == 2 and cached[1] > cached[0], lines
+        def third():  # curl's request and the SDK's two, once the last is logged
+            recent = s.cache()["recent"]
+            return recent[2] if len(recent) >= 3 else None
+        last = s.watch.wait("the request log").until(third, poll=0.2)
+        # the whole prompt but its last token, as the README says
+        assert cached[1] == last["cached_tokens"] == last["prompt_tokens"] - 1, (lines, last)
         assert lines[0].split(" | ")[0] == lines[1].split(" | ")[0]  # the same answer
 
         from openai import OpenAI
