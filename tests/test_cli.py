@@ -168,6 +168,35 @@ def test_cache_persists_across_runs(tiny_dir, tmp_path):
     assert rc == 0 and "loaded 0 cached tokens" in out3 and (tmp_path / "other").is_dir()
 
 
+def test_switching_kv_bits_keeps_each_settings_cache(tmp_path):
+    """--kv-bits on, off, on again (and another schedule) over one --cache-dir: each
+    setting has its own directory, so switching back finds its cache intact."""
+    model = build_tiny_model_dir(tmp_path / "model", head_dim=32)  # a multiple of the group
+    base = ["--model", str(model), "--max-tokens", "8", "--system", "be brief",
+            "--cache-dir", str(tmp_path / "c")]
+    quant = ["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0"]
+    loaded = re.compile(r"^\[cache\] loaded (\d+) cached tokens", re.M)
+
+    def run(args, line):
+        rc, out, err = run_chat(base + args, line + "\n", tmp_path, timeout=120, persist=True)
+        assert rc == 0 and "Traceback" not in out + err, (out, err)
+        (st,) = status_lines(out)
+        return int(loaded.search(out).group(1)), st
+
+    n, on1 = run(quant, "hello")
+    assert n == 0
+    n, off1 = run([], "hello")
+    assert n == 0  # the quantized cache is not served to the exact setting...
+    n, on2 = run(quant, "hello")
+    assert n >= on1["prompt"] + on1["answer"] - 1  # ...nor deleted by it
+    assert on2["reused"] == on2["prompt"] - 1
+    n, off2 = run([], "hello")
+    assert n >= off1["prompt"] + off1["answer"] - 1 and off2["reused"] == off2["prompt"] - 1
+    n, _ = run(["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "4"], "hello")
+    assert n == 0  # another schedule: its own directory too
+    assert len([d for d in (tmp_path / "c" / "v3").iterdir() if d.is_dir()]) == 3
+
+
 # -- speculative decoding -----------------------------------------------------------------------
 DRAFTED = re.compile(r"\| drafted (\d+) accepted (\d+) \(\d+%\)$", re.M)
 
@@ -551,3 +580,39 @@ def test_invalid_utf8_input_is_named_and_skipped(tiny_dir, tmp_path):
     assert "error: input line 1 is not valid UTF-8 (byte 0xe9 at character 3); skipped" in err
     assert "chat template" not in err
     assert len(status_lines(p.stdout.decode())) == 1  # the valid line was answered
+
+
+def test_defaults_printed_in_help_are_the_real_ones():
+    """Every "(default N)" / "(default: N)" a help line prints, in chat and in serve's own
+    options, is the option's real default."""
+    import argparse
+
+    from mlx_kvcache.cli import chat as chat_command
+    from mlx_kvcache.serving.app import add_options
+
+    chat = chat_command.add_parser(argparse.ArgumentParser().add_subparsers())
+    serve = argparse.ArgumentParser()
+    add_options(serve)
+    checked = 0
+    for p in (chat, serve):
+        for a in p._actions:
+            m = re.search(r"\(default:? (-?[0-9.]+)", a.help or "")
+            if m:
+                assert float(m.group(1)) == float(a.default), (a.option_strings, a.help, a.default)
+                checked += 1
+    assert checked >= 6
+    # the memory budget: --prompt-cache-bytes in both commands (mlx-lm's server has it),
+    # --max-cache-bytes kept as the other's alias
+    assert chat.parse_args(["--prompt-cache-bytes", "1G"]).max_cache_bytes == 1 << 30
+    assert chat.parse_args(["--max-cache-bytes", "1G"]).max_cache_bytes == 1 << 30
+    assert serve.parse_args(["--max-cache-bytes", "1G"]).prompt_cache_bytes == 1 << 30
+    # and a size means the same bytes in both, mlx-lm's own option included
+    from mlx_lm.server import _parse_size
+
+    stock = argparse.ArgumentParser()
+    stock.add_argument("--prompt-cache-bytes", type=_parse_size)
+    add_options(stock)
+    for size, n in (("1G", 1 << 30), ("2GiB", 2 << 30), ("4GB", 4 * 10**9), ("512M", 512 << 20)):
+        assert stock.parse_args(["--prompt-cache-bytes", size]).prompt_cache_bytes == n
+        assert stock.parse_args(["--max-disk-bytes", size]).max_disk_bytes == n
+        assert chat.parse_args(["--max-disk-bytes", size]).max_disk_bytes == n

@@ -171,3 +171,31 @@ def test_a_client_leaving_a_seeded_request_does_not_hang_the_ranks(dirs, tmp_pat
         after = s.chat(msgs[4], max_tokens=6)
         assert s.request("GET", "/health")[0] == 200
     same_answer(ref, after, tol=2e-3)  # tensor parallel: reduced in parts
+
+
+@pytest.mark.parametrize("plan", [[], ["--pipeline"]])
+def test_a_model_that_cannot_be_split_is_refused_at_start_on_every_rank(plan, tmp_path):
+    """Nine attention heads over two ranks (as the embedded SmolLM2 has), or a llama
+    split into pipeline stages (mlx-lm has none for it): every rank says so in one line
+    and exits 1 before serving."""
+    import sys
+
+    from mlx_kvcache.serving.sharding import sharding_problem
+    from mlx_kvcache.testing.launch import Launch
+
+    d = write_model_dir(tmp_path / "m", "llama", num_attention_heads=9, num_key_value_heads=3,
+                        head_dim=16)
+    assert sharding_problem(str(d), 2, bool(plan))  # and the same model on one rank serves
+    assert sharding_problem(str(d), 3, False) is None and sharding_problem(str(d), 1, False) is None
+    cmd = [sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model", str(d), "--host",
+           "127.0.0.1", "--port", "0", "--no-persist", *plan]
+    with Launch(cmd, n=2, env={"XDG_CACHE_HOME": str(tmp_path)}) as job:
+        job.watch.wait("the refusal", need_alive=False).until(lambda: job.proc.poll() is not None)
+        out = job.output()
+        # every rank exits 1 (mlx.launch reports it, though the launcher itself exits 0)
+        assert all(f"rank {r} exited with code 1" in out for r in (0, 1)), out
+        refusals = [ln for ln in out.splitlines() if "error: rank" in ln]
+        assert sorted(ln.split("error: rank ")[1][0] for ln in refusals) == ["0", "1"], out
+        why = "pipeline stages" if plan else "num_attention_heads = 9, num_key_value_heads = 3"
+        assert all(why in ln for ln in refusals), out
+        assert "Starting httpd" not in out and "Traceback" not in out, out

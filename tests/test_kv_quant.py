@@ -220,7 +220,8 @@ def test_per_request_kv_arguments_must_restate_the_schedule():
 
 def test_persisted_quantized_rows_round_trip(tmp_path):
     """Quantized and unquantized rows go to disk and come back; a restart with another
-    schedule on the same directory loads nothing (the layer signature differs)."""
+    schedule on the same directory loads nothing (each schedule has its own directory) and
+    leaves the first schedule's cache intact."""
     m, rng, start = model(), random.Random(3), 6
     kw = dict(kv_bits=BITS, kv_group_size=GROUP, quantized_kv_start=start, max_bytes=1 << 30)
     p = prompt_of(rng, 30)
@@ -235,12 +236,21 @@ def test_persisted_quantized_rows_round_trip(tmp_path):
     got, st = ask(pc2, hist, m, q, 4, start)
     assert st.restored_tokens == 25
     pc2.close()
-    with pytest.warns(RuntimeWarning, match="layers do not match"):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to say: another directory, nothing purged
         pc3 = new_cache(m, cache_dir=str(tmp_path), **{**kw, "quantized_kv_start": start + 1})
+    assert pc3.cache_path != pc2.cache_path
     got, st = run(pc3, q, 4)
     assert st.restored_tokens == 0
     assert_same(canonical(m, q, 4, start + 1), got)
     pc3.close()
+    pc4 = new_cache(m, cache_dir=str(tmp_path), **kw)  # back to the first schedule
+    got, st = run(pc4, q, 4)
+    assert st.restored_tokens == len(q) - 1  # pc2's request, whole
+    assert_same(canonical(m, q, 4, start), got)
+    pc4.close()
 
 
 def test_chat_cli_kv_bits(tmp_path):

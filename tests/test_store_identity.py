@@ -177,3 +177,34 @@ def test_cache_key_combines_what_changes_the_snapshots():
     assert cache_key(fp, draft_fp=d, sharding="pipeline-2-rank0", cold_bits=8) == \
         h(h(both + "|pipeline-2-rank0") + "|cold8")
     assert cache_key(fp, cold_bits=4) == h(fp + "|cold4") != cache_key(fp, cold_bits=8)
+    # the quantized-KV schedule last (a key without one is unchanged)
+    assert cache_key(fp, kv_quant=["quantized", 8, 64, 0]) == h(fp + '|kv["quantized", 8, 64, 0]')
+    assert cache_key(fp, cold_bits=8, kv_quant=["quantized", 8, 64, 0]) == \
+        h(h(fp + "|cold8") + '|kv["quantized", 8, 64, 0]')
+
+
+def test_an_export_is_named_by_the_model_it_was_made_from_until_a_byte_changes(tmp_path):
+    """`directory_identity`: an exported directory under the cache root's ``models/`` is the
+    loaded model it was written from (the chat command's identity: one cache for both);
+    a byte changed in place (a fused LoRA re-saved) makes it another model; a record in a
+    directory that is not one of our exports, or with an adapter, counts for nothing."""
+    from mlx_kvcache.store import directory_identity, exports_dir, record_identity
+
+    root = tmp_path / "cache"
+    d = write_model_dir(exports_dir(root) / "m-1", "llama")
+    plain = directory_fingerprint(d)
+    record_identity(d, "f" * 64)
+    assert directory_fingerprint(d) == plain  # the record is not part of the bytes
+    assert directory_identity(d, cache_root=root) == "f" * 64
+    assert directory_identity(d, cache_root=tmp_path / "elsewhere") == plain
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapters.safetensors").write_bytes(b"lora")
+    assert directory_identity(d, adapter, cache_root=root) == directory_fingerprint(d, adapter)
+    weights = d / "model.safetensors"
+    _rewrite_in_place(weights, _unsampled_window(weights, "model.layers.0.self_attn.k_proj.weight"))
+    changed = directory_identity(d, cache_root=root)
+    assert changed not in ("f" * 64, plain) and changed == directory_fingerprint(d)
+    outside = write_model_dir(tmp_path / "download", "llama")
+    record_identity(outside, "f" * 64)
+    assert directory_identity(outside, cache_root=root) == directory_fingerprint(outside)

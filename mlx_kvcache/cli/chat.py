@@ -59,9 +59,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=probability, default=1.0,
                    help="nucleus sampling, in (0, 1] (default 1.0 = off)")
     c.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    c.add_argument("--max-cache-bytes", type=parse_bytes, default=None,
-                   help="memory budget for cached snapshots, e.g. 512M or 2G (default: half of "
-                   "what the model leaves of the machine's memory, at most a quarter of it)")
+    c.add_argument("--prompt-cache-bytes", "--max-cache-bytes", dest="max_cache_bytes",
+                   type=parse_bytes, default=None, metavar="SIZE",
+                   help="memory budget for the cache, e.g. 512M or 2G (default: half of what "
+                   "the model leaves of the machine's memory, at most a quarter of it; said "
+                   "at start); the same option as serve's. --max-cache-bytes is an alias")
     c.add_argument("--cache-dir", default=None,
                    help=f"where the cache persists between runs (default: {default_cache_dir()})")
     c.add_argument("--max-disk-bytes", type=parse_bytes, default=None,
@@ -74,12 +76,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="do not load or save the cache on disk (no disk tier)")
     c.add_argument("--kv-bits", type=int, default=None,
                    help="store attention keys/values quantized to this many bits (as mlx-lm's "
-                   "--kv-bits; default: full precision)")
+                   "--kv-bits; default: full precision). Only tokens from "
+                   "--quantized-kv-start on are quantized: with its default, a conversation "
+                   "shorter than 5000 tokens is not quantized at all")
     c.add_argument("--kv-group-size", type=int, default=64,
                    help="group size for --kv-bits (default 64)")
     c.add_argument("--quantized-kv-start", type=int, default=5000,
                    help="with --kv-bits: quantize from this token on; earlier ones stay in full "
-                   "precision (default 5000)")
+                   "precision (default 5000, mlx-lm's; 0 quantizes everything)")
     return c
 
 

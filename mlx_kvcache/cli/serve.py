@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
+from pathlib import Path
 from typing import List, Optional, TextIO
 
 __all__ = ["add_parser", "run", "run_argv"]
@@ -46,9 +46,9 @@ def _resolve_model(argv) -> Optional[list]:
     """Give mlx-lm a model directory: the embedded model (no ``--model``) and ``.gguf``
     files are exported once under the cache directory's ``models/``."""
     from ..models import ModelLoadError
-    from ..models.default import INSTALL_HINT, default_model_path
+    from ..models.default import DEFAULT_NAME, INSTALL_HINT, default_model_path
     from ..models.export import export_gguf
-    from ..store import default_root
+    from ..store import default_root, exports_dir
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model")
@@ -59,6 +59,7 @@ def _resolve_model(argv) -> Optional[list]:
     if known.help:
         return argv
     source = known.model
+    name = Path(str(source)).stem if source is not None else DEFAULT_NAME
     if source is None:
         source = default_model_path()
         if source is None:
@@ -67,7 +68,7 @@ def _resolve_model(argv) -> Optional[list]:
             return None
     elif not str(source).lower().endswith(".gguf"):
         return argv
-    root = os.path.join(os.path.expanduser(known.cache_dir or str(default_root())), "models")
+    root = exports_dir(known.cache_dir or default_root())
     try:
         d = export_gguf(source, root, dequantize=known.dequantize)
     except (ModelLoadError, OSError) as e:
@@ -85,6 +86,8 @@ def _resolve_model(argv) -> Optional[list]:
         if a.startswith("--model="):
             continue
         out.append(a)
+    if not any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in out):
+        out = ["--served-model-name", name, *out]
     return ["--model", str(d), *out]
 
 

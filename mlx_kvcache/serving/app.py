@@ -63,9 +63,11 @@ def positive_int(s: str) -> int:
 
 
 def add_options(parser) -> None:
-    """Our options, added to mlx-lm's server parser (they show in ``--help``)."""
-    from mlx_lm.server import _parse_size
-
+    """Our options, added to mlx-lm's server parser (they show in ``--help``). Every byte
+    size, mlx-lm's ``--prompt-cache-bytes`` included, is read as the chat command reads it
+    (`parse_bytes`: 512M, 4G, 4GB, 2GiB; mlx-lm's own reader knows only M/G/MB/GB, all
+    decimal, and raises a traceback on anything else)."""
+    from ..prefix.stats import parse_bytes
     from ..store import default_root
     from .admin import TOKEN_ENV
     from .lifecycle import DEFAULT_GRACE
@@ -74,13 +76,23 @@ def add_options(parser) -> None:
         "mlx_kvcache", "the prefix-trie prompt cache (replaces mlx-lm's LRU prompt cache; "
         "--prompt-cache-bytes bounds every byte it holds in memory, default half of what the "
         "model leaves of the machine's memory, at most a quarter of it; the cache directory "
-        "is a second tier that keeps what memory lets go)")
+        "is a second tier that keeps what memory lets go; --kv-bits quantizes only the tokens "
+        "from --quantized-kv-start on, 5000 by default: shorter prompts stay full precision)")
+    # argparse has no public lookup of an option's action; mlx-lm's must read sizes as ours.
+    theirs = parser._option_string_actions.get("--prompt-cache-bytes")
+    if theirs is not None:
+        theirs.type, theirs.metavar = parse_bytes, "SIZE"
+        theirs.help = ("memory budget for the prompt cache, e.g. 512M or 4G (K/M/G: powers of "
+                       "1024; KB/MB/GB: of 1000)")
+    g.add_argument("--max-cache-bytes", dest="prompt_cache_bytes", type=parse_bytes,
+                   default=None, metavar="SIZE",
+                   help="same as --prompt-cache-bytes (the chat command's other name for it)")
     g.add_argument("--cache-dir", default=None,
                    help=f"where the prompt cache persists between runs (default: "
                    f"{default_root()})")
     g.add_argument("--no-persist", action="store_true",
                    help="keep the prompt cache in memory only (no disk tier)")
-    g.add_argument("--max-disk-bytes", type=_parse_size, default=None,
+    g.add_argument("--max-disk-bytes", type=parse_bytes, default=None, metavar="SIZE",
                    help="disk budget for this model's cache directory (default: a quarter of "
                    "the free disk, at most 32G)")
     g.add_argument("--cold-bits", type=int, choices=(4, 8), default=None,
@@ -100,6 +112,12 @@ def add_options(parser) -> None:
                    help="on SIGTERM / SIGINT, open requests get this long to finish before "
                    "their answers are ended (finish_reason \"length\"); a second signal ends "
                    f"them at once (default: {DEFAULT_GRACE:g})")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the id GET /v1/models lists for the served model (default: the "
+                   "--model repo id or directory; the embedded model: SmolLM2-135M-Instruct). "
+                   "A request naming a model that is neither this id, a local path nor a "
+                   "Hugging Face repo id (owner/name; offline: a cached one) is answered by the "
+                   "served model")
     g.add_argument("--admin-token", default=None, metavar="TOKEN",
                    help="require 'Authorization: Bearer TOKEN' on /v1/cache (default: "
                    f"${TOKEN_ENV}, else none: only requests addressed to this machine, never "
@@ -116,8 +134,10 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from .generator import ServerResponseGenerator
     from .handler import CacheAPIHandler
     from .lifecycle import Lifecycle
+    from .model_names import install as install_model_names
     from .prompt_cache import TriePromptCache
     from .profile import from_env as profile_from_env
+    from .sharding import sharding_problem
 
     args = model_provider.cli_args
     life = Lifecycle(args.shutdown_grace)
@@ -127,6 +147,12 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     cache_dir = None if args.no_persist else str(args.cache_dir or default_root())
     profile = profile_from_env()
     agree = agreement(profile)
+    if agree.size > 1:  # every rank reads the same config: all refuse alike, before serving
+        problem = sharding_problem(args.model, agree.size, bool(args.pipeline),
+                                   bool(getattr(args, "trust_remote_code", False)))
+        if problem:
+            sys.stderr.write(f"error: rank {agree.rank}: {problem}\n")
+            _exit(1)
     sharding = (f"{'pipeline' if args.pipeline else 'tensor'}-{agree.size}-rank{agree.rank}"
                 if agree.size > 1 else "")
     cache = TriePromptCache(model_provider, max_bytes=args.prompt_cache_bytes,
@@ -143,6 +169,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
         if model_provider.model_key is not None:
             cache.prepare(model_provider.model_key)
     model_provider.load_default = load_then_open_cache
+    install_model_names(model_provider)
     generator = ServerResponseGenerator(model_provider, cache, lifecycle=life, agree=agree)
     if agree.rank != 0:
         _follow(generator, cache, life)

@@ -94,6 +94,11 @@ class ServerResponseGenerator(ResponseGenerator):
         self._agree = agree
         super().__init__(model_provider, prompt_cache)
 
+    def _log_cache_stats(self) -> None:
+        """Nothing: mlx-lm's "Prompt Cache: N sequences, X GB" lines count its own LRU
+        entries, which this cache does not have; each request's ``[cache]`` line says what
+        our cache holds (``held X of Y``), and ``GET /v1/cache`` the rest."""
+
     # -- prompts ------------------------------------------------------------------------------
     def _tokenize(self, tokenizer, request, args):
         prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)

@@ -16,6 +16,7 @@ from mlx_lm.server import APIHandler
 
 from .admin import AdminPolicy
 from .lifecycle import current_ticket, set_ticket
+from .model_names import DEFAULT, model_entry, models_listing, resolve
 from .validation import body_problem, vocab_size
 
 #: The most request body read (and dropped) before refusing a request.
@@ -87,11 +88,24 @@ class CacheAPIHandler(APIHandler):
 
     def _vocab(self) -> Optional[int]:
         provider = self.response_generator.model_provider
-        requested = getattr(self, "requested_model", "default_model")
-        if requested != "default_model" and provider.model_key is not None \
+        requested = resolve(provider.cli_args, getattr(self, "requested_model", DEFAULT))
+        if requested != DEFAULT and provider.model_key is not None \
                 and requested != provider.model_key[0]:
             return None  # another model: checked in the generation thread once loaded
         return vocab_size(provider.model)
+
+    # -- model names (`model_names`: every route answers an unknown name with the served
+    # model, and the listing never depends on a Hugging Face cache) ---------------------------
+    def handle_models_request(self):
+        args = self.response_generator.cli_args
+        name = self.path.split("?", 1)[0].rstrip("/")[len("/v1/models"):].lstrip("/")
+        if not name:
+            return self._send_json(200, models_listing(args, self.created))
+        entry = model_entry(args, self.created, name)
+        if entry is None:
+            return self._send_json(404, {"error": f"no model {name!r} is served here; "
+                                                  f"GET /v1/models lists the served model"})
+        self._send_json(200, entry)
 
     def generate_response(self, text, finish_reason, *args, **kwargs):
         ticket = current_ticket()

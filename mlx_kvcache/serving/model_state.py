@@ -20,7 +20,8 @@ from ..generation import sizing
 from ..prefix.agreement import Agreement, any_rank, every
 from ..prefix.manager import PrefixManager
 from ..prefix.stats import human_bytes
-from ..store import PersistentStore, cache_key, directory_fingerprint, model_fingerprint
+from ..store import (PersistentStore, cache_key, directory_fingerprint, directory_identity,
+                     model_fingerprint)
 from ..store.autosave import Autosaver
 from .padding import padded_rows_exact, recurrent_kinds
 from .validation import vocab_size
@@ -158,8 +159,8 @@ def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes,
     adapter = key[1] if isinstance(key, tuple) and len(key) > 1 else None
     draft = key[2] if isinstance(key, tuple) and len(key) > 2 else None
     try:
-        if path and os.path.isdir(str(path)):
-            fp = directory_fingerprint(path, adapter, cache_root=cache_dir)
+        if path and os.path.isdir(str(path)):  # an export of ours: the chat's identity
+            fp = directory_identity(path, adapter, cache_root=cache_dir)
         else:  # a hub id: the loaded weights themselves
             fp = model_fingerprint(provider.model, provider.tokenizer)
         dfp = None
@@ -170,7 +171,8 @@ def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes,
                 dfp = model_fingerprint(provider.draft_model)
         # a rank's shard of this plan has its own directory
         fp = cache_key(fp, draft_fp=dfp, sharding=sharding if agree.size > 1 else None,
-                       cold_bits=cold_bits)
+                       cold_bits=cold_bits,
+                       kv_quant=None if mgr.kv_quant is None else mgr.kv_quant.signature())
         if max_disk_bytes is None:
             max_disk_bytes, why = sizing.disk_budget_for(cache_dir, fp)
             log.info("mlx_kvcache: prompt cache disk budget %s (--max-disk-bytes)", why)

@@ -43,7 +43,7 @@ def check() -> Optional[str]:
 
     missing = [name for name in ("main", "run", "argparse", "ResponseGenerator", "APIHandler",
                                  "ModelProvider", "LRUPromptCache", "ThreadingHTTPServer",
-                                 "get_system_fingerprint", "_parse_size", "stream_generate")
+                                 "get_system_fingerprint", "stream_generate")
                if not hasattr(S, name)]
     if missing:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server has no "
@@ -65,12 +65,14 @@ def check() -> Optional[str]:
             (S.ResponseGenerator, "_next_request", ["self", "timeout"]),
             (S.ResponseGenerator, "_serve_single", ["self", "request", "stream"]),
             (S.ResponseGenerator, "_share_object", ["self", "obj"]),
+            (S.ResponseGenerator, "_log_cache_stats", ["self"]),
             (S.ResponseGenerator, "_await_response", ["self", "response_queue"]),
             (S.ResponseGenerator, "generate", ["self", "request", "generation_args",
                                               "progress_callback"]),
             (S.ResponseGenerator, "_make_state_machine", ["self", "model_key", "tokenizer",
                                                          "stop_words"]),
             (S.APIHandler, "validate_model_parameters", ["self"]),
+            (S.APIHandler, "handle_models_request", ["self"]),
             (S.APIHandler, "_set_completion_headers", ["self", "status_code"]),
             (S.APIHandler, "handle_completion", ["self", "request", "stop_words"])):
         fn = getattr(owner, name, None)

@@ -8,9 +8,10 @@ background), ``agreed`` (loading on the ranks of a sharded model). Depends on th
 classes and the trie, never on generation (docs/design.md, "Persistence").
 """
 
-from .fingerprint import cache_key, directory_fingerprint, model_fingerprint
-from .format import FORMAT_VERSION, default_root, disk_usage
+from .fingerprint import (cache_key, directory_fingerprint, directory_identity, model_fingerprint,
+                          record_identity)
+from .format import FORMAT_VERSION, default_root, disk_usage, exports_dir
 from .store import PersistentStore
 
-__all__ = ["FORMAT_VERSION", "PersistentStore", "cache_key", "default_root", "directory_fingerprint", "disk_usage",
-           "model_fingerprint"]
+__all__ = ["FORMAT_VERSION", "PersistentStore", "cache_key", "default_root", "directory_fingerprint",
+           "directory_identity", "disk_usage", "exports_dir", "model_fingerprint", "record_identity"]

@@ -8,6 +8,14 @@ weights (~0.5 s for a 135M model on a 2-core CPU).
 
 `directory_fingerprint` names a model directory (what the server loads) by the SHA-256
 of every file, each read once and remembered (`digests`).
+
+`directory_identity` is what the server keys a directory's cache by: its
+`directory_fingerprint`, unless the directory was exported from a loaded model
+(`record_identity`: the embedded model, a ``.gguf`` file) and still holds exactly the bytes
+it was exported with — then that model's `model_fingerprint`, the identity the chat
+command (`PrefixCache`) uses for the same model, so both share one cache. A byte changed
+after the export (a fused LoRA re-saved in place) changes the directory fingerprint, and
+the record no longer applies.
 """
 
 from __future__ import annotations
@@ -15,14 +23,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import fields, is_dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from .format import RAW
 
-__all__ = ["model_fingerprint", "directory_fingerprint", "cache_key"]
+__all__ = ["model_fingerprint", "directory_fingerprint", "directory_identity",
+           "record_identity", "cache_key"]
 
 
 def _jsonable(v: Any) -> Any:
@@ -192,14 +201,57 @@ def directory_fingerprint(model_dir, adapter_dir=None, *, cache_root=None) -> st
 
 #: The file, in a cache root's version directory, that remembers weight-file digests.
 DIGESTS = "file-digests.sqlite"
+#: The file, in an exported model directory, naming the model it was exported from (hidden:
+#: not part of the directory's own fingerprint).
+IDENTITY = ".mlx_kvcache-identity.json"
+
+
+def record_identity(model_dir, model_fp: str) -> None:
+    """Record in ``model_dir`` (just written from a loaded model whose `model_fingerprint`
+    is ``model_fp``) that its current bytes are that model (see `directory_identity`)."""
+    from pathlib import Path
+
+    record = {"model": model_fp, "directory": directory_fingerprint(model_dir)}
+    (Path(model_dir) / IDENTITY).write_text(json.dumps(record))
+
+
+def directory_identity(model_dir, adapter_dir=None, *, cache_root=None) -> str:
+    """The identity the cache of a model directory is keyed by: the `model_fingerprint`
+    recorded at its export while its bytes are unchanged (no adapter applied, and the
+    directory one of ours: under ``cache_root``'s `exports_dir`), else its
+    `directory_fingerprint`."""
+    from pathlib import Path
+
+    from .format import exports_dir
+
+    fp = directory_fingerprint(model_dir, adapter_dir, cache_root=cache_root)
+    if adapter_dir is not None or cache_root is None:
+        return fp
+    # Only our own exports are trusted: a downloaded directory could carry any record.
+    exports = exports_dir(cache_root).resolve()
+    if exports not in Path(model_dir).expanduser().resolve().parents:
+        return fp
+    try:
+        record = json.loads((Path(model_dir) / IDENTITY).read_text())
+    except (OSError, ValueError):
+        return fp
+    if isinstance(record, dict) and record.get("directory") == fp \
+            and isinstance(record.get("model"), str):
+        return record["model"]
+    return fp
 
 
 def cache_key(model_fp: str, *, draft_fp: Optional[str] = None, sharding: Optional[str] = None,
-              cold_bits: Optional[int] = None) -> str:
+              cold_bits: Optional[int] = None, kv_quant: Optional[Sequence[Any]] = None) -> str:
     """The name of a persisted cache: the model's fingerprint, combined with everything
     else that changes what its snapshots hold — a draft model's fingerprint (each node
-    holds both models' layers), a rank's shard (``sharding``: its own directory) and
-    compressed snapshots (``cold_bits``: never served as exact ones)."""
+    holds both models' layers), a rank's shard (``sharding``: its own directory),
+    compressed snapshots (``cold_bits``: never served as exact ones) and the quantized-KV
+    schedule (``kv_quant``: `KVQuantization.signature`, bits, group size and start).
+
+    Each setting names its own directory, so switching a setting and back finds every
+    setting's cache intact (one directory holds one signature: a store whose layers do not
+    match replaces what it finds). Without a setting the name is what it always was."""
     fp = model_fp
     if draft_fp is not None:
         fp = hashlib.sha256(f"target {fp}\ndraft {draft_fp}\n".encode()).hexdigest()
@@ -207,4 +259,6 @@ def cache_key(model_fp: str, *, draft_fp: Optional[str] = None, sharding: Option
         fp = hashlib.sha256(f"{fp}|{sharding}".encode()).hexdigest()
     if cold_bits is not None:
         fp = hashlib.sha256(f"{fp}|cold{cold_bits}".encode()).hexdigest()
+    if kv_quant is not None:
+        fp = hashlib.sha256(f"{fp}|kv{json.dumps(list(kv_quant))}".encode()).hexdigest()
     return fp

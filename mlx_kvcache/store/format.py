@@ -85,6 +85,12 @@ def default_root() -> Path:
     return Path(base) / "mlx_kvcache"
 
 
+def exports_dir(root) -> Path:
+    """Where ``mlx-kvcache serve`` writes the mlx-lm directories of GGUF models (the
+    embedded one included) under the cache root ``root``."""
+    return Path(root).expanduser() / "models"
+
+
 def version_dir(root: Path, version: int = FORMAT_VERSION) -> Path:
     return Path(root) / f"v{version}"
 
