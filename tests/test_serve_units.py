@@ -196,6 +196,41 @@ def test_admin_policy():
                                   "Authorization": "Bearer t0ken"})[0] == 403
 
 
+def test_an_empty_admin_token_is_refused_at_start(monkeypatch, capsys):
+    import argparse
+    import subprocess
+    import sys
+
+    from mlx_kvcache.serving.admin import TOKEN_ENV, AdminPolicy
+
+    def parser():
+        p = argparse.ArgumentParser()
+        app.add_options(p)
+        return p
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    for bad in ("", "  "):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--admin-token", bad])
+        assert "admin token is empty" in capsys.readouterr().err
+        monkeypatch.setenv(TOKEN_ENV, bad)  # the variable, as the flag's default
+        with pytest.raises(SystemExit):
+            parser().parse_args([])
+        assert "admin token is empty" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="empty"):
+            AdminPolicy.make(None, "127.0.0.1")
+        with pytest.raises(ValueError, match="empty"):
+            AdminPolicy.make(bad, "127.0.0.1")
+        monkeypatch.delenv(TOKEN_ENV)
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    assert parser().parse_args([]).admin_token == "s3cret"
+    assert parser().parse_args(["--admin-token", "x"]).admin_token == "x"
+    # The whole command: one line, exit 2, before any model is loaded.
+    r = subprocess.run([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model",
+                        "/nonexistent", "--admin-token", ""], capture_output=True, text=True)
+    assert r.returncode == 2 and "admin token is empty" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_lifecycle_admits_until_stopping():
     import time
 

@@ -32,6 +32,18 @@ from urllib.parse import urlsplit
 TOKEN_ENV = "MLX_KVCACHE_ADMIN_TOKEN"
 
 
+def checked_token(token: str) -> str:
+    """``token`` without surrounding white space; `ValueError` when nothing is left.
+
+    An empty token is refused rather than kept: ``--admin-token "$TOKEN"`` with ``TOKEN``
+    unset would otherwise make ``Authorization: Bearer`` with nothing after it the key."""
+    token = token.strip()
+    if not token:
+        raise ValueError(f"the admin token is empty (an unset variable in a script?): give "
+                         f"--admin-token / ${TOKEN_ENV} a secret, or leave both unset")
+    return token
+
+
 def _host_name(netloc: str) -> str:
     """``host`` of ``host[:port]`` / ``[v6][:port]``, lower case, without brackets."""
     netloc = netloc.strip().lower()
@@ -67,7 +79,11 @@ class AdminPolicy:
 
     @classmethod
     def make(cls, token: Optional[str], bind_host: str) -> "AdminPolicy":
-        token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+        """The policy for ``--admin-token`` ``token`` (None: ``$MLX_KVCACHE_ADMIN_TOKEN``
+        if set) and ``--host`` ``bind_host``; `ValueError` for an empty token."""
+        if token is None:
+            token = os.environ.get(TOKEN_ENV)
+        token = None if token is None else checked_token(token)
         return cls(token=token, bind_host=bind_host, names=_local_names(bind_host))
 
     def _local_host(self, host: str) -> bool:

@@ -50,6 +50,18 @@ def non_negative_float(s: str) -> float:
     return v
 
 
+def admin_token(s: str) -> str:
+    """``--admin-token`` (and ``$MLX_KVCACHE_ADMIN_TOKEN``, its default): never empty."""
+    import argparse
+
+    from .admin import checked_token
+
+    try:
+        return checked_token(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def positive_int(s: str) -> int:
     import argparse
 
@@ -100,7 +112,10 @@ def add_options(parser) -> None:
                    help="on SIGTERM / SIGINT, open requests get this long to finish before "
                    "their answers are ended (finish_reason \"length\"); a second signal ends "
                    f"them at once (default: {DEFAULT_GRACE:g})")
-    g.add_argument("--admin-token", default=None, metavar="TOKEN",
+    # The variable is the default, so argparse checks it like the flag (an empty one is
+    # refused at start, with the flag's error).
+    g.add_argument("--admin-token", type=admin_token, default=os.environ.get(TOKEN_ENV),
+                   metavar="TOKEN",
                    help="require 'Authorization: Bearer TOKEN' on /v1/cache (default: "
                    f"${TOKEN_ENV}, else none: only requests addressed to this machine, never "
                    "from a web page)")
