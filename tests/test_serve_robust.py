@@ -13,13 +13,15 @@ import select
 import shutil
 import socket
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 from mlx_kvcache.testing import write_model_dir
-from mlx_kvcache.testing.servers import Server, answer, same_answer
+from mlx_kvcache.testing.servers import ROOT, Server, answer, free_port, same_answer
 from mlx_kvcache.testing.waits import CAP
 
 # Every wait here is bounded by the servers' progress (`mlx_kvcache.testing.waits`); the
@@ -233,6 +235,43 @@ KILLERS = [
     ("/v1/chat/completions", {"messages": HELLO, "stream": True, "stream_options": 5},
      "stream_options"),
 ]
+
+
+def start_fails(model, tmp_path, *extra) -> str:
+    """``mlx-kvcache serve`` with ``extra`` exits non-zero before serving; returns its one
+    line of error (and checks there is no traceback)."""
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model", str(model),
+                        "--no-persist", "--host", "127.0.0.1", "--port", str(free_port()), *extra],
+                       capture_output=True, text=True, env=env, timeout=CAP, cwd=str(ROOT))
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "Traceback" not in out and "Starting httpd" not in out, out
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, out
+    return errors[0]
+
+
+def test_start_fails_fast_on_a_draft_or_kv_setting_that_cannot_work(dirs, tmp_path):
+    # A draft whose architecture is a custom module: it loads only with --trust-remote-code,
+    # which the target's flag now grants it too (mlx-lm loads a draft without it).
+    custom = write_model_dir(tmp_path / "custom", "llama")
+    config = json.loads((custom / "config.json").read_text())
+    (custom / "config.json").write_text(json.dumps({**config, "model_file": "arch.py"}))
+    (custom / "arch.py").write_text("from mlx_lm.models.llama import Model, ModelArgs\n")
+    line = start_fails(dirs["llama"], tmp_path, "--draft-model", str(custom))
+    assert "draft model" in line and "trust_remote_code" in line, line
+    line = start_fails(dirs["llama"], tmp_path, "--draft-model", str(tmp_path / "missing"))
+    assert "draft model" in line and "missing" in line, line
+    # The test model's heads are 16 wide: no group size of mx.quantize divides them.
+    for extra in (["--kv-bits", "4"], ["--kv-bits", "4", "--kv-group-size", "32"],
+                  ["--kv-bits", "7"]):
+        line = start_fails(dirs["llama"], tmp_path, *extra)
+        assert f"--kv-bits {extra[1]}" in line, line
+    with Server.ours(dirs["llama"], tmp_path / "d.log", tmp_path, "--no-persist",
+                     "--trust-remote-code", "--draft-model", str(custom)) as s:
+        r = s.chat(HELLO, max_tokens=3)
+        assert r["choices"][0]["finish_reason"] == "length"
 
 
 def test_requests_that_would_end_the_generation_thread_get_400(dirs, tmp_path):

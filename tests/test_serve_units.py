@@ -131,9 +131,12 @@ def test_serve_options_join_mlx_lm_parser():
     a = p.parse_args(["--checkpoint-interval", "64", "--no-persist", "--max-disk-bytes", "2G"])
     assert a.checkpoint_interval == 64 and a.no_persist and a.max_disk_bytes == 2e9
     assert a.shutdown_grace == 30 and a.admin_token is None
-    a = p.parse_args(["--shutdown-grace", "2.5", "--admin-token", "t"])
-    assert a.shutdown_grace == 2.5 and a.admin_token == "t"
-    for bad in (["--shutdown-grace", "-1"], ["--shutdown-grace", "nan"]):
+    a = p.parse_args(["--shutdown-grace", "2.5", "--admin-token", "t", "--max-disk-bytes", "1.5G"])
+    assert a.shutdown_grace == 2.5 and a.admin_token == "t" and a.max_disk_bytes == 1_500_000_000
+    for bad in (["--shutdown-grace", "-1"], ["--shutdown-grace", "nan"],
+                ["--shutdown-grace", "inf"], ["--max-disk-bytes", "-1"],
+                ["--max-disk-bytes", "lots"], ["--max-disk-bytes", "4T"],
+                ["--max-disk-bytes", ""], ["--max-disk-bytes", "1.2.3G"]):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
     with pytest.raises(SystemExit):

@@ -11,6 +11,7 @@ its loop at the same turn, each rank flushes its cache writes and exits with sta
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -45,8 +46,25 @@ def non_negative_float(s: str) -> float:
         v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    if not 0 <= v < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
+    return v
+
+
+def size_bytes(s: str) -> int:
+    """A byte count as mlx-lm writes sizes (``4G``, ``512M``, ``1000``): anything else,
+    ``-1`` included, is argparse's one-line error, not a traceback."""
+    import argparse
+
+    from mlx_lm.server import _parse_size
+
+    try:
+        v = _parse_size(s.strip())
+    except Exception:  # decimal.InvalidOperation, KeyError (an unknown unit), ...
+        v = None
+    if not isinstance(v, int) or v < 0:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {s!r} (bytes, or a number with M, G, MB or GB, e.g. 4G)")
     return v
 
 
@@ -76,8 +94,6 @@ def positive_int(s: str) -> int:
 
 def add_options(parser) -> None:
     """Our options, added to mlx-lm's server parser (they show in ``--help``)."""
-    from mlx_lm.server import _parse_size
-
     from ..store import default_root
     from .admin import TOKEN_ENV
     from .lifecycle import DEFAULT_GRACE
@@ -92,7 +108,7 @@ def add_options(parser) -> None:
                    f"{default_root()})")
     g.add_argument("--no-persist", action="store_true",
                    help="keep the prompt cache in memory only (no disk tier)")
-    g.add_argument("--max-disk-bytes", type=_parse_size, default=None,
+    g.add_argument("--max-disk-bytes", type=size_bytes, default=None,
                    help="disk budget for this model's cache directory (default: a quarter of "
                    "the free disk, at most 32G)")
     g.add_argument("--cold-bits", type=int, choices=(4, 8), default=None,
@@ -133,6 +149,8 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from .lifecycle import Lifecycle
     from .prompt_cache import TriePromptCache
     from .profile import from_env as profile_from_env
+    from .seam import DraftLoadError
+    from .startup import StartCheck, first_line, kv_quant_problem
 
     args = model_provider.cli_args
     life = Lifecycle(args.shutdown_grace)
@@ -150,15 +168,32 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
                             agree=agree, sharding=sharding, cold_bits=args.cold_bits,
                             profile=profile)
     load_default = model_provider.load_default
+    started = StartCheck()
 
     def load_then_open_cache():
         # The default model loads in the generation thread before the first request:
-        # open its trie (and read the disk index) right then, not on the first request.
-        load_default()
+        # check it and open its trie (and read the disk index) right then.
+        try:
+            load_default()
+            problem = kv_quant_problem(args, model_provider.model, model_provider.draft_model)
+        except Exception as e:  # noqa: BLE001 - said in one line by the main thread
+            problem = (first_line(e) if isinstance(e, DraftLoadError)
+                       else f"the model {args.model} does not load: {first_line(e)}")
+        if problem:
+            started.fail(problem)
+            raise SystemExit(1)  # ends the generation thread quietly; the main thread exits
         if model_provider.model_key is not None:
             cache.prepare(model_provider.model_key)
+        started.ready()
     model_provider.load_default = load_then_open_cache
     generator = ServerResponseGenerator(model_provider, cache, lifecycle=life, agree=agree)
+    # Nothing is served before the model is loaded and checked (a signal still stops).
+    if not started.wait(lambda: generator.generation_available() and not life.asked) \
+            and not life.asked:
+        started.fail("the generation thread ended while loading the model (see the log)")
+    if started.problem is not None:
+        sys.stderr.write(f"error: mlx-kvcache serve: {started.problem}\n")
+        _exit(1)
     if agree.rank != 0:
         _follow(generator, cache, life)
         return
