@@ -98,6 +98,81 @@ def test_admin_route_is_closed_to_web_pages(dirs, tmp_path):
         assert s.exchange("GET", "/v1/cache", headers={**ok, "Origin": "http://evil.example"})[0] == 403
 
 
+def own_address():
+    """This machine's address on a non-loopback interface, or None. A UDP socket's connect
+    only picks the route (no packet is sent); ``hostname -I`` is the fallback."""
+    import ipaddress
+
+    found = []
+    for probe in ("10.255.255.255", "192.0.2.1", "8.8.8.8"):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                u.connect((probe, 1))
+                found.append(u.getsockname()[0])
+        except OSError:
+            continue
+    try:
+        found += subprocess.run(["hostname", "-I"], capture_output=True, text=True,
+                                timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    for a in found:
+        try:
+            ip = ipaddress.ip_address(a)
+        except ValueError:
+            continue
+        if ip.version == 4 and not ip.is_loopback and not ip.is_unspecified:
+            return a
+    return None
+
+
+SECRET = "My card 4111-1111-1111-1111 pin 9731. Help me"
+GUESS = "My card 4111-1111-1111-1111 pin 0000. Help me"
+
+
+def test_prompt_text_stays_with_its_owner_on_a_shared_network(dirs, tmp_path):
+    lan = own_address()
+    if lan is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to reach a server through")
+    with Server.ours(dirs["llama"], tmp_path / "a.log", tmp_path, "--no-persist",
+                     host="0.0.0.0") as s:
+        s.complete(SECRET, max_tokens=2)
+        peer = s.through(lan)  # a client reaching the server the way a LAN peer does
+        peer.complete(GUESS, max_tokens=2)  # completions stay open to everyone
+        for method in ("GET", "DELETE"):
+            for host in (None, "8.8.8.8", f"127.0.0.1:{s.port}", "localhost"):
+                status, head, r = peer.exchange(method, "/v1/cache",
+                                                headers={"Host": host} if host else None)
+                assert status == 403 and "admin token" in r["error"], (method, host, status, r)
+                assert SECRET[32:36] not in json.dumps(r)
+        # This machine's own clients still read it, without prompt text: the server
+        # listens beyond loopback without a token, so excerpts are off by default.
+        r = s.cache()
+        assert r["nodes"] > 0 and r["prompt_excerpts"] is False
+        reuse = r["recent"][-1]["reuse"]
+        assert reuse["kind"] == "diverged" and reuse["diverged_at"] == 32, reuse
+        assert reuse["cached"] == reuse["prompt"] == reuse["before"] == "", reuse
+        assert "9731" not in json.dumps(r)
+    log = (tmp_path / "a.log").read_text()
+    assert "diverged at 32" in log and "9731" not in log, log[-3000:]
+    with Server.ours(dirs["llama"], tmp_path / "b.log", tmp_path, "--no-persist",
+                     "--admin-token", "s3cret", host="0.0.0.0") as s:
+        s.complete(SECRET, max_tokens=2)
+        s.complete(GUESS, max_tokens=2)
+        peer = s.through(lan)
+        assert peer.exchange("GET", "/v1/cache")[0] == 401
+        r = peer.cache(Authorization="Bearer s3cret")  # the token opens it from anywhere
+        # With a token, excerpts are shown by default: the token holder sees them.
+        assert r["prompt_excerpts"] is True and "9731" in r["recent"][-1]["reuse"]["cached"]
+    with Server.ours(dirs["llama"], tmp_path / "c.log", tmp_path, "--no-persist",
+                     "--prompt-excerpts", "off") as s:  # loopback: on unless turned off
+        s.complete(SECRET, max_tokens=2)
+        s.complete(GUESS, max_tokens=2)
+        r = s.cache()
+        assert r["prompt_excerpts"] is False and "9731" not in json.dumps(r)
+    assert "9731" not in (tmp_path / "c.log").read_text()
+
+
 # -- 2. a clean stop ---------------------------------------------------------------------------
 def stream_text(chunks):
     return "".join((c["choices"][0].get("delta") or {}).get("content") or ""

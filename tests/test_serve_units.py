@@ -199,6 +199,48 @@ def test_admin_policy():
                                   "Authorization": "Bearer t0ken"})[0] == 403
 
 
+def test_admin_policy_decides_by_the_peer_address():
+    from mlx_kvcache.serving.admin import AdminPolicy, is_loopback, listens_beyond_loopback
+
+    open_ = AdminPolicy.make(None, "0.0.0.0")
+    for peer in ("127.0.0.1", "127.3.4.5", "::1", "::ffff:127.0.0.1"):
+        assert is_loopback(peer) and open_.refusal("GET", {"Host": "127.0.0.1"}, peer) is None
+    for peer in ("192.168.1.7", "10.0.0.2", "::ffff:192.168.1.7", "fe80::1%eth0", "", "x"):
+        assert not is_loopback(peer)
+        for host in ("127.0.0.1:8080", "8.8.8.8", "localhost"):
+            assert open_.refusal("GET", {"Host": host}, peer)[0] == 403, (peer, host)
+    locked = AdminPolicy.make("t0ken", "0.0.0.0")
+    ok = {"Authorization": "Bearer t0ken"}
+    assert locked.refusal("GET", ok, "192.168.1.7") is None
+    assert locked.refusal("GET", {}, "127.0.0.1")[0] == 401
+    for host, beyond in (("127.0.0.1", False), ("::1", False), ("localhost", False),
+                         ("0.0.0.0", True), ("::", True), ("", True), ("192.168.1.7", True)):
+        assert listens_beyond_loopback(host) is beyond, host
+    assert app.excerpts_shown("auto", "127.0.0.1", None)
+    assert not app.excerpts_shown("auto", "0.0.0.0", None)
+    assert app.excerpts_shown("auto", "0.0.0.0", "t0ken")
+    assert not app.excerpts_shown("off", "127.0.0.1", None)
+    assert app.excerpts_shown("on", "0.0.0.0", None)
+
+
+def test_excerpts_off_leave_no_prompt_text(caplog):
+    m = build("llama")
+    texts = {t: chr(65 + t % 26) for t in range(V)}
+    prov = provider(m)
+    prov.tokenizer = types.SimpleNamespace(decode=lambda ids, **k: "".join(texts[i] for i in ids))
+    for shown in (True, False):
+        pc = TriePromptCache(prov, max_bytes=1 << 30, excerpts=shown)
+        a = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+        b = [1, 2, 3, 4, 5, 20, 21, 22, 23]
+        for p in (a, b):
+            cache, rest = pc.fetch_nearest_cache(KEY, p)
+            _, cache = served(m, rest, cache, n=2)
+            pc.insert_cache(KEY, p + [0, 0], cache)
+        reuse = pc.report()["recent"][-1]["reuse"]
+        assert reuse["diverged_at"] == 5 and reuse["excerpts"] is shown
+        assert ("GHIJ" in reuse["cached"]) is shown and ("UVW" in reuse["prompt"]) is shown
+
+
 def test_an_empty_admin_token_is_refused_at_start(monkeypatch, capsys):
     import argparse
     import subprocess

@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+from typing import Optional
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -133,8 +134,23 @@ def add_options(parser) -> None:
     g.add_argument("--admin-token", type=admin_token, default=os.environ.get(TOKEN_ENV),
                    metavar="TOKEN",
                    help="require 'Authorization: Bearer TOKEN' on /v1/cache (default: "
-                   f"${TOKEN_ENV}, else none: only requests addressed to this machine, never "
-                   "from a web page)")
+                   f"${TOKEN_ENV}, else none: only clients on this machine's loopback, never "
+                   "a web page)")
+    g.add_argument("--prompt-excerpts", choices=("auto", "on", "off"), default="auto",
+                   help="show prompt text around where reuse stopped (GET /v1/cache 'recent' "
+                   "and the log lines); off: offsets and reasons only. auto (default): off when "
+                   "--host reaches beyond loopback without an admin token")
+
+
+def excerpts_shown(choice: str, host: str, token: Optional[str]) -> bool:
+    """``--prompt-excerpts``: ``auto`` shows them unless the server listens beyond loopback
+    without an admin token (then ``GET /v1/cache`` is closed to other machines, but its
+    log may be read by others on a shared host or collected off it)."""
+    from .admin import listens_beyond_loopback
+
+    if choice != "auto":
+        return choice == "on"
+    return token is not None or not listens_beyond_loopback(host)
 
 
 def run(host: str, port: int, model_provider, server_class=None, handler_class=None) -> None:
@@ -166,7 +182,12 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
                             checkpoint_interval=args.checkpoint_interval, cache_dir=cache_dir,
                             max_disk_bytes=args.max_disk_bytes, max_entries=args.prompt_cache_size,
                             agree=agree, sharding=sharding, cold_bits=args.cold_bits,
-                            profile=profile)
+                            profile=profile,
+                            excerpts=excerpts_shown(args.prompt_excerpts, host, args.admin_token))
+    log.info("mlx_kvcache: prompt excerpts in the log and GET /v1/cache: %s (--prompt-excerpts "
+             "%s); /v1/cache: %s", "shown" if cache.excerpts else "left out",
+             args.prompt_excerpts, "admin token required" if args.admin_token else
+             "clients on this machine's loopback only")
     load_default = model_provider.load_default
     started = StartCheck()
 

@@ -63,7 +63,7 @@ class CacheEndpoints:
             "layers": len(st.manager.ops) if st and st.manager else 0,
             "kv_bits": st.manager.kv_quant.signature()[1:] if st and st.manager
             and st.manager.kv_quant else None,
-            "recent": self._log.listing(),
+            "recent": self._log.listing(), "prompt_excerpts": self.excerpts,
             "profile": self.profile.snapshot(),
         }
         if st is not None and st.store is not None:
