@@ -296,6 +296,56 @@ def test_delete_on_an_unwritable_directory_answers_and_names_it(dirs, tmp_path):
         os.chmod(d, 0o755)
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs, unmounted after the test (needs permission to mount)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def fill(path: Path) -> int:
+    """Write ``path`` until the file system is full; returns the bytes written."""
+    n = 0
+    with open(path, "wb", buffering=0) as f:
+        for size in (1 << 16, 4096, 512, 1):
+            while True:
+                try:
+                    n += f.write(b"\0" * size)
+                except OSError:
+                    break
+    return n
+
+
+def test_delete_frees_a_full_disk(dirs, tmp_path, small_tmpfs):
+    cache = small_tmpfs / "c"
+    with Server.ours(dirs["llama"], tmp_path / "a.log", tmp_path, "--cache-dir", str(cache),
+                     "--max-disk-bytes", "1G") as s:
+        for i in range(6):
+            s.complete(f"{i} " + STORY[0]["content"] * 2, max_tokens=2)
+        s.watch.wait("snapshots on disk").until(lambda: s.cache()["disk_bytes"] > 100_000)
+        fill(small_tmpfs / "filler")
+        (d,) = [p for p in cache.glob("v*/*") if p.is_dir()]
+        held = sum(p.stat().st_size for p in d.iterdir() if p.name != ".lock")
+        assert held > 100_000 and os.statvfs(small_tmpfs).f_bavail == 0
+        status, r = s.request("DELETE", "/v1/cache")
+        assert status == 200, (status, r)
+        assert r["cleared"] and r["disk_cleared"] and r["nodes"] == 0
+        assert r["freed_bytes"] == held and r["freed_files"] >= 3, (r, held)
+        assert [p.name for p in d.iterdir()] in ([], [".lock"])
+        assert os.statvfs(small_tmpfs).f_bavail > 0
+        (small_tmpfs / "filler").unlink()
+        s.complete("0 " + STORY[0]["content"] * 2, max_tokens=2)  # caches again
+        s.watch.wait("a snapshot on disk").until(lambda: s.cache()["disk_bytes"] > 0)
+
+
 # -- 5. beyond stock -----------------------------------------------------------------------------
 KILLERS = [
     ("/v1/completions", {"prompt": "hi", "stop": 123}, "stop"),

@@ -81,8 +81,9 @@ class CacheEndpoints:
         """Drop every snapshot, in memory and on disk, durably, before returning
         (``DELETE /v1/cache``). Runs where the model lives (the generation thread); on a
         sharded model every rank calls it at the same point and the results are gathered.
-        Returns ``cleared``, ``memory_cleared``, ``disk_cleared`` and, when a directory
-        could not be cleared, ``error`` naming it (per rank under ``ranks``)."""
+        Returns ``cleared``, ``memory_cleared``, ``disk_cleared``, ``freed_bytes`` and
+        ``freed_files`` (what the disk got back) and, when a directory could not be
+        cleared, ``error`` naming it (per rank under ``ranks``)."""
         return self._guard("clearing the prompt cache", self._clear_here,
                            {"cleared": False, "memory_cleared": False, "disk_cleared": False,
                             "error": "clearing the prompt cache failed (see the log)"}, "clear")
@@ -90,7 +91,7 @@ class CacheEndpoints:
     def _clear_here(self) -> Dict[str, Any]:
         st = self._model
         mine: Dict[str, Any] = {"rank": self.agree.rank, "memory_cleared": True,
-                                "disk_cleared": True}
+                                "disk_cleared": True, "freed_bytes": 0, "freed_files": 0}
         if st is not None and st.manager is not None:
             st.manager.clear()
             self.clears += 1
@@ -99,7 +100,8 @@ class CacheEndpoints:
                 try:
                     if st.writer is not None:  # a capture taken before the clear lands first
                         st.writer.flush(timeout=None)
-                    st.store.clear_disk()
+                    freed = st.store.clear_disk()
+                    mine["freed_bytes"], mine["freed_files"] = freed["bytes"], freed["files"]
                 except OSError as e:
                     mine["disk_cleared"] = False
                     d = str(st.store.directory())
@@ -112,7 +114,10 @@ class CacheEndpoints:
         out: Dict[str, Any] = {
             "cleared": all(r["disk_cleared"] for r in ranks),
             "memory_cleared": all(r["memory_cleared"] for r in ranks),
-            "disk_cleared": all(r["disk_cleared"] for r in ranks)}
+            "disk_cleared": all(r["disk_cleared"] for r in ranks),
+            # what the disk got back (the files of this model's cache directory)
+            "freed_bytes": sum(r.get("freed_bytes", 0) for r in ranks),
+            "freed_files": sum(r.get("freed_files", 0) for r in ranks)}
         errors = [(f"rank {r['rank']}: " if self.agree.size > 1 else "") + r["error"]
                   for r in ranks if r.get("error")]
         if errors:

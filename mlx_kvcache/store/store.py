@@ -33,7 +33,7 @@ import sqlite3
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..prefix.agreement import SOLO, Agreement
 from ..prefix.journal import STRUCT, Journal
@@ -42,8 +42,8 @@ from ..prefix.trie import PrefixTrie
 from . import save as _save
 from .agreed import agree_loaded
 from .delta import Capturer, Delta
-from .format import DirLock, FormatError, collectable, fsync_dir, model_dir
-from .index import INDEX, Index
+from .format import FORMAT_VERSION, DirLock, FormatError, collectable, fsync_dir, model_dir
+from .index import INDEX, Index, header_version
 from .lazy import GuardedOps, Verifier, warn
 from .load import install, new_holders
 from .opening import legacy_note, open_to_read, open_to_write
@@ -342,35 +342,55 @@ class PersistentStore:
                 self._need_full, delta = True, None  # too much owed: the next save writes all
             self._queue = delta
 
-    def clear_disk(self) -> None:
-        """Delete this model's saved cache, durably before returning: every row in one
-        committed transaction (so a crash or restart from here on loads nothing), then
-        the snapshot files. Raises ``OSError`` naming the directory when it cannot be
-        written (e.g. read-only)."""
+    def clear_disk(self) -> Dict[str, int]:
+        """Delete this model's saved cache, durably before returning, in an order that
+        needs no free space (a full disk is when a clear is most wanted, and SQLite cannot
+        commit a transaction there): the index files first — from then on a crash or
+        restart loads nothing, and the snapshot files left are unknown files the next
+        save sweeps — then every snapshot file and temporary. A process sharing the
+        directory sees its index gone at its next save and starts a new one.
+
+        Returns ``{"files": n, "bytes": b}``: the files unlinked and the bytes they held.
+        Raises ``OSError`` naming the directory when it cannot be written (e.g.
+        read-only); what was unlinked by then stays unlinked."""
         d = self.directory()
+        freed = {"files": 0, "bytes": 0}
         if d in self._foreign or not d.is_dir():
-            return
+            return freed
         try:
             with self._io, DirLock(d):
                 with self._qmu:
                     self._queue = None  # captures of what is being cleared
-                idx = self._index_for(d, True)
-                if idx is None:
-                    return
-                idx.wipe()  # durable from here on: a crash loads nothing
-                for name in collectable(d):
-                    (d / name).unlink(missing_ok=True)
-                    self.verifier.forget_file((d, name))
-                # An empty index is still ~100 kB of SQLite files: remove them too.
-                idx.close()
-                self._index = None
-                for side in ("", "-wal", "-shm"):
-                    (d / (INDEX + side)).unlink(missing_ok=True)
+                try:
+                    version = header_version(d / INDEX)
+                except FormatError:
+                    version = None  # damaged: cleared like any other
+                if version is not None and version > FORMAT_VERSION:
+                    self._foreign.add(d)  # a newer build's: never touched
+                    return freed
+                if self._index is not None:
+                    # No checkpoint: it would write, and the file is going anyway.
+                    self._index.close(checkpoint=False)
+                    self._index = None
+                    self._swept = False
+                names = [INDEX + side for side in ("", "-wal", "-shm")] + collectable(d)
+                for name in names:
+                    try:
+                        size = (d / name).lstat().st_size
+                        (d / name).unlink()
+                    except FileNotFoundError:
+                        continue
+                    freed["files"] += 1
+                    freed["bytes"] += size
+                    if name == INDEX:
+                        fsync_dir(d)  # durable: nothing loads from here on
+                self.verifier.forget_dir(d)
                 fsync_dir(d)
                 self._disk_bytes = 0
         except (OSError, sqlite3.Error) as e:
             why = getattr(e, "strerror", None) or str(e)
             raise OSError(getattr(e, "errno", None), f"cannot clear the prompt cache at {d}: {why}") from e
+        return freed
 
     def save(self, root=None) -> int:
         """`capture` then `write`; the caller holds the trie's lock for the whole call."""
