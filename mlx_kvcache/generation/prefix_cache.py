@@ -237,7 +237,8 @@ class PrefixCache(Persistence):
             mgr.peek(read)
         st = self._store
         if st is not None:
-            s.disk_bytes, s.max_disk_bytes = st.disk_bytes, self.max_disk_bytes
+            # the directory's budget in force (one per directory, shared by every process)
+            s.disk_bytes, s.max_disk_bytes = st.disk_bytes, st.max_disk_bytes
             s.demoted_bytes, s.promoted_bytes = st.tier.demoted_bytes, st.tier.promoted_bytes
         s.bytes_held = s.snapshot_bytes + s.live_bytes
         return s

@@ -51,7 +51,7 @@ class CacheEndpoints:
         st = self._model
         out: Dict[str, Any] = {
             "bytes_held": held, "max_bytes": self.max_bytes, "disk_bytes": disk,
-            "max_disk_bytes": st.max_disk_bytes if st and st.store else None, "nodes": nodes,
+            "max_disk_bytes": st.store.max_disk_bytes if st and st.store else None, "nodes": nodes,
             "requests": self.requests, "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens, "ram_tokens": self.cached_tokens - self.disk_tokens,
             "disk_tokens": self.disk_tokens,

@@ -65,7 +65,11 @@ class PersistentStore:
         fingerprint: `model_fingerprint` of the model (and tokenizer).
         max_disk_bytes: budget for this model's directory (files and index); the least
             recently used nodes without saved children leave the disk until it fits.
-            ``None``: no limit.
+            ``None``: no limit. The directory has one budget, recorded in its index and
+            followed by every process writing it (counting what the index holds, every
+            process's files): a store records its own at its first write.
+        default_budget: ``max_disk_bytes`` is a default, not the user's choice: a budget
+            already recorded for the directory is followed instead of replaced.
         keep: the manager's set of deliberate restore points (saved as a flag per node).
         agree: the ranks of a sharded model load and drop nodes together (`agreed`).
         cold_bits: write full-attention KV layers compressed to this many bits (lossy;
@@ -77,12 +81,15 @@ class PersistentStore:
 
     def __init__(self, trie: PrefixTrie, signature: List[Any], root, fingerprint: str,
                  max_disk_bytes: Optional[int] = None, keep: Optional[set] = None,
-                 agree: Agreement = SOLO, cold_bits: Optional[int] = None, tier: bool = True):
+                 agree: Agreement = SOLO, cold_bits: Optional[int] = None, tier: bool = True,
+                 default_budget: bool = False):
         self.trie = trie
         self.signature = signature
         self.fingerprint = fingerprint
         self.root = Path(root).expanduser()
-        self.max_disk_bytes = None if max_disk_bytes is None else int(max_disk_bytes)
+        self._max_disk_bytes = None if max_disk_bytes is None else int(max_disk_bytes)
+        self._claim = max_disk_bytes is not None  # record ours at the next write
+        self._follow = bool(default_budget)  # a recorded budget wins over ours
         self.keep = keep if keep is not None else set()
         self.agree = agree
         inner = [o.inner if isinstance(o, GuardedOps) else o for o in trie.ops]
@@ -113,6 +120,17 @@ class PersistentStore:
         self._foreign: set = set()  # directories holding a format this build must not touch
         self._disk_bytes = 0
         self._saved: dict = {}
+
+    @property
+    def max_disk_bytes(self) -> Optional[int]:
+        """The directory's budget in force (the recorded one, once read or written)."""
+        return self._max_disk_bytes
+
+    @max_disk_bytes.setter
+    def max_disk_bytes(self, n: Optional[int]) -> None:
+        """A new budget for the directory: recorded at the next write, for every process."""
+        self._max_disk_bytes = None if n is None else int(n)
+        self._claim, self._follow = n is not None, False
 
     def directory(self, root=None) -> Path:
         return model_dir(self.root if root is None else root, self.fingerprint)
@@ -213,6 +231,7 @@ class PersistentStore:
         if own:
             self._stale |= res.stale
             self._disk_bytes = size
+            self._shared_budget(idx, write=False)
             if self._index is not None:
                 self._index.close()
             self._index = idx
@@ -299,7 +318,7 @@ class PersistentStore:
                 if not own or not self._swept:
                     _save.sweep(idx, d, self.verifier)
                     self._swept = own
-                budget = self.max_disk_bytes
+                budget = self._shared_budget(idx) if own else self.max_disk_bytes
                 idx.tune((budget or 64 << 20) // 16)
                 out = _save.write(idx, delta, self.verifier, budget)
                 size = idx.files_bytes() + idx.db_bytes()
@@ -309,6 +328,26 @@ class PersistentStore:
         if own:
             self._disk_bytes = size
         return out, size
+
+    def _shared_budget(self, idx: Index, write: bool = True) -> Optional[int]:
+        """The directory's one budget (the caller holds the directory lock): ours is
+        recorded at our first write (``write``) unless it is a default and one is recorded
+        already; after that, whatever is recorded (another process may set its own)."""
+        try:
+            recorded = idx.budget()
+        except sqlite3.Error:
+            recorded = None
+        if self._claim and self._follow and recorded is not None:
+            self._claim = False  # a default never replaces a recorded budget
+        if self._claim:
+            if not write:
+                return self.max_disk_bytes
+            if recorded != self.max_disk_bytes:
+                idx.set_budget(self.max_disk_bytes)
+            self._claim = False
+        elif recorded is not None:
+            self._max_disk_bytes = recorded
+        return self.max_disk_bytes
 
     def _index_for(self, d: Path, own: bool) -> Optional[Index]:
         """``d``'s index open for writing (`opening.open_to_write`); None for a newer
@@ -327,6 +366,7 @@ class PersistentStore:
             self.verifier.forget_dir(d)
             if own:
                 self._reset, self._swept = False, False
+                self._claim = self.max_disk_bytes is not None  # a new index records it again
         if own:
             self._index = idx
         return idx
@@ -387,6 +427,7 @@ class PersistentStore:
                 self.verifier.forget_dir(d)
                 fsync_dir(d)
                 self._disk_bytes = 0
+                self._claim = self.max_disk_bytes is not None  # the budget went with the index
         except (OSError, sqlite3.Error) as e:
             why = getattr(e, "strerror", None) or str(e)
             raise OSError(getattr(e, "errno", None), f"cannot clear the prompt cache at {d}: {why}") from e
