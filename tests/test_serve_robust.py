@@ -346,6 +346,79 @@ def test_delete_frees_a_full_disk(dirs, tmp_path, small_tmpfs):
         s.watch.wait("a snapshot on disk").until(lambda: s.cache()["disk_bytes"] > 0)
 
 
+# -- 4. within memory ----------------------------------------------------------------------------
+def burst(s, prompts, max_tokens):
+    """The prompts sent at the same instant (greedy, with log-probs); their answers."""
+    go = threading.Barrier(len(prompts))
+
+    def one(p):
+        go.wait()
+        return s.complete(p, max_tokens=max_tokens)
+    runs = [run(one, p) for p in prompts]
+    return [finished(t, box, s) for t, box in runs]
+
+
+def test_a_burst_that_would_exceed_the_memory_limit_is_served_within_it(tmp_path):
+    # Caches of 8 KiB per token: a 16-way burst of ~270-token prompts needs ~100 MiB at
+    # once (caches, prefill, the prompt cache's copies); the limit takes a few at a time.
+    model = write_model_dir(tmp_path / "m", "llama", hidden_size=256, num_attention_heads=4,
+                            num_key_value_heads=4, head_dim=64, num_hidden_layers=4)
+    prompts = [f"{i:02d} " + "the sea and the ships " * 12 for i in range(16)]
+    limit = 48 << 20
+    with Server.stock(model, tmp_path / "stock.log", tmp_path) as s:
+        # one at a time: stock's listen backlog of 5 resets some of a burst's connections
+        stock = [s.complete(p, max_tokens=6) for p in prompts]
+    with Server.ours(model, tmp_path / "a.log", tmp_path, "--no-persist", "--memory-limit",
+                     str(limit)) as s:
+        m = s.cache()["memory"]
+        assert m["limit_bytes"] == limit and m["weights_bytes"] > 0, m
+        ours = burst(s, prompts, 6)
+        m = s.cache()["memory"]
+        assert m["admitted"] == 16 and m["refused"] == 0, m
+        assert m["admitted_after_waiting"] > 0, m  # the limit held some back
+        assert m["cache_given_way_bytes"] > 0, m  # the prompt cache gave way first
+        assert m["peak_bytes"] <= limit, m  # MLX's active memory never crossed it
+        assert m["reserved_bytes"] == 0 and m["waiting_requests"] == 0, m
+        for a, b in zip(ours, stock):
+            same_answer(a, b)
+        # A request that cannot fit even alone: a clear 503 at once, the server goes on.
+        status, r = s.request("POST", "/v1/completions",
+                              {"prompt": prompts[0], "max_tokens": 100_000})
+        assert status == 503 and "memory limit" in r["error"], (status, r)
+        assert s.cache()["memory"]["refused"] == 1
+        same_answer(s.complete(prompts[1], max_tokens=6), stock[1])
+    assert "memory limit 48.0 MiB (--memory-limit)" in (tmp_path / "a.log").read_text()
+
+
+def test_memory_footprint_and_admission_units():
+    from mlx_kvcache.serving.memory import Footprint, MemoryGuard, default_limit
+
+    assert default_limit(1 << 30, 16 << 30)[0] == int((16 << 30) * 0.85)
+    big = default_limit(15 << 30, 16 << 30)
+    assert big[0] == (15 << 30) + (1 << 29) and "half of what they leave" in big[1]
+    fp = Footprint(weights=1000, kv_fixed=0, kv_per_token=10.0, act_per_token=1.0, step=100)
+    assert fp.need(100, 100) == 2 * 10 * 256 + 100  # one step of 256 tokens, twice
+    active = {"n": 0}
+    g = MemoryGuard(limit=20_000, active_memory=lambda: active["n"])
+    g.footprint = fp
+    held = {"n": 16_000}
+    g.cache_bytes = lambda: held["n"]
+    g.trim_cache = lambda n: held.update(n=min(held["n"], n))
+    need = g.need(100, 100)
+    assert g.try_admit(need) and held["n"] == 20_000 - 1000 - need  # the cache gave way
+    release = g.reserve(need, 200)
+    assert g.room() == 20_000 - 1000 - need
+    # A longer request pads the running row to its length too.
+    assert g.need(300, 100) == fp.need(300, 100) + 10 * (400 - 200)
+    assert not g.try_admit(20_000)
+    active["n"] = 40_000  # MLX holds more than was reserved (less the cache): that counts
+    assert g.room() == 0 and not g.try_admit(1)
+    active["n"] = 0
+    release()
+    release()  # idempotent
+    assert g.running() == 0 and g.room() == 20_000 - 1000
+
+
 # -- 5. beyond stock -----------------------------------------------------------------------------
 KILLERS = [
     ("/v1/completions", {"prompt": "hi", "stop": 123}, "stop"),

@@ -98,6 +98,7 @@ def add_options(parser) -> None:
     from ..store import default_root
     from .admin import TOKEN_ENV
     from .lifecycle import DEFAULT_GRACE
+    from .memory import DEFAULT_WAIT, SHARE
 
     g = parser.add_argument_group(
         "mlx_kvcache", "the prefix-trie prompt cache (replaces mlx-lm's LRU prompt cache; "
@@ -136,6 +137,16 @@ def add_options(parser) -> None:
                    help="require 'Authorization: Bearer TOKEN' on /v1/cache (default: "
                    f"${TOKEN_ENV}, else none: only clients on this machine's loopback, never "
                    "a web page)")
+    g.add_argument("--memory-limit", type=size_bytes, default=None, metavar="BYTES",
+                   help="keep MLX's active memory (weights, the batch's caches, the prompt "
+                   "cache) under this: a request whose caches would cross it waits (the prompt "
+                   "cache gives way first), or gets 503 after --memory-wait. 0: no limit. "
+                   f"Default: {SHARE:.0%} of the machine's memory (more when the model takes "
+                   "more: the model and half of what it leaves)")
+    g.add_argument("--memory-wait", type=non_negative_float, default=DEFAULT_WAIT,
+                   metavar="SECONDS",
+                   help="how long a request waits for memory before its 503 (default: "
+                   f"{DEFAULT_WAIT:g})")
     g.add_argument("--prompt-excerpts", choices=("auto", "on", "off"), default="auto",
                    help="show prompt text around where reuse stopped (GET /v1/cache 'recent' "
                    "and the log lines); off: offsets and reasons only. auto (default): off when "
@@ -165,6 +176,9 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from .lifecycle import Lifecycle
     from .prompt_cache import TriePromptCache
     from .profile import from_env as profile_from_env
+    from ..caches import make_prompt_cache
+    from ..generation.sizing import memory_bytes
+    from .memory import MemoryGuard, measure
     from .seam import DraftLoadError
     from .startup import StartCheck, first_line, kv_quant_problem
 
@@ -188,15 +202,26 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
              "%s); /v1/cache: %s", "shown" if cache.excerpts else "left out",
              args.prompt_excerpts, "admin token required" if args.admin_token else
              "clients on this machine's loopback only")
+    memory = MemoryGuard(None if args.memory_limit == 0 else args.memory_limit,
+                         args.memory_wait)
+    if args.memory_limit != 0:
+        cache.memory = memory  # the prompt cache gives way to requests
+        memory.cache_bytes = lambda: cache.nbytes
+        memory.trim_cache = lambda n: cache.trim_to(n_bytes=n)
     load_default = model_provider.load_default
     started = StartCheck()
 
     def load_then_open_cache():
         # The default model loads in the generation thread before the first request:
-        # check it and open its trie (and read the disk index) right then.
+        # check it, measure it for the memory guard and open its trie (and read the
+        # disk index) right then.
         try:
             load_default()
             problem = kv_quant_problem(args, model_provider.model, model_provider.draft_model)
+            if not problem and args.memory_limit != 0 and model_provider.model is not None:
+                log.info("mlx_kvcache: %s", memory.configure(
+                    measure([model_provider.model, model_provider.draft_model],
+                            make_prompt_cache, args.prefill_step_size), memory_bytes()))
         except Exception as e:  # noqa: BLE001 - said in one line by the main thread
             problem = (first_line(e) if isinstance(e, DraftLoadError)
                        else f"the model {args.model} does not load: {first_line(e)}")
@@ -207,7 +232,8 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
             cache.prepare(model_provider.model_key)
         started.ready()
     model_provider.load_default = load_then_open_cache
-    generator = ServerResponseGenerator(model_provider, cache, lifecycle=life, agree=agree)
+    generator = ServerResponseGenerator(model_provider, cache, lifecycle=life, agree=agree,
+                                        memory=memory)
     # Nothing is served before the model is loaded and checked (a signal still stops).
     if not started.wait(lambda: generator.generation_available() and not life.asked) \
             and not life.asked:

@@ -18,7 +18,7 @@ _STAT_NAMES = ("bytes_held", "nodes", "disk_bytes", "evicted_bytes", "requests",
 
 
 class CacheEndpoints:
-    """Expects `TriePromptCache`'s ``_model``, ``agree``, ``profile``, ``_guard``, its
+    """Expects `TriePromptCache`'s ``_model``, ``agree``, ``profile``, ``_guard``, ``memory``, its
     counters and ``_ranks``."""
 
     def _local(self) -> Tuple[int, ...]:
@@ -72,6 +72,8 @@ class CacheEndpoints:
             out["demoted_bytes"], out["promoted_bytes"] = tier.demoted_bytes, tier.promoted_bytes
         if st is not None and st.manager is None:
             out["disabled_because"] = st.why_not
+        if self.memory is not None:  # the server's memory guard
+            out["memory"] = self.memory.report()
         if self.agree.size > 1:
             out["rank"], out["world_size"] = self.agree.rank, self.agree.size
             out["ranks"] = [dict(zip(_STAT_NAMES, r), rank=i) for i, r in enumerate(self._ranks)]

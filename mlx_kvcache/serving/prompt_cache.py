@@ -109,6 +109,9 @@ class TriePromptCache(CacheEndpoints):
         self._told_padded = False
         self._ranks: List[Tuple[int, ...]] = []  # every rank's counters, as last shared
         self.profile = profile or getattr(agree, "profile", None) or Profile()
+        #: The server's memory guard (`memory.MemoryGuard`), when it has one: the cache
+        #: holds at most what its limit leaves beside the running requests.
+        self.memory = None
         self._turn = RankTurn()
 
     # -- the model's trie, made when the model loads (in the generation thread) ----------
@@ -161,6 +164,9 @@ class TriePromptCache(CacheEndpoints):
         self._guard("a prompt cache insert",
                     lambda: self._insert(model_key, tokens, prompt_cache, cache_type, final),
                     None, "checkpoint" if final is None else "final")
+        room = self.memory.room() if self.memory is not None else None
+        if room is not None and self.nbytes > room:  # the cache gives way to requests
+            self.trim_to(n_bytes=room)
 
     def checkpoints(self, model_key, tokens: Sequence[int]) -> List[int]:
         """Prompt offsets where prefill should stop so the caches can be stored there:
