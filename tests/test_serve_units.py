@@ -142,6 +142,12 @@ def test_serve_options_join_mlx_lm_parser():
     with pytest.raises(SystemExit):
         p.parse_args(["--checkpoint-interval", "0"])
     assert "DEFAULT_CHECKPOINT_INTERVAL" in inspect.getsource(app)
+    text = p.format_help()  # every help string formats (a bare % would raise)
+    assert "--memory-limit" in text and "--prompt-excerpts" in text
+    a = p.parse_args(["--memory-limit", "8G", "--memory-wait", "5"])
+    assert a.memory_limit == 8_000_000_000 and a.memory_wait == 5
+    with pytest.raises(SystemExit):
+        p.parse_args(["--memory-limit", "-1"])
 
 
 # -- hardening: request checks, the admin route, the stop, padded batch rows -----------------

@@ -141,7 +141,7 @@ def add_options(parser) -> None:
                    help="keep MLX's active memory (weights, the batch's caches, the prompt "
                    "cache) under this: a request whose caches would cross it waits (the prompt "
                    "cache gives way first), or gets 503 after --memory-wait. 0: no limit. "
-                   f"Default: {SHARE:.0%} of the machine's memory (more when the model takes "
+                   f"Default: {SHARE * 100:.0f}%% of the machine's memory (more when the model takes "
                    "more: the model and half of what it leaves)")
     g.add_argument("--memory-wait", type=non_negative_float, default=DEFAULT_WAIT,
                    metavar="SECONDS",
@@ -218,13 +218,17 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
         try:
             load_default()
             problem = kv_quant_problem(args, model_provider.model, model_provider.draft_model)
-            if not problem and args.memory_limit != 0 and model_provider.model is not None:
-                log.info("mlx_kvcache: %s", memory.configure(
-                    measure([model_provider.model, model_provider.draft_model],
-                            make_prompt_cache, args.prefill_step_size), memory_bytes()))
         except Exception as e:  # noqa: BLE001 - said in one line by the main thread
             problem = (first_line(e) if isinstance(e, DraftLoadError)
                        else f"the model {args.model} does not load: {first_line(e)}")
+        if not problem and args.memory_limit != 0 and model_provider.model is not None:
+            try:
+                log.info("mlx_kvcache: %s", memory.configure(
+                    measure([model_provider.model, model_provider.draft_model],
+                            make_prompt_cache, args.prefill_step_size), memory_bytes()))
+            except Exception as e:  # noqa: BLE001 - the server runs, unguarded, and says so
+                log.warning("mlx_kvcache: no memory guard: this model could not be measured "
+                            "(%s)", first_line(e))
         if problem:
             started.fail(problem)
             raise SystemExit(1)  # ends the generation thread quietly; the main thread exits

@@ -46,9 +46,9 @@ log = logging.getLogger("mlx_kvcache")
 
 #: Seconds a request waits for memory before it is refused (``--memory-wait``).
 DEFAULT_WAIT = 120.0
-#: The default limit: this share of the machine's memory ...
+#: The default limit: this share of the machine's memory (`default_limit`).
 SHARE = 0.85
-#: ... but when the weights take more, the weights and half of what they leave.
+#: Seconds the generation thread's blocking ``get`` sleeps between looks at the line.
 _POLL = 0.05
 #: mlx-lm's batch caches grow in steps of this many tokens.
 _STEP = 256
