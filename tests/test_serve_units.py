@@ -247,6 +247,46 @@ def test_excerpts_off_leave_no_prompt_text(caplog):
         assert ("GHIJ" in reuse["cached"]) is shown and ("UVW" in reuse["prompt"]) is shown
 
 
+def test_admission_queue_keeps_order_lets_commands_pass_and_refuses_clearly():
+    from queue import Empty, Queue
+
+    from mlx_kvcache.serving.memory import AdmissionQueue, Footprint, MemoryGuard, MemoryRefused
+
+    g = MemoryGuard(limit=10_000, wait=3600, active_memory=lambda: 0)
+    g.footprint = Footprint(weights=1000, kv_fixed=0, kv_per_token=1.0, act_per_token=0.0, step=8)
+    sizes = {"small": (100, 100), "big": (1000, 1000), "huge": (100_000, 1)}
+    q = AdmissionQueue(g, lambda item: sizes[item[1]], lambda item: item[1] == "cmd")
+
+    def req(kind):
+        out = Queue()
+        q.put((out, kind, None))
+        return out
+    a, b, c, d = req("big"), req("big"), req("big"), req("small")  # 4096 B each (twice)
+    q.put((Queue(), "cmd", None))
+    assert q.get(timeout=0)[1] == "cmd"  # a command passes the line
+    first = q.get(timeout=0)  # mlx-lm's loop waits (blocks) only with an empty batch ...
+    assert first[1] == "big" and q.get_nowait()[1] == "big"  # ... then takes without waiting
+    with pytest.raises(Empty):  # the third does not fit while two run: it waits ...
+        q.get_nowait()
+    with pytest.raises(Empty):  # ... and the small one behind it keeps its place
+        q.get_nowait()
+    assert q.qsize() == 2 and g.report()["waiting_requests"] == 2
+    first[0].put(None)  # an answer ends: its memory is released
+    third = q.get_nowait()
+    assert third[1] == "big"
+    with pytest.raises(Empty):  # a short row in a batch is as long as the longest
+        q.get_nowait()
+    third[0].put(None)
+    assert q.get_nowait()[1] == "small"
+    assert g.report()["admitted_after_waiting"] == 2
+    e = req("huge")  # cannot fit even alone: refused once nothing runs
+    with pytest.raises(Empty):
+        q.get(timeout=0)  # the loop idles: nothing runs any more
+    refused = e.get_nowait()
+    assert isinstance(refused, MemoryRefused) and "memory limit" in str(refused)
+    assert g.report()["refused"] == 1 and q.qsize() == 0
+
+
 def test_an_empty_admin_token_is_refused_at_start(monkeypatch, capsys):
     import argparse
     import subprocess

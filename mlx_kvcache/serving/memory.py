@@ -157,6 +157,8 @@ class MemoryGuard:
         else:
             why = "--memory-limit"
         mx.reset_peak_memory()
+        if self.limit <= footprint.weights + footprint.need(1, 1):
+            why += "; NOT ENOUGH for the model and one short request: every request gets 503"
         return (f"memory limit {human_bytes(self.limit)} ({why}): weights "
                 f"{human_bytes(footprint.weights)}, a request's caches "
                 f"{human_bytes(int(footprint.kv_per_token * 1024))} per 1k tokens; requests "
