@@ -6,6 +6,8 @@ Child modes (argv[1]):
     JSON line per job with the tokens, the request stats and the warnings seen.
   * ``saver DIR``: build tiny llama, then run requests forever with autosave, writing
     slowly (a sleep between file parts) so a SIGKILL is likely to land inside a save.
+  * ``fill DIR SEED BUDGET``: run prompts into DIR with that disk budget (``none``: the
+    default), print the budget in force and the largest directory size seen (JSON).
 """
 
 from __future__ import annotations
@@ -104,8 +106,30 @@ def _saver(d):
         i += 1
 
 
+def _fill(d, seed, budget):
+    """Run prompts into ``d`` (a budget of ``budget`` bytes, or the default with
+    ``none``), flushing after each; print the budget in force and the directory's largest
+    size seen after a flush, as JSON."""
+    from pathlib import Path
+
+    from mlx_kvcache.store import FORMAT_VERSION, disk_usage
+
+    pc = PrefixCache(build_model("llama"), cache_dir=d,
+                     max_disk_bytes=None if budget == "none" else int(budget))
+    worst = 0
+    for p in prompts(16, length=64, seed=int(seed)):
+        run(pc, p, 2)
+        pc.flush()
+        for sub in (Path(d) / f"v{FORMAT_VERSION}").iterdir():
+            worst = max(worst, disk_usage(sub))
+    pc.close()
+    print(json.dumps({"max_disk_bytes": pc.stats.max_disk_bytes, "worst": worst}), flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "restart":
         _restart(json.loads(sys.argv[2]))
     elif sys.argv[1] == "saver":
         _saver(sys.argv[2])
+    elif sys.argv[1] == "fill":
+        _fill(*sys.argv[2:5])

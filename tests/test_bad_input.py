@@ -90,6 +90,17 @@ def test_other_arguments(pc):
         mk.PrefixCache(model("llama"), cache_dir="  ")
 
 
+def test_disk_arguments_are_checked(tmp_path):
+    for bad in (-1, -(1 << 40)):
+        with pytest.raises(ValueError, match="max_disk_bytes must be >= 0"):
+            mk.PrefixCache(model("llama"), cache_dir=str(tmp_path), max_disk_bytes=bad)
+    with pytest.raises(TypeError, match="max_disk_bytes"):
+        mk.PrefixCache(model("llama"), cache_dir=str(tmp_path), max_disk_bytes="1G")
+    with pytest.raises(ValueError, match="cold_bits.*cache_dir"):
+        mk.PrefixCache(model("llama"), cold_bits=8)
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
 def test_long_prompts_are_checked_in_vectorised_passes(monkeypatch):
     """A 100k-token prompt is checked in a few passes in C (types, range), never a Python
     step per token — and an id out of range is still named with its position."""

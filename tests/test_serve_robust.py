@@ -13,13 +13,15 @@ import select
 import shutil
 import socket
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 from mlx_kvcache.testing import write_model_dir
-from mlx_kvcache.testing.servers import Server, answer, same_answer
+from mlx_kvcache.testing.servers import ROOT, Server, answer, free_port, same_answer
 from mlx_kvcache.testing.waits import CAP
 
 # Every wait here is bounded by the servers' progress (`mlx_kvcache.testing.waits`); the
@@ -94,6 +96,81 @@ def test_admin_route_is_closed_to_web_pages(dirs, tmp_path):
         status, _, r = s.exchange("DELETE", "/v1/cache", headers=ok)
         assert status == 200 and r["cleared"] and r["nodes"] == 0
         assert s.exchange("GET", "/v1/cache", headers={**ok, "Origin": "http://evil.example"})[0] == 403
+
+
+def own_address():
+    """This machine's address on a non-loopback interface, or None. A UDP socket's connect
+    only picks the route (no packet is sent); ``hostname -I`` is the fallback."""
+    import ipaddress
+
+    found = []
+    for probe in ("10.255.255.255", "192.0.2.1", "8.8.8.8"):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                u.connect((probe, 1))
+                found.append(u.getsockname()[0])
+        except OSError:
+            continue
+    try:
+        found += subprocess.run(["hostname", "-I"], capture_output=True, text=True,
+                                timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    for a in found:
+        try:
+            ip = ipaddress.ip_address(a)
+        except ValueError:
+            continue
+        if ip.version == 4 and not ip.is_loopback and not ip.is_unspecified:
+            return a
+    return None
+
+
+SECRET = "My card 4111-1111-1111-1111 pin 9731. Help me"
+GUESS = "My card 4111-1111-1111-1111 pin 0000. Help me"
+
+
+def test_prompt_text_stays_with_its_owner_on_a_shared_network(dirs, tmp_path):
+    lan = own_address()
+    if lan is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to reach a server through")
+    with Server.ours(dirs["llama"], tmp_path / "a.log", tmp_path, "--no-persist",
+                     host="0.0.0.0") as s:
+        s.complete(SECRET, max_tokens=2)
+        peer = s.through(lan)  # a client reaching the server the way a LAN peer does
+        peer.complete(GUESS, max_tokens=2)  # completions stay open to everyone
+        for method in ("GET", "DELETE"):
+            for host in (None, "8.8.8.8", f"127.0.0.1:{s.port}", "localhost"):
+                status, head, r = peer.exchange(method, "/v1/cache",
+                                                headers={"Host": host} if host else None)
+                assert status == 403 and "admin token" in r["error"], (method, host, status, r)
+                assert SECRET[32:36] not in json.dumps(r)
+        # This machine's own clients still read it, without prompt text: the server
+        # listens beyond loopback without a token, so excerpts are off by default.
+        r = s.cache()
+        assert r["nodes"] > 0 and r["prompt_excerpts"] is False
+        reuse = r["recent"][-1]["reuse"]
+        assert reuse["kind"] == "diverged" and reuse["diverged_at"] == 32, reuse
+        assert reuse["cached"] == reuse["prompt"] == reuse["before"] == "", reuse
+        assert "9731" not in json.dumps(r)
+    log = (tmp_path / "a.log").read_text()
+    assert "diverged at 32" in log and "9731" not in log, log[-3000:]
+    with Server.ours(dirs["llama"], tmp_path / "b.log", tmp_path, "--no-persist",
+                     "--admin-token", "s3cret", host="0.0.0.0") as s:
+        s.complete(SECRET, max_tokens=2)
+        s.complete(GUESS, max_tokens=2)
+        peer = s.through(lan)
+        assert peer.exchange("GET", "/v1/cache")[0] == 401
+        r = peer.cache(Authorization="Bearer s3cret")  # the token opens it from anywhere
+        # With a token, excerpts are shown by default: the token holder sees them.
+        assert r["prompt_excerpts"] is True and "9731" in r["recent"][-1]["reuse"]["cached"]
+    with Server.ours(dirs["llama"], tmp_path / "c.log", tmp_path, "--no-persist",
+                     "--prompt-excerpts", "off") as s:  # loopback: on unless turned off
+        s.complete(SECRET, max_tokens=2)
+        s.complete(GUESS, max_tokens=2)
+        r = s.cache()
+        assert r["prompt_excerpts"] is False and "9731" not in json.dumps(r)
+    assert "9731" not in (tmp_path / "c.log").read_text()
 
 
 # -- 2. a clean stop ---------------------------------------------------------------------------
@@ -219,6 +296,129 @@ def test_delete_on_an_unwritable_directory_answers_and_names_it(dirs, tmp_path):
         os.chmod(d, 0o755)
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs, unmounted after the test (needs permission to mount)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def fill(path: Path) -> int:
+    """Write ``path`` until the file system is full; returns the bytes written."""
+    n = 0
+    with open(path, "wb", buffering=0) as f:
+        for size in (1 << 16, 4096, 512, 1):
+            while True:
+                try:
+                    n += f.write(b"\0" * size)
+                except OSError:
+                    break
+    return n
+
+
+def test_delete_frees_a_full_disk(dirs, tmp_path, small_tmpfs):
+    cache = small_tmpfs / "c"
+    with Server.ours(dirs["llama"], tmp_path / "a.log", tmp_path, "--cache-dir", str(cache),
+                     "--max-disk-bytes", "1G") as s:
+        for i in range(6):
+            s.complete(f"{i} " + STORY[0]["content"] * 2, max_tokens=2)
+        s.watch.wait("snapshots on disk").until(lambda: s.cache()["disk_bytes"] > 100_000)
+        fill(small_tmpfs / "filler")
+        (d,) = [p for p in cache.glob("v*/*") if p.is_dir()]
+        held = sum(p.stat().st_size for p in d.iterdir() if p.name != ".lock")
+        assert held > 100_000 and os.statvfs(small_tmpfs).f_bavail == 0
+        status, r = s.request("DELETE", "/v1/cache")
+        assert status == 200, (status, r)
+        assert r["cleared"] and r["disk_cleared"] and r["nodes"] == 0
+        assert r["freed_bytes"] == held and r["freed_files"] >= 3, (r, held)
+        assert [p.name for p in d.iterdir()] in ([], [".lock"])
+        assert os.statvfs(small_tmpfs).f_bavail > 0
+        (small_tmpfs / "filler").unlink()
+        s.complete("0 " + STORY[0]["content"] * 2, max_tokens=2)  # caches again
+        s.watch.wait("a snapshot on disk").until(lambda: s.cache()["disk_bytes"] > 0)
+
+
+# -- 4. within memory ----------------------------------------------------------------------------
+def burst(s, prompts, max_tokens):
+    """The prompts sent at the same instant (greedy, with log-probs); their answers."""
+    go = threading.Barrier(len(prompts))
+
+    def one(p):
+        go.wait()
+        return s.complete(p, max_tokens=max_tokens)
+    runs = [run(one, p) for p in prompts]
+    return [finished(t, box, s) for t, box in runs]
+
+
+def test_a_burst_that_would_exceed_the_memory_limit_is_served_within_it(tmp_path):
+    # Caches of 8 KiB per token: a 16-way burst of ~270-token prompts needs ~100 MiB at
+    # once (caches, prefill, the prompt cache's copies); the limit takes a few at a time.
+    model = write_model_dir(tmp_path / "m", "llama", hidden_size=256, num_attention_heads=4,
+                            num_key_value_heads=4, head_dim=64, num_hidden_layers=4)
+    prompts = [f"{i:02d} " + "the sea and the ships " * 12 for i in range(16)]
+    limit = 48 << 20
+    with Server.stock(model, tmp_path / "stock.log", tmp_path) as s:
+        # one at a time: stock's listen backlog of 5 resets some of a burst's connections
+        stock = [s.complete(p, max_tokens=6) for p in prompts]
+    with Server.ours(model, tmp_path / "a.log", tmp_path, "--no-persist", "--memory-limit",
+                     str(limit)) as s:
+        m = s.cache()["memory"]
+        assert m["limit_bytes"] == limit and m["weights_bytes"] > 0, m
+        ours = burst(s, prompts, 6)
+        m = s.cache()["memory"]
+        assert m["admitted"] == 16 and m["refused"] == 0, m
+        assert m["admitted_after_waiting"] > 0, m  # the limit held some back
+        assert m["cache_given_way_bytes"] > 0, m  # the prompt cache gave way first
+        assert m["peak_bytes"] <= limit, m  # MLX's active memory never crossed it
+        assert m["reserved_bytes"] == 0 and m["waiting_requests"] == 0, m
+        for a, b in zip(ours, stock):
+            same_answer(a, b)
+        # A request that cannot fit even alone: a clear 503 at once, the server goes on.
+        status, r = s.request("POST", "/v1/completions",
+                              {"prompt": prompts[0], "max_tokens": 100_000})
+        assert status == 503 and "memory limit" in r["error"], (status, r)
+        assert s.cache()["memory"]["refused"] == 1
+        same_answer(s.complete(prompts[1], max_tokens=6), stock[1])
+    assert "memory limit 48.0 MiB (--memory-limit)" in (tmp_path / "a.log").read_text()
+
+
+def test_memory_footprint_and_admission_units():
+    from mlx_kvcache.serving.memory import Footprint, MemoryGuard, default_limit
+
+    assert default_limit(1 << 30, 16 << 30)[0] == int((16 << 30) * 0.85)
+    big = default_limit(15 << 30, 16 << 30)
+    assert big[0] == (15 << 30) + (1 << 29) and "half of what they leave" in big[1]
+    fp = Footprint(weights=1000, kv_fixed=0, kv_per_token=10.0, act_per_token=1.0, step=100)
+    assert fp.need(100, 100) == 2 * 10 * 256 + 100  # one step of 256 tokens, twice
+    active = {"n": 0}
+    g = MemoryGuard(limit=20_000, active_memory=lambda: active["n"])
+    g.footprint = fp
+    held = {"n": 16_000}
+    g.cache_bytes = lambda: held["n"]
+    g.trim_cache = lambda n: held.update(n=min(held["n"], n))
+    need = g.need(100, 100)
+    assert g.try_admit(need) and held["n"] == 20_000 - 1000 - need  # the cache gave way
+    release = g.reserve(need, 200)
+    assert g.room() == 20_000 - 1000 - need
+    # A longer request pads the running row to its length too.
+    assert g.need(300, 100) == fp.need(300, 100) + 10 * (400 - 200)
+    assert not g.try_admit(20_000)
+    active["n"] = 40_000  # MLX holds more than was reserved (less the cache): that counts
+    assert g.room() == 0 and not g.try_admit(1)
+    active["n"] = 0
+    release()
+    release()  # idempotent
+    assert g.running() == 0 and g.room() == 20_000 - 1000
+
+
 # -- 5. beyond stock -----------------------------------------------------------------------------
 KILLERS = [
     ("/v1/completions", {"prompt": "hi", "stop": 123}, "stop"),
@@ -233,6 +433,43 @@ KILLERS = [
     ("/v1/chat/completions", {"messages": HELLO, "stream": True, "stream_options": 5},
      "stream_options"),
 ]
+
+
+def start_fails(model, tmp_path, *extra) -> str:
+    """``mlx-kvcache serve`` with ``extra`` exits non-zero before serving; returns its one
+    line of error (and checks there is no traceback)."""
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model", str(model),
+                        "--no-persist", "--host", "127.0.0.1", "--port", str(free_port()), *extra],
+                       capture_output=True, text=True, env=env, timeout=CAP, cwd=str(ROOT))
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "Traceback" not in out and "Starting httpd" not in out, out
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, out
+    return errors[0]
+
+
+def test_start_fails_fast_on_a_draft_or_kv_setting_that_cannot_work(dirs, tmp_path):
+    # A draft whose architecture is a custom module: it loads only with --trust-remote-code,
+    # which the target's flag now grants it too (mlx-lm loads a draft without it).
+    custom = write_model_dir(tmp_path / "custom", "llama")
+    config = json.loads((custom / "config.json").read_text())
+    (custom / "config.json").write_text(json.dumps({**config, "model_file": "arch.py"}))
+    (custom / "arch.py").write_text("from mlx_lm.models.llama import Model, ModelArgs\n")
+    line = start_fails(dirs["llama"], tmp_path, "--draft-model", str(custom))
+    assert "draft model" in line and "trust_remote_code" in line, line
+    line = start_fails(dirs["llama"], tmp_path, "--draft-model", str(tmp_path / "missing"))
+    assert "draft model" in line and "missing" in line, line
+    # The test model's heads are 16 wide: no group size of mx.quantize divides them.
+    for extra in (["--kv-bits", "4"], ["--kv-bits", "4", "--kv-group-size", "32"],
+                  ["--kv-bits", "7"]):
+        line = start_fails(dirs["llama"], tmp_path, *extra)
+        assert f"--kv-bits {extra[1]}" in line, line
+    with Server.ours(dirs["llama"], tmp_path / "d.log", tmp_path, "--no-persist",
+                     "--trust-remote-code", "--draft-model", str(custom)) as s:
+        r = s.chat(HELLO, max_tokens=3)
+        assert r["choices"][0]["finish_reason"] == "length"
 
 
 def test_requests_that_would_end_the_generation_thread_get_400(dirs, tmp_path):

@@ -133,14 +133,23 @@ def test_serve_options_join_mlx_lm_parser():
     assert a.checkpoint_interval == 64 and a.no_persist and a.max_disk_bytes == 2 << 30
     assert p.parse_args(["--max-disk-bytes", "2GB"]).max_disk_bytes == 2 * 10**9
     assert a.shutdown_grace == 30 and a.admin_token is None
-    a = p.parse_args(["--shutdown-grace", "2.5", "--admin-token", "t"])
-    assert a.shutdown_grace == 2.5 and a.admin_token == "t"
-    for bad in (["--shutdown-grace", "-1"], ["--shutdown-grace", "nan"]):
+    a = p.parse_args(["--shutdown-grace", "2.5", "--admin-token", "t", "--max-disk-bytes", "1.5G"])
+    assert a.shutdown_grace == 2.5 and a.admin_token == "t" and a.max_disk_bytes == 1_500_000_000
+    for bad in (["--shutdown-grace", "-1"], ["--shutdown-grace", "nan"],
+                ["--shutdown-grace", "inf"], ["--max-disk-bytes", "-1"],
+                ["--max-disk-bytes", "lots"], ["--max-disk-bytes", "4T"],
+                ["--max-disk-bytes", ""], ["--max-disk-bytes", "1.2.3G"]):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
     with pytest.raises(SystemExit):
         p.parse_args(["--checkpoint-interval", "0"])
     assert "DEFAULT_CHECKPOINT_INTERVAL" in inspect.getsource(app)
+    text = p.format_help()  # every help string formats (a bare % would raise)
+    assert "--memory-limit" in text and "--prompt-excerpts" in text
+    a = p.parse_args(["--memory-limit", "8G", "--memory-wait", "5"])
+    assert a.memory_limit == 8_000_000_000 and a.memory_wait == 5
+    with pytest.raises(SystemExit):
+        p.parse_args(["--memory-limit", "-1"])
 
 
 # -- hardening: request checks, the admin route, the stop, padded batch rows -----------------
@@ -196,6 +205,123 @@ def test_admin_policy():
     assert locked.refusal("GET", {"Host": "proxy.example", "Authorization": "Bearer t0ken"}) is None
     assert locked.refusal("GET", {"Host": "proxy.example", "Origin": "http://evil.example",
                                   "Authorization": "Bearer t0ken"})[0] == 403
+
+
+def test_admin_policy_decides_by_the_peer_address():
+    from mlx_kvcache.serving.admin import AdminPolicy, is_loopback, listens_beyond_loopback
+
+    open_ = AdminPolicy.make(None, "0.0.0.0")
+    for peer in ("127.0.0.1", "127.3.4.5", "::1", "::ffff:127.0.0.1"):
+        assert is_loopback(peer) and open_.refusal("GET", {"Host": "127.0.0.1"}, peer) is None
+    for peer in ("192.168.1.7", "10.0.0.2", "::ffff:192.168.1.7", "fe80::1%eth0", "", "x"):
+        assert not is_loopback(peer)
+        for host in ("127.0.0.1:8080", "8.8.8.8", "localhost"):
+            assert open_.refusal("GET", {"Host": host}, peer)[0] == 403, (peer, host)
+    locked = AdminPolicy.make("t0ken", "0.0.0.0")
+    ok = {"Authorization": "Bearer t0ken"}
+    assert locked.refusal("GET", ok, "192.168.1.7") is None
+    assert locked.refusal("GET", {}, "127.0.0.1")[0] == 401
+    for host, beyond in (("127.0.0.1", False), ("::1", False), ("localhost", False),
+                         ("0.0.0.0", True), ("::", True), ("", True), ("192.168.1.7", True)):
+        assert listens_beyond_loopback(host) is beyond, host
+    assert app.excerpts_shown("auto", "127.0.0.1", None)
+    assert not app.excerpts_shown("auto", "0.0.0.0", None)
+    assert app.excerpts_shown("auto", "0.0.0.0", "t0ken")
+    assert not app.excerpts_shown("off", "127.0.0.1", None)
+    assert app.excerpts_shown("on", "0.0.0.0", None)
+
+
+def test_excerpts_off_leave_no_prompt_text(caplog):
+    m = build("llama")
+    texts = {t: chr(65 + t % 26) for t in range(V)}
+    prov = provider(m)
+    prov.tokenizer = types.SimpleNamespace(decode=lambda ids, **k: "".join(texts[i] for i in ids))
+    for shown in (True, False):
+        pc = TriePromptCache(prov, max_bytes=1 << 30, excerpts=shown)
+        a = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+        b = [1, 2, 3, 4, 5, 20, 21, 22, 23]
+        for p in (a, b):
+            cache, rest = pc.fetch_nearest_cache(KEY, p)
+            _, cache = served(m, rest, cache, n=2)
+            pc.insert_cache(KEY, p + [0, 0], cache)
+        reuse = pc.report()["recent"][-1]["reuse"]
+        assert reuse["diverged_at"] == 5 and reuse["excerpts"] is shown
+        assert ("GHIJ" in reuse["cached"]) is shown and ("UVW" in reuse["prompt"]) is shown
+
+
+def test_admission_queue_keeps_order_lets_commands_pass_and_refuses_clearly():
+    from queue import Empty, Queue
+
+    from mlx_kvcache.serving.memory import AdmissionQueue, Footprint, MemoryGuard, MemoryRefused
+
+    g = MemoryGuard(limit=10_000, wait=3600, active_memory=lambda: 0)
+    g.footprint = Footprint(weights=1000, kv_fixed=0, kv_per_token=1.0, act_per_token=0.0, step=8)
+    sizes = {"small": (100, 100), "big": (1000, 1000), "huge": (100_000, 1)}
+    q = AdmissionQueue(g, lambda item: sizes[item[1]], lambda item: item[1] == "cmd")
+
+    def req(kind):
+        out = Queue()
+        q.put((out, kind, None))
+        return out
+    a, b, c, d = req("big"), req("big"), req("big"), req("small")  # 4096 B each (twice)
+    q.put((Queue(), "cmd", None))
+    assert q.get(timeout=0)[1] == "cmd"  # a command passes the line
+    first = q.get(timeout=0)  # mlx-lm's loop waits (blocks) only with an empty batch ...
+    assert first[1] == "big" and q.get_nowait()[1] == "big"  # ... then takes without waiting
+    with pytest.raises(Empty):  # the third does not fit while two run: it waits ...
+        q.get_nowait()
+    with pytest.raises(Empty):  # ... and the small one behind it keeps its place
+        q.get_nowait()
+    assert q.qsize() == 2 and g.report()["waiting_requests"] == 2
+    first[0].put(None)  # an answer ends: its memory is released
+    third = q.get_nowait()
+    assert third[1] == "big"
+    with pytest.raises(Empty):  # a short row in a batch is as long as the longest
+        q.get_nowait()
+    third[0].put(None)
+    assert q.get_nowait()[1] == "small"
+    assert g.report()["admitted_after_waiting"] == 2
+    e = req("huge")  # cannot fit even alone: refused once nothing runs
+    with pytest.raises(Empty):
+        q.get(timeout=0)  # the loop idles: nothing runs any more
+    refused = e.get_nowait()
+    assert isinstance(refused, MemoryRefused) and "memory limit" in str(refused)
+    assert g.report()["refused"] == 1 and q.qsize() == 0
+
+
+def test_an_empty_admin_token_is_refused_at_start(monkeypatch, capsys):
+    import argparse
+    import subprocess
+    import sys
+
+    from mlx_kvcache.serving.admin import TOKEN_ENV, AdminPolicy
+
+    def parser():
+        p = argparse.ArgumentParser()
+        app.add_options(p)
+        return p
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    for bad in ("", "  "):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--admin-token", bad])
+        assert "admin token is empty" in capsys.readouterr().err
+        monkeypatch.setenv(TOKEN_ENV, bad)  # the variable, as the flag's default
+        with pytest.raises(SystemExit):
+            parser().parse_args([])
+        assert "admin token is empty" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="empty"):
+            AdminPolicy.make(None, "127.0.0.1")
+        with pytest.raises(ValueError, match="empty"):
+            AdminPolicy.make(bad, "127.0.0.1")
+        monkeypatch.delenv(TOKEN_ENV)
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    assert parser().parse_args([]).admin_token == "s3cret"
+    assert parser().parse_args(["--admin-token", "x"]).admin_token == "x"
+    # The whole command: one line, exit 2, before any model is loaded.
+    r = subprocess.run([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model",
+                        "/nonexistent", "--admin-token", ""], capture_output=True, text=True)
+    assert r.returncode == 2 and "admin token is empty" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_lifecycle_admits_until_stopping():

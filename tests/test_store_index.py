@@ -234,3 +234,36 @@ def test_two_writers_on_one_directory_never_serve_wrong_answers(tmp_path):
         assert_cold("llama", p, lps, 2)
         restored += st.restored_tokens
     assert restored > 0
+
+
+def test_one_disk_budget_per_directory_across_processes(tmp_path):
+    """A process with the default budget (a quarter of the free disk: far more than here)
+    follows the budget another process set for the directory, and a budget set later is
+    followed by every writer: the directory, counted as the shared index holds it (every
+    process's files), stays within the one budget."""
+    import json
+    import subprocess
+
+    from mlx_kvcache.store import disk_usage
+
+    def fill(seed, budget):
+        r = subprocess.run([sys.executable, str(HERE / "_persist_child.py"), "fill",
+                            str(tmp_path), str(seed), str(budget)],
+                           capture_output=True, text=True, check=True)
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    here = PrefixCache(build_model("llama"), cache_dir=str(tmp_path), max_disk_bytes=400_000)
+    for p in prompts(8, length=64, seed=61):
+        run_lp(here, p, 2)
+    here.flush()
+    d = model_dir(tmp_path)
+    assert 0 < disk_usage(d) <= 400_000
+    other = fill(62, "none")  # another process, default budget
+    assert other["max_disk_bytes"] == 400_000 and other["worst"] <= 400_000, other
+    other = fill(63, 250_000)  # another process sets a smaller one
+    assert other["max_disk_bytes"] == 250_000 and other["worst"] <= 250_000, other
+    for p in prompts(8, length=64, seed=64):  # this one follows it at its next write
+        run_lp(here, p, 2)
+        here.flush()
+        assert disk_usage(d) <= 250_000
+    assert here.stats.max_disk_bytes == 250_000
+    here.close()

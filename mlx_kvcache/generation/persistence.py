@@ -85,7 +85,8 @@ class Persistence:
             mgr = self.manager
             self._store = PersistentStore(mgr.trie, layer_signature(mgr.ops, self.kv_quant), path,
                                           self.fingerprint(), self.max_disk_bytes, keep=mgr.keep,
-                                          cold_bits=self.cold_bits)
+                                          cold_bits=self.cold_bits,
+                                          default_budget=self.disk_budget_note is not None)
             mgr.verify = self._store.before_request
             # Every node is written once, when recorded: merging a written node into its
             # new child would write both again (a chain of nodes costs nothing on disk).

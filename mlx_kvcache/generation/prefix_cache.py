@@ -132,6 +132,16 @@ class PrefixCache(Persistence):
         if cache_dir is not None and not str(cache_dir).strip():
             raise ValueError("cache_dir is empty: pass a directory path, or None for no persistence")
         self.cold_bits = check_cold_bits(cold_bits)
+        if self.cold_bits is not None and cache_dir is None:
+            raise ValueError("cold_bits compresses what is written to disk: give cache_dir "
+                             "too, or no cold_bits")
+        if max_disk_bytes is not None:
+            if not validation.is_int(max_disk_bytes):
+                raise TypeError(f"max_disk_bytes must be an int, got "
+                                f"{type(max_disk_bytes).__name__} {max_disk_bytes!r}")
+            if max_disk_bytes < 0:
+                raise ValueError(f"max_disk_bytes must be >= 0 (or None for the default), "
+                                 f"got {max_disk_bytes}")
         self.model = model
         #: The ``kv_bits`` schedule (None: full precision); raises ValueError when invalid.
         self.kv_quant = KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start)
@@ -227,7 +237,8 @@ class PrefixCache(Persistence):
             mgr.peek(read)
         st = self._store
         if st is not None:
-            s.disk_bytes, s.max_disk_bytes = st.disk_bytes, self.max_disk_bytes
+            # the directory's budget in force (one per directory, shared by every process)
+            s.disk_bytes, s.max_disk_bytes = st.disk_bytes, st.max_disk_bytes
             s.demoted_bytes, s.promoted_bytes = st.tier.demoted_bytes, st.tier.promoted_bytes
         s.bytes_held = s.snapshot_bytes + s.live_bytes
         return s

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -50,7 +50,8 @@ class Reuse:
     ``offset`` and the end of the prompt. ``kind``: ``hit``, ``held`` (the whole prompt is cached,
     but a layer could not restore that far), ``extends`` (the prompt continues past the end
     of a cached one), ``diverged``, ``evicted`` (the cache held more of it before),
-    ``image`` (different images), ``empty``, ``off`` (caching is off).
+    ``image`` (different images), ``empty``, ``off`` (caching is off). ``excerpts``: False
+    when the text was left out (`without_text`).
     """
 
     kind: str
@@ -61,16 +62,26 @@ class Reuse:
     cached: str
     prompt: str
     rule: str
+    excerpts: bool = True
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def without_text(self) -> "Reuse":
+        """The same explanation with no prompt or cached text (offsets and rule only):
+        what a server shows when excerpts would reach people other than the prompt's
+        owner."""
+        return replace(self, before="", cached="", prompt="", excerpts=False)
 
     def line(self) -> str:
         """One line for a log: where reuse stopped and why."""
         if self.kind == "hit":
             return self.rule
         where = f"reuse stopped at {self.offset}"
-        if self.diverged_at is not None and self.kind in ("diverged", "evicted", "image"):
+        if self.diverged_at is not None and self.kind in ("diverged", "evicted", "image") \
+                and not self.excerpts:
+            where += f" (diverged at {self.diverged_at})"
+        elif self.diverged_at is not None and self.kind in ("diverged", "evicted", "image"):
             where += (f" (diverged at {self.diverged_at}: cached \"…{self.before}|{self.cached}…\""
                       f" vs prompt \"…{self.before}|{self.prompt}…\")")
         return f"{where}: {self.rule}"

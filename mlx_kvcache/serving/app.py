@@ -11,12 +11,14 @@ its loop at the same turn, each rank flushes its cache writes and exits with sta
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
 import sys
 import threading
 import time
+from typing import Optional
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -45,9 +47,21 @@ def non_negative_float(s: str) -> float:
         v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    if not 0 <= v < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s}")
     return v
+
+
+def admin_token(s: str) -> str:
+    """``--admin-token`` (and ``$MLX_KVCACHE_ADMIN_TOKEN``, its default): never empty."""
+    import argparse
+
+    from .admin import checked_token
+
+    try:
+        return checked_token(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def positive_int(s: str) -> int:
@@ -71,6 +85,7 @@ def add_options(parser) -> None:
     from ..store import default_root
     from .admin import TOKEN_ENV
     from .lifecycle import DEFAULT_GRACE
+    from .memory import DEFAULT_WAIT, SHARE
 
     g = parser.add_argument_group(
         "mlx_kvcache", "the prefix-trie prompt cache (replaces mlx-lm's LRU prompt cache; "
@@ -118,10 +133,38 @@ def add_options(parser) -> None:
                    "A request naming a model that is neither this id, a local path nor a "
                    "Hugging Face repo id (owner/name; offline: a cached one) is answered by the "
                    "served model")
-    g.add_argument("--admin-token", default=None, metavar="TOKEN",
+    # The variable is the default, so argparse checks it like the flag (an empty one is
+    # refused at start, with the flag's error).
+    g.add_argument("--admin-token", type=admin_token, default=os.environ.get(TOKEN_ENV),
+                   metavar="TOKEN",
                    help="require 'Authorization: Bearer TOKEN' on /v1/cache (default: "
-                   f"${TOKEN_ENV}, else none: only requests addressed to this machine, never "
-                   "from a web page)")
+                   f"${TOKEN_ENV}, else none: only clients on this machine's loopback, never "
+                   "a web page)")
+    g.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="BYTES",
+                   help="keep MLX's active memory (weights, the batch's caches, the prompt "
+                   "cache) under this: a request whose caches would cross it waits (the prompt "
+                   "cache gives way first), or gets 503 after --memory-wait. 0: no limit. "
+                   f"Default: {SHARE * 100:.0f}%% of the machine's memory (more when the model takes "
+                   "more: the model and half of what it leaves)")
+    g.add_argument("--memory-wait", type=non_negative_float, default=DEFAULT_WAIT,
+                   metavar="SECONDS",
+                   help="how long a request waits for memory before its 503 (default: "
+                   f"{DEFAULT_WAIT:g})")
+    g.add_argument("--prompt-excerpts", choices=("auto", "on", "off"), default="auto",
+                   help="show prompt text around where reuse stopped (GET /v1/cache 'recent' "
+                   "and the log lines); off: offsets and reasons only. auto (default): off when "
+                   "--host reaches beyond loopback without an admin token")
+
+
+def excerpts_shown(choice: str, host: str, token: Optional[str]) -> bool:
+    """``--prompt-excerpts``: ``auto`` shows them unless the server listens beyond loopback
+    without an admin token (then ``GET /v1/cache`` is closed to other machines, but its
+    log may be read by others on a shared host or collected off it)."""
+    from .admin import listens_beyond_loopback
+
+    if choice != "auto":
+        return choice == "on"
+    return token is not None or not listens_beyond_loopback(host)
 
 
 def run(host: str, port: int, model_provider, server_class=None, handler_class=None) -> None:
@@ -138,6 +181,11 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from .prompt_cache import TriePromptCache
     from .profile import from_env as profile_from_env
     from .sharding import sharding_problem
+    from ..caches import make_prompt_cache
+    from ..generation.sizing import memory_bytes
+    from .memory import MemoryGuard, measure
+    from .seam import DraftLoadError
+    from .startup import StartCheck, first_line, kv_quant_problem
 
     args = model_provider.cli_args
     life = Lifecycle(args.shutdown_grace)
@@ -159,18 +207,56 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
                             checkpoint_interval=args.checkpoint_interval, cache_dir=cache_dir,
                             max_disk_bytes=args.max_disk_bytes, max_entries=args.prompt_cache_size,
                             agree=agree, sharding=sharding, cold_bits=args.cold_bits,
-                            profile=profile)
+                            profile=profile,
+                            excerpts=excerpts_shown(args.prompt_excerpts, host, args.admin_token))
+    log.info("mlx_kvcache: prompt excerpts in the log and GET /v1/cache: %s (--prompt-excerpts "
+             "%s); /v1/cache: %s", "shown" if cache.excerpts else "left out",
+             args.prompt_excerpts, "admin token required" if args.admin_token else
+             "clients on this machine's loopback only")
+    memory = MemoryGuard(None if args.memory_limit == 0 else args.memory_limit,
+                         args.memory_wait)
+    if args.memory_limit != 0:
+        cache.memory = memory  # the prompt cache gives way to requests
+        memory.cache_bytes = lambda: cache.nbytes
+        memory.trim_cache = lambda n: cache.trim_to(n_bytes=n)
     load_default = model_provider.load_default
+    started = StartCheck()
 
     def load_then_open_cache():
         # The default model loads in the generation thread before the first request:
-        # open its trie (and read the disk index) right then, not on the first request.
-        load_default()
+        # check it, measure it for the memory guard and open its trie (and read the
+        # disk index) right then.
+        try:
+            load_default()
+            problem = kv_quant_problem(args, model_provider.model, model_provider.draft_model)
+        except Exception as e:  # noqa: BLE001 - said in one line by the main thread
+            problem = (first_line(e) if isinstance(e, DraftLoadError)
+                       else f"the model {args.model} does not load: {first_line(e)}")
+        if not problem and args.memory_limit != 0 and model_provider.model is not None:
+            try:
+                log.info("mlx_kvcache: %s", memory.configure(
+                    measure([model_provider.model, model_provider.draft_model],
+                            make_prompt_cache, args.prefill_step_size), memory_bytes()))
+            except Exception as e:  # noqa: BLE001 - the server runs, unguarded, and says so
+                log.warning("mlx_kvcache: no memory guard: this model could not be measured "
+                            "(%s)", first_line(e))
+        if problem:
+            started.fail(problem)
+            raise SystemExit(1)  # ends the generation thread quietly; the main thread exits
         if model_provider.model_key is not None:
             cache.prepare(model_provider.model_key)
+        started.ready()
     model_provider.load_default = load_then_open_cache
     install_model_names(model_provider)
-    generator = ServerResponseGenerator(model_provider, cache, lifecycle=life, agree=agree)
+    generator = ServerResponseGenerator(model_provider, cache, lifecycle=life, agree=agree,
+                                        memory=memory)
+    # Nothing is served before the model is loaded and checked (a signal still stops).
+    if not started.wait(lambda: generator.generation_available() and not life.asked) \
+            and not life.asked:
+        started.fail("the generation thread ended while loading the model (see the log)")
+    if started.problem is not None:
+        sys.stderr.write(f"error: mlx-kvcache serve: {started.problem}\n")
+        _exit(1)
     if agree.rank != 0:
         _follow(generator, cache, life)
         return

@@ -18,7 +18,7 @@ _STAT_NAMES = ("bytes_held", "nodes", "disk_bytes", "evicted_bytes", "requests",
 
 
 class CacheEndpoints:
-    """Expects `TriePromptCache`'s ``_model``, ``agree``, ``profile``, ``_guard``, its
+    """Expects `TriePromptCache`'s ``_model``, ``agree``, ``profile``, ``_guard``, ``memory``, its
     counters and ``_ranks``."""
 
     def _local(self) -> Tuple[int, ...]:
@@ -51,7 +51,7 @@ class CacheEndpoints:
         st = self._model
         out: Dict[str, Any] = {
             "bytes_held": held, "max_bytes": self.max_bytes, "disk_bytes": disk,
-            "max_disk_bytes": st.max_disk_bytes if st and st.store else None, "nodes": nodes,
+            "max_disk_bytes": st.store.max_disk_bytes if st and st.store else None, "nodes": nodes,
             "requests": self.requests, "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens, "ram_tokens": self.cached_tokens - self.disk_tokens,
             "disk_tokens": self.disk_tokens,
@@ -63,7 +63,7 @@ class CacheEndpoints:
             "layers": len(st.manager.ops) if st and st.manager else 0,
             "kv_bits": st.manager.kv_quant.signature()[1:] if st and st.manager
             and st.manager.kv_quant else None,
-            "recent": self._log.listing(),
+            "recent": self._log.listing(), "prompt_excerpts": self.excerpts,
             "profile": self.profile.snapshot(),
         }
         if st is not None and st.store is not None:
@@ -72,6 +72,8 @@ class CacheEndpoints:
             out["demoted_bytes"], out["promoted_bytes"] = tier.demoted_bytes, tier.promoted_bytes
         if st is not None and st.manager is None:
             out["disabled_because"] = st.why_not
+        if self.memory is not None:  # the server's memory guard
+            out["memory"] = self.memory.report()
         if self.agree.size > 1:
             out["rank"], out["world_size"] = self.agree.rank, self.agree.size
             out["ranks"] = [dict(zip(_STAT_NAMES, r), rank=i) for i, r in enumerate(self._ranks)]
@@ -81,8 +83,9 @@ class CacheEndpoints:
         """Drop every snapshot, in memory and on disk, durably, before returning
         (``DELETE /v1/cache``). Runs where the model lives (the generation thread); on a
         sharded model every rank calls it at the same point and the results are gathered.
-        Returns ``cleared``, ``memory_cleared``, ``disk_cleared`` and, when a directory
-        could not be cleared, ``error`` naming it (per rank under ``ranks``)."""
+        Returns ``cleared``, ``memory_cleared``, ``disk_cleared``, ``freed_bytes`` and
+        ``freed_files`` (what the disk got back) and, when a directory could not be
+        cleared, ``error`` naming it (per rank under ``ranks``)."""
         return self._guard("clearing the prompt cache", self._clear_here,
                            {"cleared": False, "memory_cleared": False, "disk_cleared": False,
                             "error": "clearing the prompt cache failed (see the log)"}, "clear")
@@ -90,7 +93,7 @@ class CacheEndpoints:
     def _clear_here(self) -> Dict[str, Any]:
         st = self._model
         mine: Dict[str, Any] = {"rank": self.agree.rank, "memory_cleared": True,
-                                "disk_cleared": True}
+                                "disk_cleared": True, "freed_bytes": 0, "freed_files": 0}
         if st is not None and st.manager is not None:
             st.manager.clear()
             self.clears += 1
@@ -99,7 +102,8 @@ class CacheEndpoints:
                 try:
                     if st.writer is not None:  # a capture taken before the clear lands first
                         st.writer.flush(timeout=None)
-                    st.store.clear_disk()
+                    freed = st.store.clear_disk()
+                    mine["freed_bytes"], mine["freed_files"] = freed["bytes"], freed["files"]
                 except OSError as e:
                     mine["disk_cleared"] = False
                     d = str(st.store.directory())
@@ -112,7 +116,10 @@ class CacheEndpoints:
         out: Dict[str, Any] = {
             "cleared": all(r["disk_cleared"] for r in ranks),
             "memory_cleared": all(r["memory_cleared"] for r in ranks),
-            "disk_cleared": all(r["disk_cleared"] for r in ranks)}
+            "disk_cleared": all(r["disk_cleared"] for r in ranks),
+            # what the disk got back (the files of this model's cache directory)
+            "freed_bytes": sum(r.get("freed_bytes", 0) for r in ranks),
+            "freed_files": sum(r.get("freed_files", 0) for r in ranks)}
         errors = [(f"rank {r['rank']}: " if self.agree.size > 1 else "") + r["error"]
                   for r in ranks if r.get("error")]
         if errors:

@@ -24,12 +24,13 @@ import logging
 import time
 from contextlib import nullcontext
 from queue import Empty, Queue
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mlx_lm.server import GenerationContext, ResponseGenerator
 
 from . import sequential
 from .lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
+from .memory import AdmissionQueue, MemoryGuard, MemoryRefused
 from .profile import count_share, loop_phase
 from .validation import generation_problem
 
@@ -88,10 +89,16 @@ class ServerResponseGenerator(ResponseGenerator):
     """
 
     def __init__(self, model_provider, prompt_cache, lifecycle: Optional[Lifecycle] = None,
-                 agree=None) -> None:
+                 agree=None, memory: Optional[MemoryGuard] = None) -> None:
         # Set before mlx-lm's __init__, which starts the generation thread.
         self.lifecycle = lifecycle or Lifecycle()
         self._agree = agree
+        #: The memory guard (``--memory-limit``): it gates the request queue.
+        self.memory = memory or MemoryGuard()
+        self._sized: Dict[int, Tuple[Any, Any, tuple]] = {}  # request id -> tokenized
+        self._gate = AdmissionQueue(self.memory, self._request_size,
+                                    lambda item: isinstance(item[1], Control),
+                                    lambda item: self._sized.pop(id(item[1]), None))
         super().__init__(model_provider, prompt_cache)
 
     def _log_cache_stats(self) -> None:
@@ -99,9 +106,39 @@ class ServerResponseGenerator(ResponseGenerator):
         entries, which this cache does not have; each request's ``[cache]`` line says what
         our cache holds (``held X of Y``), and ``GET /v1/cache`` the rest."""
 
+    # -- admission (the memory guard) ---------------------------------------------------------
+    @property
+    def requests(self) -> AdmissionQueue:
+        """mlx-lm's request queue, gated by the memory guard (`memory`)."""
+        return self._gate
+
+    @requests.setter
+    def requests(self, queue) -> None:
+        pass  # mlx-lm's __init__ makes a plain queue: ours stands in its place
+
+    def _request_size(self, item) -> Optional[Tuple[int, int]]:
+        """``(prompt tokens, max tokens)`` of a queued request, tokenized as mlx-lm will
+        (kept for its `_tokenize`), or None when it cannot be told here."""
+        _, request, args = item
+        tokenizer = self.model_provider.tokenizer
+        if tokenizer is None:
+            return None
+        try:
+            out = super()._tokenize(tokenizer, request, args)
+        except Exception:  # noqa: BLE001 - mlx-lm reports it when it tokenizes
+            return None
+        if len(self._sized) > 1024:  # requests that ended before mlx-lm tokenized them
+            self._sized.clear()
+        self._sized[id(request)] = (request, tokenizer, out)
+        return len(out[0]), int(getattr(args, "max_tokens", 0) or 0)
+
     # -- prompts ------------------------------------------------------------------------------
     def _tokenize(self, tokenizer, request, args):
-        prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
+        kept = self._sized.pop(id(request), None)
+        if kept is not None and kept[0] is request and kept[1] is tokenizer:
+            prompt, segments, types, state, vision = kept[2]  # tokenized at admission
+        else:
+            prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
         # Here mlx-lm's ``try`` still catches (the request fails, the thread lives on); the
         # same problems past this point would end the generation thread.
         problem = generation_problem(prompt, args, self.model_provider.model)
@@ -211,7 +248,11 @@ class ServerResponseGenerator(ResponseGenerator):
         set_ticket(ticket)
         if self.lifecycle.cut.is_set():
             self._refuse(ticket)
-        ctx, response = super().generate(request, generation_args, progress_callback)
+        try:
+            ctx, response = super().generate(request, generation_args, progress_callback)
+        except MemoryRefused:
+            ticket.refused = True  # answered 503, not mlx-lm's 404
+            raise
         if self.lifecycle.cut.is_set():  # it started just as the stop cut everything
             ctx.stop()
             self._refuse(ticket)

@@ -146,7 +146,7 @@ class CacheAPIHandler(APIHandler):
 
     def _admin_route(self, method: str) -> None:
         self._drain_body()
-        refusal = self.admin.refusal(method, self.headers)
+        refusal = self.admin.refusal(method, self.headers, self.client_address[0])
         if refusal is not None:
             status, message, headers = refusal
             return self._send_admin(status, {"error": message}, headers)

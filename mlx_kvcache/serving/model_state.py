@@ -173,13 +173,15 @@ def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes,
         fp = cache_key(fp, draft_fp=dfp, sharding=sharding if agree.size > 1 else None,
                        cold_bits=cold_bits,
                        kv_quant=None if mgr.kv_quant is None else mgr.kv_quant.signature())
-        if max_disk_bytes is None:
+        default = max_disk_bytes is None
+        if default:
             max_disk_bytes, why = sizing.disk_budget_for(cache_dir, fp)
-            log.info("mlx_kvcache: prompt cache disk budget %s (--max-disk-bytes)", why)
+            log.info("mlx_kvcache: prompt cache disk budget %s (--max-disk-bytes; a budget "
+                     "already set for this directory is followed instead)", why)
         st.max_disk_bytes = max_disk_bytes
         st.store = PersistentStore(mgr.trie, layer_signature(mgr.ops, mgr.kv_quant), cache_dir,
                                    fp, max_disk_bytes, keep=mgr.keep, agree=agree,
-                                   cold_bits=cold_bits)
+                                   cold_bits=cold_bits, default_budget=default)
     except Exception as e:  # fail-open: the server runs without a disk tier
         log.warning("mlx_kvcache: the prompt cache will not persist: %s", e)
         st.store = None

@@ -73,6 +73,8 @@ class TriePromptCache(CacheEndpoints):
         agree: how the ranks of a sharded model agree (one process: `SOLO`).
         sharding: names this rank's shard of the model (its persisted cache's directory).
         profile: counts collectives and checkpoints (and, profiling, times them).
+        excerpts: show prompt text around where reuse stopped (``recent`` in
+            ``GET /v1/cache`` and the log lines); False: offsets and rules only.
     """
 
     def __init__(self, model_provider, *, max_bytes: Optional[int] = None,
@@ -80,8 +82,10 @@ class TriePromptCache(CacheEndpoints):
                  cache_dir: Optional[str] = None, max_disk_bytes: Optional[int] = None,
                  max_entries: Optional[int] = None, pre_end_margin: int = 4,
                  agree: Agreement = SOLO, sharding: str = "",
-                 cold_bits: Optional[int] = None, profile: Optional[Profile] = None) -> None:
+                 cold_bits: Optional[int] = None, profile: Optional[Profile] = None,
+                 excerpts: bool = True) -> None:
         self.provider = model_provider
+        self.excerpts = bool(excerpts)
         self.asked_max_bytes = None if max_bytes is None else int(max_bytes)
         #: The memory budget in force (set when a model loads when not given).
         self.max_bytes = 0 if max_bytes is None else int(max_bytes)
@@ -105,6 +109,9 @@ class TriePromptCache(CacheEndpoints):
         self._told_padded = False
         self._ranks: List[Tuple[int, ...]] = []  # every rank's counters, as last shared
         self.profile = profile or getattr(agree, "profile", None) or Profile()
+        #: The server's memory guard (`memory.MemoryGuard`), when it has one: the cache
+        #: holds at most what its limit leaves beside the running requests.
+        self.memory = None
         self._turn = RankTurn()
 
     # -- the model's trie, made when the model loads (in the generation thread) ----------
@@ -119,7 +126,8 @@ class TriePromptCache(CacheEndpoints):
                 cache_dir=self.cache_dir, max_disk_bytes=self.max_disk_bytes,
                 sharding=self.sharding, cold_bits=self.cold_bits)
         self.max_bytes = self._model.max_bytes
-        self._explainer = Explainer(_decoder(getattr(self.provider, "tokenizer", None)))
+        self._explainer = Explainer(_decoder(getattr(self.provider, "tokenizer", None))
+                                    if self.excerpts else None)
         if self.agree.size > 1 and self._model.manager is not None:
             self._model.manager.defer_budget = True  # settled once a turn (`rank_turn`)
         self._share_stats()
@@ -156,6 +164,9 @@ class TriePromptCache(CacheEndpoints):
         self._guard("a prompt cache insert",
                     lambda: self._insert(model_key, tokens, prompt_cache, cache_type, final),
                     None, "checkpoint" if final is None else "final")
+        room = self.memory.room() if self.memory is not None else None
+        if room is not None and self.nbytes > room:  # the cache gives way to requests
+            self.trim_to(n_bytes=room)
 
     def checkpoints(self, model_key, tokens: Sequence[int]) -> List[int]:
         """Prompt offsets where prefill should stop so the caches can be stored there:
@@ -216,6 +227,8 @@ class TriePromptCache(CacheEndpoints):
         reuse = mgr.peek(lambda: self._explainer.explain(
             mgr.trie, tokens, plan.matched, restored, plan.reason, mgr.ops,
             mgr.evicted_bytes, self.clears))
+        if not self.excerpts:
+            reuse = reuse.without_text()
         self._log.fetched(tokens, plan.matched, restored, path, reuse,
                           from_disk=plan.from_disk if st.store is not None else None)
 

@@ -3,8 +3,9 @@
 mlx-lm's server has no plug-in hook for its prompt cache: ``run()`` builds an
 ``LRUPromptCache`` and hands it to ``ResponseGenerator``. We reuse everything else
 unchanged and replace only that, through module attributes ``main()`` looks up when it
-runs: its ``argparse`` (so our options join the server's own parser, ``--help`` included)
-and its ``run`` (so our prompt cache, response generator and HTTP handler are used) — and
+runs: its ``argparse`` (so our options join the server's own parser, ``--help`` included),
+its ``run`` (so our prompt cache, response generator and HTTP handler are used), its
+``load`` (a draft model loads with the target's ``--trust-remote-code``) — and
 ``stream_generate``, which the sequential path looks up per request (`stream`: mlx-lm's
 own except with a draft model, where ours decodes exactly on every cache kind).
 Nothing of mlx-lm's code is copied. Before touching anything the seam is probed; a
@@ -27,6 +28,10 @@ class SeamError(RuntimeError):
     """mlx-lm's server does not offer the seam `mlx-kvcache serve` plugs into."""
 
 
+class DraftLoadError(RuntimeError):
+    """The ``--draft-model`` did not load (the message names it)."""
+
+
 def _version(v: str):
     parts = []
     for p in v.split(".")[:3]:
@@ -41,7 +46,7 @@ def check() -> Optional[str]:
     import mlx_lm
     from mlx_lm import server as S
 
-    missing = [name for name in ("main", "run", "argparse", "ResponseGenerator", "APIHandler",
+    missing = [name for name in ("main", "run", "argparse", "load", "ResponseGenerator", "APIHandler",
                                  "ModelProvider", "LRUPromptCache", "ThreadingHTTPServer",
                                  "get_system_fingerprint", "stream_generate")
                if not hasattr(S, name)]
@@ -90,6 +95,9 @@ def check() -> Optional[str]:
     if "stream_generate(" not in single or "draft_model=" not in single:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: ResponseGenerator._serve_single no "
                         f"longer calls stream_generate(draft_model=...)")
+    if "load(draft_model_path)" not in inspect.getsource(S.ModelProvider._load):
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: ModelProvider._load no longer loads "
+                        f"the draft model with load(draft_model_path)")
     src = inspect.getsource(S.main)
     if "argparse.ArgumentParser(" not in src or "run(" not in src:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server.main no longer builds "
@@ -115,18 +123,38 @@ def patched(add_options: Callable[[argparse.ArgumentParser], None],
 
     from .stream import make_stream_generate
 
+    parsed: List[argparse.Namespace] = []
+
     class Parser(argparse.ArgumentParser):
         def parse_args(self, args=None, namespace=None):
             add_options(self)
-            return super().parse_args(args, namespace)
+            out = super().parse_args(args, namespace)
+            parsed.append(out)
+            return out
 
-    saved = (S.argparse, S.run, S.stream_generate, sys.argv)
+    stock_load = S.load
+
+    def load(path, *args, **kwargs):
+        # mlx-lm loads a draft model with no options (``load(draft_model_path)``): it gets
+        # the target's --trust-remote-code, and its failure names it.
+        if args or kwargs or not parsed:
+            return stock_load(path, *args, **kwargs)
+        trust = bool(getattr(parsed[-1], "trust_remote_code", False))
+        try:
+            return stock_load(path, trust_remote_code=trust,
+                              tokenizer_config={"trust_remote_code": trust})
+        except Exception as e:
+            raise DraftLoadError(f"the draft model {path} does not load: "
+                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}"
+                                 ) from e
+
+    saved = (S.argparse, S.run, S.stream_generate, S.load, sys.argv)
     shim = argparse.Namespace(**{k: getattr(argparse, k) for k in dir(argparse)
                                  if not k.startswith("_")})
     shim.ArgumentParser = Parser
-    S.argparse, S.run, sys.argv = shim, run, argv
+    S.argparse, S.run, S.load, sys.argv = shim, run, load, argv
     S.stream_generate = make_stream_generate(S.stream_generate)
     try:
         yield
     finally:
-        S.argparse, S.run, S.stream_generate, sys.argv = saved
+        S.argparse, S.run, S.stream_generate, S.load, sys.argv = saved

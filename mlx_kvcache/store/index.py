@@ -4,7 +4,9 @@ Tables (``index.sqlite``; ``PRAGMA application_id`` = `APP_ID`, ``user_version``
 format version, both in the file header so a build can tell a newer format without
 opening it through SQLite)::
 
-    meta(key, value)      format, fingerprint, layer signature, bytes of all files
+    meta(key, value)      format, fingerprint, layer signature, bytes of all files,
+                          the directory's disk budget (``budget``, shared by every
+                          process writing it; absent: none recorded yet)
     nodes(uid, parent, tokens, end_, last_used, keep, nchildren, layers)
                           one row per trie node; ``uid`` is the node's persistent id
                           (0 is the root), ``tokens`` its edge as int64 LE bytes,
@@ -230,7 +232,7 @@ class Index:
         """The JSON-valued fields written by `create` (fingerprint, layers)."""
         out = {}
         for k, v in self.meta().items():
-            if k not in ("format", "version", "bytes"):
+            if k not in ("format", "version", "bytes", "budget"):
                 out[k] = json.loads(v)
         return out
 
@@ -246,6 +248,21 @@ class Index:
     def files_bytes(self) -> int:
         row = self.db.execute("SELECT value FROM meta WHERE key = 'bytes'").fetchone()
         return int(row[0]) if row else 0
+
+    def budget(self) -> Optional[int]:
+        """The directory's disk budget, as last set by a process writing it (None: none)."""
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'budget'").fetchone()
+        return int(row[0]) if row else None
+
+    def set_budget(self, n: int) -> None:
+        """Record ``n`` as the directory's disk budget (its own durable transaction)."""
+        self.begin()
+        try:
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('budget', ?)", (str(int(n)),))
+            self.commit()
+        except BaseException:
+            self.rollback()
+            raise
 
     def db_bytes(self) -> int:
         """Bytes of the database and its write-ahead log and shared-memory files."""

@@ -33,7 +33,7 @@ import sqlite3
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..prefix.agreement import SOLO, Agreement
 from ..prefix.journal import STRUCT, Journal
@@ -42,8 +42,8 @@ from ..prefix.trie import PrefixTrie
 from . import save as _save
 from .agreed import agree_loaded
 from .delta import Capturer, Delta
-from .format import DirLock, FormatError, collectable, fsync_dir, model_dir
-from .index import INDEX, Index
+from .format import FORMAT_VERSION, DirLock, FormatError, collectable, fsync_dir, model_dir
+from .index import INDEX, Index, header_version
 from .lazy import GuardedOps, Verifier, warn
 from .load import install, new_holders
 from .opening import legacy_note, open_to_read, open_to_write
@@ -65,7 +65,11 @@ class PersistentStore:
         fingerprint: `model_fingerprint` of the model (and tokenizer).
         max_disk_bytes: budget for this model's directory (files and index); the least
             recently used nodes without saved children leave the disk until it fits.
-            ``None``: no limit.
+            ``None``: no limit. The directory has one budget, recorded in its index and
+            followed by every process writing it (counting what the index holds, every
+            process's files): a store records its own at its first write.
+        default_budget: ``max_disk_bytes`` is a default, not the user's choice: a budget
+            already recorded for the directory is followed instead of replaced.
         keep: the manager's set of deliberate restore points (saved as a flag per node).
         agree: the ranks of a sharded model load and drop nodes together (`agreed`).
         cold_bits: write full-attention KV layers compressed to this many bits (lossy;
@@ -77,12 +81,15 @@ class PersistentStore:
 
     def __init__(self, trie: PrefixTrie, signature: List[Any], root, fingerprint: str,
                  max_disk_bytes: Optional[int] = None, keep: Optional[set] = None,
-                 agree: Agreement = SOLO, cold_bits: Optional[int] = None, tier: bool = True):
+                 agree: Agreement = SOLO, cold_bits: Optional[int] = None, tier: bool = True,
+                 default_budget: bool = False):
         self.trie = trie
         self.signature = signature
         self.fingerprint = fingerprint
         self.root = Path(root).expanduser()
-        self.max_disk_bytes = None if max_disk_bytes is None else int(max_disk_bytes)
+        self._max_disk_bytes = None if max_disk_bytes is None else int(max_disk_bytes)
+        self._claim = max_disk_bytes is not None  # record ours at the next write
+        self._follow = bool(default_budget)  # a recorded budget wins over ours
         self.keep = keep if keep is not None else set()
         self.agree = agree
         inner = [o.inner if isinstance(o, GuardedOps) else o for o in trie.ops]
@@ -113,6 +120,17 @@ class PersistentStore:
         self._foreign: set = set()  # directories holding a format this build must not touch
         self._disk_bytes = 0
         self._saved: dict = {}
+
+    @property
+    def max_disk_bytes(self) -> Optional[int]:
+        """The directory's budget in force (the recorded one, once read or written)."""
+        return self._max_disk_bytes
+
+    @max_disk_bytes.setter
+    def max_disk_bytes(self, n: Optional[int]) -> None:
+        """A new budget for the directory: recorded at the next write, for every process."""
+        self._max_disk_bytes = None if n is None else int(n)
+        self._claim, self._follow = n is not None, False
 
     def directory(self, root=None) -> Path:
         return model_dir(self.root if root is None else root, self.fingerprint)
@@ -213,6 +231,7 @@ class PersistentStore:
         if own:
             self._stale |= res.stale
             self._disk_bytes = size
+            self._shared_budget(idx, write=False)
             if self._index is not None:
                 self._index.close()
             self._index = idx
@@ -299,7 +318,7 @@ class PersistentStore:
                 if not own or not self._swept:
                     _save.sweep(idx, d, self.verifier)
                     self._swept = own
-                budget = self.max_disk_bytes
+                budget = self._shared_budget(idx) if own else self.max_disk_bytes
                 idx.tune((budget or 64 << 20) // 16)
                 out = _save.write(idx, delta, self.verifier, budget)
                 size = idx.files_bytes() + idx.db_bytes()
@@ -309,6 +328,26 @@ class PersistentStore:
         if own:
             self._disk_bytes = size
         return out, size
+
+    def _shared_budget(self, idx: Index, write: bool = True) -> Optional[int]:
+        """The directory's one budget (the caller holds the directory lock): ours is
+        recorded at our first write (``write``) unless it is a default and one is recorded
+        already; after that, whatever is recorded (another process may set its own)."""
+        try:
+            recorded = idx.budget()
+        except sqlite3.Error:
+            recorded = None
+        if self._claim and self._follow and recorded is not None:
+            self._claim = False  # a default never replaces a recorded budget
+        if self._claim:
+            if not write:
+                return self.max_disk_bytes
+            if recorded != self.max_disk_bytes:
+                idx.set_budget(self.max_disk_bytes)
+            self._claim = False
+        elif recorded is not None:
+            self._max_disk_bytes = recorded
+        return self.max_disk_bytes
 
     def _index_for(self, d: Path, own: bool) -> Optional[Index]:
         """``d``'s index open for writing (`opening.open_to_write`); None for a newer
@@ -327,6 +366,7 @@ class PersistentStore:
             self.verifier.forget_dir(d)
             if own:
                 self._reset, self._swept = False, False
+                self._claim = self.max_disk_bytes is not None  # a new index records it again
         if own:
             self._index = idx
         return idx
@@ -342,35 +382,56 @@ class PersistentStore:
                 self._need_full, delta = True, None  # too much owed: the next save writes all
             self._queue = delta
 
-    def clear_disk(self) -> None:
-        """Delete this model's saved cache, durably before returning: every row in one
-        committed transaction (so a crash or restart from here on loads nothing), then
-        the snapshot files. Raises ``OSError`` naming the directory when it cannot be
-        written (e.g. read-only)."""
+    def clear_disk(self) -> Dict[str, int]:
+        """Delete this model's saved cache, durably before returning, in an order that
+        needs no free space (a full disk is when a clear is most wanted, and SQLite cannot
+        commit a transaction there): the index files first — from then on a crash or
+        restart loads nothing, and the snapshot files left are unknown files the next
+        save sweeps — then every snapshot file and temporary. A process sharing the
+        directory sees its index gone at its next save and starts a new one.
+
+        Returns ``{"files": n, "bytes": b}``: the files unlinked and the bytes they held.
+        Raises ``OSError`` naming the directory when it cannot be written (e.g.
+        read-only); what was unlinked by then stays unlinked."""
         d = self.directory()
+        freed = {"files": 0, "bytes": 0}
         if d in self._foreign or not d.is_dir():
-            return
+            return freed
         try:
             with self._io, DirLock(d):
                 with self._qmu:
                     self._queue = None  # captures of what is being cleared
-                idx = self._index_for(d, True)
-                if idx is None:
-                    return
-                idx.wipe()  # durable from here on: a crash loads nothing
-                for name in collectable(d):
-                    (d / name).unlink(missing_ok=True)
-                    self.verifier.forget_file((d, name))
-                # An empty index is still ~100 kB of SQLite files: remove them too.
-                idx.close()
-                self._index = None
-                for side in ("", "-wal", "-shm"):
-                    (d / (INDEX + side)).unlink(missing_ok=True)
+                try:
+                    version = header_version(d / INDEX)
+                except FormatError:
+                    version = None  # damaged: cleared like any other
+                if version is not None and version > FORMAT_VERSION:
+                    self._foreign.add(d)  # a newer build's: never touched
+                    return freed
+                if self._index is not None:
+                    # No checkpoint: it would write, and the file is going anyway.
+                    self._index.close(checkpoint=False)
+                    self._index = None
+                    self._swept = False
+                names = [INDEX + side for side in ("", "-wal", "-shm")] + collectable(d)
+                for name in names:
+                    try:
+                        size = (d / name).lstat().st_size
+                        (d / name).unlink()
+                    except FileNotFoundError:
+                        continue
+                    freed["files"] += 1
+                    freed["bytes"] += size
+                    if name == INDEX:
+                        fsync_dir(d)  # durable: nothing loads from here on
+                self.verifier.forget_dir(d)
                 fsync_dir(d)
                 self._disk_bytes = 0
+                self._claim = self.max_disk_bytes is not None  # the budget went with the index
         except (OSError, sqlite3.Error) as e:
             why = getattr(e, "strerror", None) or str(e)
             raise OSError(getattr(e, "errno", None), f"cannot clear the prompt cache at {d}: {why}") from e
+        return freed
 
     def save(self, root=None) -> int:
         """`capture` then `write`; the caller holds the trie's lock for the whole call."""

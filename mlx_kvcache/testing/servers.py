@@ -4,6 +4,7 @@ server's progress (`waits`)."""
 
 from __future__ import annotations
 
+import copy
 import http.client
 import json
 import os
@@ -38,6 +39,15 @@ class Client:
 
     port: int
     watch: Optional[Watch] = None
+    #: Where the client connects (a test may reach a server through another interface).
+    address: str = "127.0.0.1"
+
+    def through(self, address: str) -> "Client":
+        """The same client, connecting to ``address`` instead (waits still follow the
+        server's progress)."""
+        other = copy.copy(self)
+        other.address = address
+        return other
 
     def tail(self, n: int = 4000) -> str:
         return self.watch.tail()[-n:] if self.watch is not None else ""
@@ -66,7 +76,7 @@ class Client:
         """(status, response headers (lower-case names), JSON body or raw bytes)."""
         wait = None if timeout is not None else self._wait(f"{method} {path}")
         conn = http.client.HTTPConnection(
-            "127.0.0.1", self.port, timeout=timeout if timeout is not None or wait else 120)
+            self.address, self.port, timeout=timeout if timeout is not None or wait else 120)
 
         held: List[socket.socket] = []  # http.client drops conn.sock once a response reads
 
@@ -116,7 +126,7 @@ class Client:
         """The ``data:`` events of a streamed answer, as JSON (see `stream_chat`)."""
         wait = None if timeout is not None else self._wait(f"streaming {path}")
         conn = http.client.HTTPConnection(
-            "127.0.0.1", self.port, timeout=timeout if timeout is not None or wait else 120)
+            self.address, self.port, timeout=timeout if timeout is not None or wait else 120)
         events: "queue.Queue" = queue.Queue()
         held: List[socket.socket] = []  # http.client drops conn.sock once a response reads
 
@@ -181,10 +191,12 @@ class Client:
 
 
 class Server(Client):
-    """One server process (its own process group), logging to ``log``."""
+    """One server process (its own process group), logging to ``log``; listening on
+    ``host`` (loopback unless a test needs another interface), spoken to on loopback."""
 
     def __init__(self, argv: List[str], log: Path, home: Path, port: Optional[int] = None,
-                 start_timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None):
+                 start_timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None,
+                 host: str = "127.0.0.1"):
         self.port = port or free_port()
         self.log = log
         e = dict(os.environ, XDG_CACHE_HOME=str(home), PYTHONUNBUFFERED="1",
@@ -193,7 +205,7 @@ class Server(Client):
             e["LD_PRELOAD"] = BLAS  # stock mlx_lm gets the same fast BLAS we preload
         self._out = open(log, "ab")
         self.proc = subprocess.Popen(
-            [*argv, "--host", "127.0.0.1", "--port", str(self.port)], stdin=subprocess.DEVNULL,
+            [*argv, "--host", host, "--port", str(self.port)], stdin=subprocess.DEVNULL,
             stdout=self._out, stderr=subprocess.STDOUT, env=e, cwd=str(ROOT),
             start_new_session=True)
         self.watch = Watch(self.proc.pid, log, self.tail, alive=lambda: self.proc.poll() is None)
