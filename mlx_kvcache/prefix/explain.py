@@ -50,7 +50,9 @@ class Reuse:
     ``offset`` and the end of the prompt. ``kind``: ``hit``, ``held`` (the whole prompt is cached,
     but a layer could not restore that far), ``extends`` (the prompt continues past the end
     of a cached one), ``diverged``, ``evicted`` (the cache held more of it before),
-    ``image`` (different images), ``empty``, ``off`` (caching is off).
+    ``image`` (different images), ``empty``, ``off`` (caching is off). ``where``: the
+    client's name for the part of the prompt holding ``diverged_at`` (``"messages[3]"``),
+    when the server knows the prompt's layout; else empty.
     """
 
     kind: str
@@ -61,6 +63,7 @@ class Reuse:
     cached: str
     prompt: str
     rule: str
+    where: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -71,7 +74,8 @@ class Reuse:
             return self.rule
         where = f"reuse stopped at {self.offset}"
         if self.diverged_at is not None and self.kind in ("diverged", "evicted", "image"):
-            where += (f" (diverged at {self.diverged_at}: cached \"…{self.before}|{self.cached}…\""
+            named = f" in {self.where}" if self.where else ""
+            where += (f" (diverged at {self.diverged_at}{named}: cached \"…{self.before}|{self.cached}…\""
                       f" vs prompt \"…{self.before}|{self.prompt}…\")")
         return f"{where}: {self.rule}"
 

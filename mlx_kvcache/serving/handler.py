@@ -9,6 +9,7 @@ gets a 503; an answer the stop cuts short ends with ``finish_reason: "length"``.
 
 from __future__ import annotations
 
+import importlib
 import json
 from typing import Any, Callable, Dict, Optional
 
@@ -17,6 +18,14 @@ from mlx_lm.server import APIHandler
 from .admin import AdminPolicy
 from .lifecycle import current_ticket, set_ticket
 from .validation import body_problem, vocab_size
+
+#: The agent routes (any query string accepted: Claude Code sends ``?beta=true``):
+#: path -> (module, function taking the live handler).
+_AGENT_ROUTES = {
+    "/v1/messages": (".agents.anthropic", "serve_messages"),
+    "/v1/messages/count_tokens": (".agents.anthropic", "serve_count_tokens"),
+    "/v1/responses": (".agents.responses", "serve_responses"),
+}
 
 #: The most request body read (and dropped) before refusing a request.
 _DRAIN_LIMIT = 64 << 20
@@ -68,9 +77,15 @@ class CacheAPIHandler(APIHandler):
                 return
             n -= len(chunk)
 
-    # -- mlx-lm's routes --------------------------------------------------------------------
+    # -- mlx-lm's routes and the agent routes ----------------------------------------------
     def do_POST(self):
-        self._admitted(super().do_POST)
+        route = _AGENT_ROUTES.get(self.path.split("?", 1)[0].rstrip("/"))
+        if route is None:
+            return self._admitted(super().do_POST)
+        module, verb = route
+        # Imported on first use: the routes are adapters above this handler.
+        serve = getattr(importlib.import_module(module, __package__), verb)
+        self._admitted(lambda: serve(self))
 
     def do_OPTIONS(self):
         self._admitted(lambda: self._admin_route("OPTIONS") if self._is_cache_route()
