@@ -62,6 +62,17 @@ def positive_int(s: str) -> int:
     return v
 
 
+def _regex(s: str) -> str:
+    import argparse
+    import re
+
+    try:
+        re.compile(s)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {e}") from None
+    return s
+
+
 def add_options(parser) -> None:
     """Our options, added to mlx-lm's server parser (they show in ``--help``)."""
     from mlx_lm.server import _parse_size
@@ -100,6 +111,14 @@ def add_options(parser) -> None:
                    help="on SIGTERM / SIGINT, open requests get this long to finish before "
                    "their answers are ended (finish_reason \"length\"); a second signal ends "
                    f"them at once (default: {DEFAULT_GRACE:g})")
+    g.add_argument("--keep-billing-header", action="store_true",
+                   help="agent routes: keep Claude Code's 'x-anthropic-billing-header:' line "
+                   "at the top of the system prompt (default: dropped before rendering; it "
+                   "differs on every request, so nothing behind it could be reused)")
+    g.add_argument("--drop-lines", default=None, metavar="REGEX", type=_regex,
+                   help="agent routes: also drop every line of system text that this regular "
+                   "expression matches at the line's start (volatile lines: timestamps, "
+                   "session ids)")
     g.add_argument("--admin-token", default=None, metavar="TOKEN",
                    help="require 'Authorization: Bearer TOKEN' on /v1/cache (default: "
                    f"${TOKEN_ENV}, else none: only requests addressed to this machine, never "

@@ -59,6 +59,12 @@ class CacheAPIHandler(APIHandler):
     def _refuse_while_stopping(self) -> None:
         self._drain_body()
         body = {"error": "the server is stopping"}
+        if self._agent_route() is not None and self._agent_route()[0].endswith("anthropic"):
+            body = {"type": "error", "error": {"type": "overloaded_error",
+                                               "message": "the server is stopping"}}
+        elif self._agent_route() is not None:
+            body = {"error": {"type": "server_error", "code": "server_stopping",
+                              "message": "the server is stopping"}}
         if self._is_cache_route():
             self._send_admin(503, body)
         else:
@@ -78,8 +84,11 @@ class CacheAPIHandler(APIHandler):
             n -= len(chunk)
 
     # -- mlx-lm's routes and the agent routes ----------------------------------------------
+    def _agent_route(self):
+        return _AGENT_ROUTES.get(self.path.split("?", 1)[0].rstrip("/"))
+
     def do_POST(self):
-        route = _AGENT_ROUTES.get(self.path.split("?", 1)[0].rstrip("/"))
+        route = self._agent_route()
         if route is None:
             return self._admitted(super().do_POST)
         module, verb = route

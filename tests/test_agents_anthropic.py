@@ -1,0 +1,207 @@
+"""``POST /v1/messages`` and ``/v1/messages/count_tokens`` against real `mlx-kvcache serve`
+processes, the official ``anthropic`` SDK as the client: the same answers as the chat
+route, the event sequence the SDK parses, honest usage, a tool round trip through mlx-lm's
+tool-call parser, stop sequences, and malformed bodies answered 400 in Anthropic's shape
+while the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+anthropic = pytest.importorskip("anthropic")
+
+from mlx_kvcache.testing import write_model_dir  # noqa: E402
+from mlx_kvcache.testing.agent_dirs import TOOL_CALL, write_tool_dir  # noqa: E402
+from mlx_kvcache.testing.servers import Server  # noqa: E402
+from mlx_kvcache.testing.waits import CAP  # noqa: E402
+
+pytestmark = pytest.mark.timeout(CAP)
+
+SYSTEM = "You are terse."
+CONVO = [{"role": "user", "content": "Hello there, how are you today?"},
+         {"role": "assistant", "content": "Fine."},
+         {"role": "user", "content": [{"type": "text", "text": "Tell me "},
+                                      {"type": "text", "text": "about ships."}]}]
+GREEDY = {"temperature": 0}  # the 2026 SDK takes no sampling arguments: extra_body
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agents")
+    model = write_model_dir(root / "llama", "llama")
+    with Server.ours(model, root / "log.txt", root / "home", "--no-persist") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="local",
+                               max_retries=0)
+
+
+def _chat(server, max_tokens=8, **extra):
+    """The chat route's answer to the same conversation."""
+    msgs = [{"role": "system", "content": SYSTEM}, *CONVO]
+    return server.chat(msgs, max_tokens=max_tokens, temperature=0, **extra)
+
+
+def _text(msg) -> str:
+    return "".join(b.text for b in msg.content if b.type == "text")
+
+
+def test_answers_equal_the_chat_route(server, client):
+    want = _chat(server)
+    text = want["choices"][0]["message"]["content"]
+    server.request("DELETE", "/v1/cache")
+    r = client.messages.create(model="claude-sonnet-5", max_tokens=8, system=SYSTEM,
+                               messages=CONVO, extra_body=GREEDY)
+    assert _text(r) == text and r.model == "claude-sonnet-5"
+    assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 8
+    assert r.id.startswith("msg_") and r.role == "assistant" and r.type == "message"
+    # Streamed, and on ?beta=true (Claude Code's path): the same, in the SDK's events.
+    with client.beta.messages.stream(model="claude-opus-9", max_tokens=8, system=SYSTEM,
+                                     messages=CONVO, extra_body=GREEDY) as st:
+        kinds = [e.type for e in st]
+        final = st.get_final_message()
+    assert "".join(b.text for b in final.content if b.type == "text") == text
+    assert final.model == "claude-opus-9" and final.stop_reason == "max_tokens"
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert kinds.index("content_block_start") < kinds.index("content_block_stop") \
+        < kinds.index("message_delta")
+
+
+def test_raw_stream_events(server, client):
+    raw = client.messages.create(model="m", max_tokens=4, messages=CONVO, stream=True,
+                                 extra_body=GREEDY)
+    kinds = [e.type for e in raw]
+    assert kinds[:2] == ["message_start", "content_block_start"] or \
+        kinds[:3] == ["message_start", "ping", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[2:-3]) <= {"content_block_delta", "content_block_start",
+                                "content_block_stop", "ping"}
+
+
+def test_usage_is_honest_and_agrees_with_the_cache(server, client):
+    server.request("DELETE", "/v1/cache")
+    n = client.messages.count_tokens(model="m", system=SYSTEM, messages=CONVO).input_tokens
+    assert n == _chat(server, max_tokens=1)["usage"]["prompt_tokens"]  # the prompt's tokens
+    first = client.messages.create(model="m", max_tokens=4, system=SYSTEM, messages=CONVO,
+                                   extra_body=GREEDY).usage
+    again = client.messages.create(model="m", max_tokens=4, system=SYSTEM, messages=CONVO,
+                                   extra_body=GREEDY).usage
+    recent = server.cache()["recent"][-1]
+    assert again.input_tokens + again.cache_read_input_tokens == n
+    assert again.cache_read_input_tokens == recent["cached_tokens"] == n - 1  # full hit
+    assert again.input_tokens == recent["prompt_tokens"] - recent["cached_tokens"]
+    # The chat route's request above stored the prompt: the first read all but one token.
+    assert first.cache_read_input_tokens == n - 1
+    assert again.cache_creation_input_tokens == again.input_tokens
+
+
+def test_stop_sequences(server, client):
+    text = _chat(server, max_tokens=12)["choices"][0]["message"]["content"]
+    # One character is one token here: stop at the first plain character after the start.
+    i, c = next((i, c) for i, c in enumerate(text) if i >= 2 and c.isalnum()
+                and "<" not in text[:i + 1])
+    r = client.messages.create(model="m", max_tokens=12, system=SYSTEM, messages=CONVO,
+                               stop_sequences=[c, "\x07never"], extra_body=GREEDY)
+    assert r.stop_reason == "stop_sequence" and r.stop_sequence == c
+    assert _text(r) == text[:text.index(c)]
+
+
+BAD = [
+    (b"{not json", "JSON"),
+    (b"[1, 2]", "object"),
+    ({"model": "m", "max_tokens": 4, "messages": []}, "messages"),
+    ({"model": "m", "max_tokens": 4, "messages": "hi"}, "messages"),
+    ({"model": "m", "max_tokens": 0, "messages": CONVO}, "max_tokens"),
+    ({"model": "m", "max_tokens": 4, "messages": [{"role": "robot", "content": "x"}]}, "role"),
+    ({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": 5}]}, "content"),
+    ({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+     "video"),
+    ({"model": "m", "max_tokens": 4, "messages": CONVO, "temperature": "hot"}, "temperature"),
+    ({"model": "m", "max_tokens": 4, "messages": CONVO, "stop_sequences": [""]}, "stop_sequences"),
+    ({"model": "m", "max_tokens": 4, "messages": CONVO, "stream": "yes"}, "stream"),
+    ({"model": "m", "max_tokens": 4, "messages": CONVO, "tools": [{"description": "x"}]}, "name"),
+    ({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "content": "x"}]}]}, "tool_use_id"),
+    ({"model": "m", "max_tokens": 4, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": [1]}]}]}, "input"),
+    ({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": "iVBORw0KGgo="}}]}]}, "images"),
+    ({"model": "m", "max_tokens": 4, "system": 7, "messages": CONVO}, "system"),
+    ({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "\ud800"}]},
+     "content"),
+]
+
+
+@pytest.mark.parametrize("body,says", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_malformed_bodies_get_anthropic_400s(server, body, says):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    for path in ("/v1/messages?beta=true", "/v1/messages/count_tokens"):
+        status, out = server.request("POST", path, raw=raw)
+        if path.endswith("count_tokens") and isinstance(body, dict) and \
+                any(k in says for k in ("max_tokens", "temperature", "stop", "stream")):
+            assert status == 200  # fields count_tokens does not read
+            continue
+        assert status == 400, (path, status, out)
+        assert out["type"] == "error" and out["error"]["type"] == "invalid_request_error"
+        assert says in out["error"]["message"], out
+
+
+def test_server_keeps_serving_after_bad_input(server, client):
+    for body, _ in BAD:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        server.request("POST", "/v1/messages", raw=raw)
+    assert server.request("GET", "/health")[0] == 200
+    r = client.messages.create(model="m", max_tokens=2, messages=CONVO, extra_body=GREEDY)
+    assert r.usage.output_tokens == 2
+
+
+def test_unknown_route_is_404(server):
+    status, out = server.request("POST", "/v1/messages/nothing", body={})
+    assert status == 404
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tools")
+    model = write_tool_dir(root / "tool")
+    with Server.ours(model, root / "log.txt", root / "home", "--no-persist") as s:
+        yield s
+
+
+TOOLS = [{"name": "get_weather", "description": "The weather in a city",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+
+
+def test_tool_round_trip(tool_server):
+    c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{tool_server.port}", api_key="x",
+                            max_retries=0)
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = c.messages.create(model="claude-sonnet-5", max_tokens=16, messages=msgs, tools=TOOLS)
+    assert r.stop_reason == "tool_use"
+    (call,) = [b for b in r.content if b.type == "tool_use"]
+    assert call.name == TOOL_CALL["name"] and call.input == TOOL_CALL["arguments"]
+    assert call.id.startswith("toolu_")
+    first_prompt = r.usage.input_tokens + r.usage.cache_read_input_tokens
+    msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                           "content": [{"type": "text", "text": "sunny, 21 C"}],
+                                           "cache_control": {"type": "ephemeral"}}]}]
+    with c.messages.stream(model="claude-sonnet-5", max_tokens=16, messages=msgs,
+                           tools=TOOLS) as st:
+        kinds = [e.type for e in st]
+        again = st.get_final_message()
+    assert "input_json" in kinds
+    assert again.stop_reason == "tool_use" and again.content[-1].input == TOOL_CALL["arguments"]
+    # The tool result came back after the call it answers, rendered as the call was made.
+    assert again.usage.cache_read_input_tokens >= first_prompt
+    n = c.messages.count_tokens(model="m", messages=msgs, tools=TOOLS).input_tokens
+    assert n == again.usage.input_tokens + again.usage.cache_read_input_tokens
+    rendered = tool_server.cache()["recent"][-1]
+    assert rendered["prompt_tokens"] == n
