@@ -38,6 +38,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 from mlx_lm.server import convert_chat, process_message_content
 
 __all__ = ["Conversation", "Layout", "line_filter", "system_policy", "layout", "BILLING_LINE",
@@ -275,7 +276,8 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
         raise ValueError(f"the model's chat template refused this conversation: {e}") from None
     ids = list(ids)
     out = Layout(len(ids))
-    starts = _token_starts(tokenizer, text, ids)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    starts = _token_starts(backend, text, ids)
     if starts is None:
         return out
 
@@ -283,8 +285,12 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
         return max(0, bisect.bisect_right(starts, char) - 1)
 
     cursor = 0
-    for m in conv.items:
-        out.marks.append((token_at(cursor), m.label))
+    for n, m in enumerate(conv.items):
+        # Template text between two messages (closing one, opening the next) is named
+        # after both: a change there is either one's edge.
+        gap = (f"the template's text before {m.label}" if n == 0 else
+               f"the template's text between {conv.items[n - 1].label} and {m.label}")
+        out.marks.append((token_at(cursor), gap))
         for p in m.parts:
             if p.text is None:
                 continue
@@ -294,17 +300,26 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
             out.marks.append((token_at(at), p.label))
             cursor = at + len(p.text)
             if p.breakpoint:
-                cut = bisect.bisect_left(starts, cursor)  # tokens starting before the end
+                # Exactly where the tokens of the text up to here stop agreeing with the
+                # prompt's (a token merging across the end belongs to what follows).
+                cut = _common(backend.encode(text[:cursor], add_special_tokens=False).ids, ids)
                 if 0 < cut < len(ids):
                     out.cuts.append(cut)
     out.cuts = sorted(set(out.cuts))
     return out
 
 
-def _token_starts(tokenizer, text: str, ids: List[int]) -> Optional[List[int]]:
-    """Each token's first character in ``text``, when the tokenizer reports offsets and
-    tokenizes ``text`` to exactly ``ids``; else None."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
+
+
+def _token_starts(backend, text: str, ids: List[int]) -> Optional[List[int]]:
+    """Each token's first character in ``text``, when the (fast) tokenizer reports offsets
+    and tokenizes ``text`` to exactly ``ids``; else None."""
     if backend is None:
         return None
     try:
