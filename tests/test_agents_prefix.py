@@ -105,9 +105,12 @@ def test_miss_explanation_names_the_message(dirs):
                 {"role": "user", "content": "And then?"}]
         c.messages.create(model="m", max_tokens=2, system=LONG_SYSTEM, messages=msgs)
         msgs[1] = {"role": "assistant", "content": "It says: remember the eggs tomorrow."}
-        r = c.messages.create(model="m", max_tokens=2, system=LONG_SYSTEM, messages=msgs)
-        reuse = s.cache()["recent"][-1]["reuse"]
+        r = c.messages.create(model="m", max_tokens=2, system=LONG_SYSTEM, messages=msgs,
+                              metadata={"user_id": "session-7"})
+        recent = s.cache()["recent"][-1]
+        reuse = recent["reuse"]
         log = s.tail(100_000)
+    assert recent["session"] == "session-7" and "| session session-7" in log
     assert reuse["kind"] == "diverged" and reuse["where"] == "messages[1].content[0]"
     assert r.usage.cache_read_input_tokens == reuse["diverged_at"]
     assert "in messages[1].content[0]" in log

@@ -136,7 +136,7 @@ class ServerResponseGenerator(ResponseGenerator):
         marked = [c for c in getattr(request, "cuts", None) or () if 0 < c < len(prompt)]
         expect = getattr(self.prompt_cache, "expect", None)
         if expect is not None:  # this request's layout, for its fetch's explanation
-            expect(prompt, getattr(request, "marks", None) or ())
+            expect(prompt, getattr(request, "marks", None) or (), getattr(request, "session", None))
         seq = sequential.current()
         if seq is not None:  # the sequential fetch plans its own stops
             seq.prompt, seq.vision, seq.extra_stops = prompt, vision, marked

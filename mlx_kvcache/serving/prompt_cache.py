@@ -106,7 +106,8 @@ class TriePromptCache(CacheEndpoints):
         self._ranks: List[Tuple[int, ...]] = []  # every rank's counters, as last shared
         self.profile = profile or getattr(agree, "profile", None) or Profile()
         self._turn = RankTurn()
-        self._marks: Optional[Tuple[int, List[Tuple[int, str]]]] = None  # `expect`
+        # `expect`: (prompt length, marks, session) of the next fetch
+        self._marks: Optional[Tuple[int, List[Tuple[int, str]], Optional[str]]] = None
 
     # -- the model's trie, made when the model loads (in the generation thread) ----------
     def _state(self, model_key) -> ModelState:
@@ -180,11 +181,15 @@ class TriePromptCache(CacheEndpoints):
             return st.manager.cuts(tokens, extra)
         return self._guard("planning checkpoints", plan, [], "plan")
 
-    def expect(self, tokens: Sequence[int], marks: Sequence[Tuple[int, str]]) -> None:
+    def expect(self, tokens: Sequence[int], marks: Sequence[Tuple[int, str]],
+               session: Optional[str] = None) -> None:
         """The next fetch (in this generation thread) is for ``tokens``, whose parts start
         at ``marks`` (``(offset, name)``, ascending): its miss explanation names the part
-        where the prompt diverged. Empty ``marks``: nothing to name."""
-        self._marks = (len(tokens), list(marks)) if marks else None
+        where the prompt diverged; ``session`` (the client's session name) is listed with
+        the request. Eviction stays least-recently-used: each request touches its
+        session's whole path, so the leaves that go first are those of the sessions idle
+        longest, with no second order for the ranks of a sharded model to agree on."""
+        self._marks = (len(tokens), list(marks), session) if marks or session else None
 
     def stores_prompts(self) -> bool:
         """Whether a request's prompt is stored for reuse once computed (the trie is open
@@ -231,10 +236,13 @@ class TriePromptCache(CacheEndpoints):
             mgr.trie, tokens, plan.matched, restored, plan.reason, mgr.ops,
             mgr.evicted_bytes, self.clears))
         marks, self._marks = self._marks, None
-        if marks is not None and marks[0] == len(tokens) and reuse is not None:
+        if marks is not None and marks[0] != len(tokens):
+            marks = None  # not this prompt's (images key a prompt differently)
+        if marks is not None and reuse is not None:
             reuse.where = _part_at(marks[1], reuse.diverged_at)
         self._log.fetched(tokens, plan.matched, restored, path, reuse,
-                          from_disk=plan.from_disk if st.store is not None else None)
+                          from_disk=plan.from_disk if st.store is not None else None,
+                          session=marks[2] if marks is not None else None)
 
     def _sequential(self, st: ModelState, live, plan, key: np.ndarray,
                     seq: "sequential.SequentialRequest") -> int:

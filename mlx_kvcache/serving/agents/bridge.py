@@ -77,7 +77,9 @@ class ChatCall:
     defaults. ``stop``: stop strings. ``breakpoints``: ``(message index, part index)``
     whose END the client marked for reuse (part index 0 for a string content): the prompt
     cache stores a checkpoint there. ``session``: the client's session name (Codex
-    ``prompt_cache_key``, Anthropic ``metadata.user_id``), or None.
+    ``prompt_cache_key``, Anthropic ``metadata.user_id``), or None: listed with the request
+    in the log line and ``GET /v1/cache`` ``recent``; eviction stays least-recently-used,
+    which already takes other sessions' leaves first (see `TriePromptCache.expect`).
     """
 
     messages: List[Dict[str, Any]]
