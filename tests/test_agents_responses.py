@@ -242,8 +242,13 @@ INSTRUCTIONS = "You are a coding agent. Keep answers short. " * 3
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     from mlx_kvcache.testing import write_model_dir
+    from mlx_kvcache.testing.agent_dirs import write_refusing_dir, write_tool_dir
     root = tmp_path_factory.mktemp("models")
-    return {k: write_model_dir(root / k, k) for k in ("llama", "qwen3_next")}
+    dirs = {k: write_model_dir(root / k, k) for k in ("llama", "qwen3_next")}
+    # a Qwen-style template that raises on a system message after the first
+    dirs["refusing"] = write_refusing_dir(root / "refusing")
+    dirs["tool"] = write_tool_dir(root / "tool")
+    return dirs
 
 
 @pytest.fixture(scope="module")
@@ -304,12 +309,13 @@ def test_same_answer_as_chat_completions(server):
     assert final.usage.input_tokens_details.cached_tokens >= final.usage.input_tokens - 1
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_next", "refusing"])
 def test_codex_session_reads_the_previous_prompt_from_cache(kind, model_dirs, tmp_path):
     """Codex's shape: the whole history every turn, ``prompt_cache_key``, a
     ``max_output_tokens=1`` probe first, non-function tools, reasoning and function-call
     items fed back, a developer message mid-session. Every turn after the first reads at
-    least the whole previous prompt from the cache."""
+    least the whole previous prompt from the cache — on a hybrid model too, and where the
+    template refuses the developer messages in place."""
     from mlx_kvcache.testing.servers import Server
     tools = CODEX_TOOLS
     items = [{"type": "message", "role": "developer",
@@ -366,3 +372,38 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
         assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
     r = c.responses.create(model="m", input="still there?", max_output_tokens=3)
     assert r.status in ("completed", "incomplete") and r.usage.output_tokens >= 1
+
+
+def test_tool_round_trip(model_dirs, tmp_path):
+    """A function call out (streamed and not, parsed by mlx-lm's tool parser), its output
+    back: the next turn reads the whole first prompt from the cache."""
+    from mlx_kvcache.testing.agent_dirs import TOOL_CALL
+    from mlx_kvcache.testing.servers import Server
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+             {"type": "web_search"}]
+    items = [{"role": "user", "content": "Weather in Paris?"}]
+    with Server.ours(model_dirs["tool"], tmp_path / "ours.log", tmp_path, "--no-persist") as s:
+        c = client_of(s)
+        whole = c.responses.create(model="m", input=items, tools=tools, max_output_tokens=16,
+                                   prompt_cache_key="s1")
+        calls = [o for o in whole.output if o.type == "function_call"]
+        assert whole.status == "completed" and len(calls) == 1, whole.output
+        assert calls[0].name == TOOL_CALL["name"]
+        assert json.loads(calls[0].arguments) == TOOL_CALL["arguments"]
+        assert calls[0].call_id
+        args, done = [], None
+        for ev in c.responses.create(model="m", input=items, tools=tools, max_output_tokens=16,
+                                     stream=True):
+            if ev.type == "response.function_call_arguments.delta":
+                args.append(ev.delta)
+            if ev.type == "response.completed":
+                done = ev.response
+        assert json.loads("".join(args)) == TOOL_CALL["arguments"]
+        assert [o.name for o in done.output if o.type == "function_call"] == ["get_weather"]
+        nxt = items + [o.model_dump(exclude_none=True) for o in whole.output] + [
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}]
+        again = c.responses.create(model="m", input=nxt, tools=tools, max_output_tokens=16,
+                                   prompt_cache_key="s1")
+        assert again.usage.input_tokens > whole.usage.input_tokens
+        assert again.usage.input_tokens_details.cached_tokens >= whole.usage.input_tokens
