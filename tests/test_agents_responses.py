@@ -38,6 +38,8 @@ def test_string_input_and_instructions():
                              {"role": "user", "content": "Hi"}]
     assert call.labels == ["instructions", "input"]
     assert call.tools is None and call.max_tokens is None and call.sampling == {}
+    # checkpoints where the next request comes back: after the instructions, after the input
+    assert call.breakpoints == [(0, 0), (1, 0)]
 
 
 def test_items_kept_in_place_and_calls_joined_to_their_turn():

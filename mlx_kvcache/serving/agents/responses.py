@@ -9,7 +9,9 @@ raises for bad input: a 400 in OpenAI's error shape (``{"error": {"message", "ty
 Stateless: every request carries the whole conversation (as Codex sends it).
 ``previous_response_id`` and ``conversation`` are refused with a 400 that says so — this
 server keeps no responses. ``store``, ``metadata``, ``parallel_tool_calls`` are accepted
-and echoed; ``prompt_cache_key`` becomes `ChatCall.session`.
+and echoed; ``prompt_cache_key`` becomes `ChatCall.session`; OpenAI-side options with no
+local meaning (``include``, ``reasoning``, ``text``, ``truncation``, ``user``,
+``service_tier``, …) are accepted and ignored.
 
 The translation is two pure steps, tested without a server:
   * `parse_request`: a request body -> a `ChatCall` (OpenAI chat-format messages in the
@@ -35,10 +37,6 @@ log = logging.getLogger("mlx_kvcache")
 
 #: Tool types other than ``function`` that were skipped (each logged once per process).
 _SKIPPED_LOGGED: set = set()
-#: Request fields accepted and echoed or ignored (OpenAI-side features with no local meaning).
-_IGNORED = ("store", "metadata", "parallel_tool_calls", "include", "reasoning", "text",
-            "truncation", "user", "safety_identifier", "service_tier", "background",
-            "prompt_cache_retention", "top_logprobs", "stream_options", "client_metadata")
 
 
 def _bad(message: str, param: Optional[str] = None) -> AgentRequestError:
