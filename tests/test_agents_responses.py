@@ -341,6 +341,13 @@ def test_codex_session_reads_the_previous_prompt_from_cache(kind, model_dirs, tm
                 if ev.type in ("response.completed", "response.incomplete"):
                     final = ev.response
             u = final.usage
+            # the numbers of the log line and GET /v1/cache (listed once the answer ended)
+            s.watch.wait("the request's log line").until(
+                lambda: len(s.cache()["recent"]) >= turn + 2, poll=0.1)
+            last = s.cache()["recent"][-1]
+            assert (last["prompt_tokens"], last["cached_tokens"]) == \
+                (u.input_tokens, u.input_tokens_details.cached_tokens)
+            assert last.get("session") == "019a-session"
             if prev is not None:
                 assert u.input_tokens > prev
                 assert u.input_tokens_details.cached_tokens >= prev, (turn, u, s.cache()["recent"][-1])
