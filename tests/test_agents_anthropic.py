@@ -7,7 +7,6 @@ while the server keeps serving."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

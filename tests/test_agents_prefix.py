@@ -215,3 +215,32 @@ def test_layout_marks_parts_and_cuts_breakpoints(tokenizers):
                          (4, "system.content[1]"),
                          (8, "the template's text between system and messages[0]"),
                          (10, "messages[0]")]
+
+
+def test_under_mlx_launch_the_ranks_checkpoint_at_the_breakpoint(dirs):
+    from mlx_kvcache.testing.launch import LaunchedServer
+
+    root = dirs["root"] / "launch"
+    root.mkdir()
+    doc = "Ranks-share-one-request-and-its-layout.-" * 10
+
+    def ask(c, question):
+        return c.messages.create(model="m", max_tokens=3, extra_body=GREEDY, messages=[
+            {"role": "user", "content": [{"type": "text", "text": doc,
+                                          "cache_control": {"type": "ephemeral"}},
+                                         {"type": "text", "text": question}]}])
+
+    with Server.ours(dirs["hybrid"], root / "one.log", root, "--no-persist",
+                     "--checkpoint-interval", "4096") as s:
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.port}", api_key="k", max_retries=0)
+        ref = [ask(c, "First?"), ask(c, "Second one?")]
+    with LaunchedServer(dirs["hybrid"], "--pipeline", "--no-persist", "--checkpoint-interval",
+                        "4096", home=root) as s:
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.port}", api_key="k", max_retries=0)
+        got = [ask(c, "First?"), ask(c, "Second one?")]
+        lines = s.wait_for_lines(2)
+    assert [[b.model_dump() for b in r.content] for r in got] == \
+        [[b.model_dump() for b in r.content] for r in ref]
+    assert got[1].usage.cache_read_input_tokens == ref[1].usage.cache_read_input_tokens \
+        == 1 + len(doc)
+    assert lines[0] == lines[1], lines  # both ranks restored at the breakpoint

@@ -35,11 +35,11 @@ write, as a broken connection ends mlx-lm's own route.
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from queue import Queue
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -163,11 +163,20 @@ class _Prepared:
     layout: "conversation.Layout"
 
 
+def _tokenizer(generator):
+    """The served model's tokenizer, once the generation thread has loaded it (a request
+    that comes first waits, as a chat request waits in mlx-lm's queue)."""
+    provider = generator.model_provider
+    while provider.tokenizer is None:
+        if not generator.generation_available():
+            raise AgentRequestError("the model could not be loaded", 503, "overloaded_error")
+        time.sleep(0.05)
+    return provider.tokenizer
+
+
 def _prepare(handler, call: ChatCall) -> _Prepared:
     provider = handler.response_generator.model_provider
-    tokenizer = provider.tokenizer
-    if tokenizer is None:
-        raise AgentRequestError("the model is not loaded yet", 503, "overloaded_error")
+    tokenizer = _tokenizer(handler.response_generator)
     args = provider.cli_args
     try:
         conv = conversation.Conversation.from_call(
