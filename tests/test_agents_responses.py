@@ -86,6 +86,19 @@ def test_items_kept_in_place_and_calls_joined_to_their_turn():
     assert call.session == "sess-1"
 
 
+def test_reasoning_goes_with_the_turn_right_after_it():
+    call = parse_request({"input": [
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"},
+        {"type": "message", "role": "assistant", "content": "a"},
+        {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "s"}]},
+        {"role": "user", "content": "u"},
+        {"type": "message", "role": "assistant", "content": "b"}]})
+    # nothing readable in the first; the second precedes a user message, not a turn of its own
+    assert call.messages == [{"role": "assistant", "content": "a"},
+                             {"role": "user", "content": "u"},
+                             {"role": "assistant", "content": "b"}]
+
+
 def test_tool_choice_forms():
     base = {"input": "x"}
     assert parse_request({**base, "tool_choice": {"type": "function", "name": "f"}}) \

@@ -152,6 +152,7 @@ class _Messages:
         self.messages.append(message)
         self.labels.append(label)
         self._open_assistant = None
+        self._reasoning = []  # reasoning belongs to the assistant turn right after it
 
     def assistant(self, i: int) -> Dict[str, Any]:
         """The assistant turn input item ``i`` belongs to: the one just added (text then
@@ -169,7 +170,8 @@ class _Messages:
         return msg
 
     def reasoning(self, text: str) -> None:
-        self._reasoning.append(text)
+        if text:  # (an item with only encrypted_content has none)
+            self._reasoning.append(text)
         self._open_assistant = None
 
 
