@@ -429,3 +429,117 @@ def test_tool_round_trip(model_dirs, tmp_path):
                                    prompt_cache_key="s1")
         assert again.usage.input_tokens > whole.usage.input_tokens
         assert again.usage.input_tokens_details.cached_tokens >= whole.usage.input_tokens
+
+
+# -- the HTTP glue, on a stand-in handler ----------------------------------------------------------
+class FakeHandler:
+    """What `serve_responses` uses of the live handler."""
+
+    def __init__(self, body, raw=None):
+        import io
+        data = raw if raw is not None else json.dumps(body).encode()
+        self.headers = {"Content-Length": str(len(data))}
+        self.rfile, self.wfile = io.BytesIO(data), io.BytesIO()
+        self.status, self.sent = None, {}
+
+    def send_response(self, code, message=None):
+        self.status = code
+
+    def send_header(self, k, v):
+        self.sent[k] = v
+
+    def end_headers(self):
+        pass
+
+    def sse(self):
+        out = []
+        for block in self.wfile.getvalue().decode().split("\n\n"):
+            lines = block.splitlines()
+            if lines and lines[0].startswith("event: "):
+                out.append((lines[0][7:], json.loads(lines[1][6:])))
+        return out
+
+
+def serve_with(monkeypatch, body, events=None, refusal=None, raw=None):
+    from mlx_kvcache.serving.agents import responses
+    closed = []
+
+    def fake_run_chat(handler, call):
+        if refusal is not None:
+            raise refusal
+
+        def gen():
+            try:
+                yield from events
+            finally:
+                closed.append(True)
+        return gen()
+    monkeypatch.setattr(responses, "run_chat", fake_run_chat)
+    h = FakeHandler(body, raw)
+    responses.serve_responses(h)
+    return h, closed
+
+
+def test_glue_streams_keepalives_and_a_failure(monkeypatch):
+    evs = [Event("progress", text="10/20"), Event("text", text="par"),
+           Event("error", text="the answer failed: boom"), Event("text", text="never")]
+    h, closed = serve_with(monkeypatch, {"model": "m", "input": "x", "stream": True}, evs)
+    assert h.status == 200 and h.sent["Content-Type"] == "text/event-stream"
+    assert b": keepalive 10/20\n\n" in h.wfile.getvalue()
+    stream = h.sse()
+    assert stream[-1][0] == "response.failed"
+    assert stream[-1][1]["response"]["error"]["message"] == "the answer failed: boom"
+    assert "never" not in h.wfile.getvalue().decode() and closed == [True]
+    replay(stream)
+
+
+def test_glue_whole_answer_and_errors(monkeypatch):
+    h, closed = serve_with(monkeypatch, {"model": "m", "input": "x"}, events_of("text"))
+    assert h.status == 200 and closed == [True]
+    r = json.loads(h.wfile.getvalue())
+    RESPONSE.validate_python(r)
+    assert r["model"] == "m" and r["output"][0]["content"][0]["text"] == "text piece "
+    h, _ = serve_with(monkeypatch, {"model": "m", "input": "x"}, [Event("error", text="boom")])
+    assert h.status == 500 and json.loads(h.wfile.getvalue())["error"]["message"] == "boom"
+    # the bridge's refusal, before any event, keeps its status and kind
+    h, _ = serve_with(monkeypatch, {"model": "m", "input": "x"},
+                      refusal=AgentRequestError("the server is stopping", 503, "overloaded_error"))
+    assert h.status == 503
+    assert json.loads(h.wfile.getvalue())["error"] == {
+        "message": "the server is stopping", "type": "overloaded_error", "param": None,
+        "code": None}
+    h, _ = serve_with(monkeypatch, None, raw=b"\xff{")
+    assert h.status == 400 and "not valid JSON" in json.loads(h.wfile.getvalue())["error"]["message"]
+
+
+def test_glue_client_gone_ends_the_generation(monkeypatch):
+    class Gone(FakeHandler):
+        def __init__(self, *a):
+            super().__init__(*a)
+            self.writes = 0
+            wfile = self.wfile
+
+            class W:
+                def write(_, data):
+                    self.writes += 1
+                    if self.writes > 1:
+                        raise BrokenPipeError
+                    wfile.write(data)
+
+                def flush(_):
+                    pass
+            self.wfile = W()
+    from mlx_kvcache.serving.agents import responses
+    closed = []
+
+    def fake_run_chat(handler, call):
+        def gen():
+            try:
+                while True:
+                    yield Event("text", text="more")
+            finally:
+                closed.append(True)
+        return gen()
+    monkeypatch.setattr(responses, "run_chat", fake_run_chat)
+    responses.serve_responses(Gone({"model": "m", "input": "x", "stream": True}))
+    assert closed == [True]
