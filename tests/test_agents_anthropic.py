@@ -204,3 +204,53 @@ def test_tool_round_trip(tool_server):
     assert n == again.usage.input_tokens + again.usage.cache_read_input_tokens
     rendered = tool_server.cache()["recent"][-1]
     assert rendered["prompt_tokens"] == n
+
+
+def test_concurrent_answers_equal_sequential_ones(server, client):
+    import threading
+
+    convos = [[{"role": "user", "content": f"Conversation number {i}: tell me something."}]
+              for i in range(3)]
+
+    def ask(msgs, stream):
+        if stream:
+            with client.messages.stream(model="m", max_tokens=6, messages=msgs,
+                                        extra_body=GREEDY) as st:
+                return _text(st.get_final_message())
+        return _text(client.messages.create(model="m", max_tokens=6, messages=msgs,
+                                            extra_body=GREEDY))
+
+    want = [ask(m, False) for m in convos]
+    server.request("DELETE", "/v1/cache")
+    got = [None] * 3
+
+    def go(i):
+        got[i] = ask(convos[i], i % 2 == 0)
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        server.watch.wait("a client thread").until(lambda: not t.is_alive())
+    assert got == want
+
+
+def test_a_client_leaving_mid_stream_leaves_the_server_serving(server, client):
+    import socket
+
+    body = json.dumps({"model": "m", "max_tokens": 4000, "stream": True,
+                       "messages": [{"role": "user", "content": "Go on and on."}]}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        seen = b""
+        while b"content_block_delta" not in seen:
+            chunk = sock.recv(4096)
+            assert chunk, seen
+            seen += chunk
+        assert seen.split(b"\r\n", 1)[0].endswith(b"200 OK")
+    # Gone mid-answer: the route notices at its next write and returns (mlx-lm's batch
+    # path then drops the generation, as for a chat client that leaves).
+    server.watch.wait("the abandoned answer's route to return").until(
+        lambda: server.cache()["open_requests"] == 0)
+    r = client.messages.create(model="m", max_tokens=2, messages=CONVO, extra_body=GREEDY)
+    assert r.usage.output_tokens == 2
