@@ -13,7 +13,8 @@ import pytest
 anthropic = pytest.importorskip("anthropic")
 
 from mlx_kvcache.testing import write_model_dir  # noqa: E402
-from mlx_kvcache.testing.agent_dirs import TOOL_CALL, write_tool_dir  # noqa: E402
+from mlx_kvcache.testing.agent_dirs import (  # noqa: E402
+    ANSWER, THOUGHT, TOOL_CALL, write_thinking_dir, write_tool_dir)
 from mlx_kvcache.testing.servers import Server  # noqa: E402
 from mlx_kvcache.testing.waits import CAP  # noqa: E402
 
@@ -31,7 +32,8 @@ GREEDY = {"temperature": 0}  # the 2026 SDK takes no sampling arguments: extra_b
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("agents")
     model = write_model_dir(root / "llama", "llama")
-    with Server.ours(model, root / "log.txt", root / "home", "--no-persist") as s:
+    with Server.ours(model, root / "log.txt", root / "home", "--no-persist",
+                     "--drop-lines", r"Current time: ") as s:
         yield s
 
 
@@ -98,6 +100,19 @@ def test_usage_is_honest_and_agrees_with_the_cache(server, client):
     # The chat route's request above stored the prompt: the first read all but one token.
     assert first.cache_read_input_tokens == n - 1
     assert again.cache_creation_input_tokens == again.input_tokens
+
+
+def test_volatile_lines_do_not_break_the_prefix(server, client):
+    def ask(minute):
+        system = [{"type": "text", "text": f"x-anthropic-billing-header: cch={minute};\n"
+                                           f"Current time: 12:{minute:02d}\nYou are terse."}]
+        return client.messages.create(model="m", max_tokens=2, system=system, messages=CONVO,
+                                      extra_body=GREEDY).usage
+    server.request("DELETE", "/v1/cache")
+    ask(1)
+    u = ask(2)
+    assert u.input_tokens == 1  # everything but the last token, which is always computed
+    assert server.cache()["recent"][-1]["reuse"]["kind"] == "hit"
 
 
 def test_stop_sequences(server, client):
@@ -254,3 +269,26 @@ def test_a_client_leaving_mid_stream_leaves_the_server_serving(server, client):
         lambda: server.cache()["open_requests"] == 0)
     r = client.messages.create(model="m", max_tokens=2, messages=CONVO, extra_body=GREEDY)
     assert r.usage.output_tokens == 2
+
+
+def test_thinking_out_and_back(tmp_path):
+    model = write_thinking_dir(tmp_path / "think")
+    with Server.ours(model, tmp_path / "log.txt", tmp_path / "home", "--no-persist") as s:
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.port}", api_key="x",
+                                max_retries=0)
+        msgs = [{"role": "user", "content": "Do it."}]
+        with c.messages.stream(model="m", max_tokens=16, messages=msgs) as st:
+            deltas = [e.delta.type for e in st if e.type == "content_block_delta"]
+            r = st.get_final_message()
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+                for b in r.content] == [("thinking", THOUGHT), ("text", ANSWER)]
+        assert "thinking_delta" in deltas and "text_delta" in deltas
+        assert r.stop_reason == "end_turn"
+        first = r.usage.input_tokens + r.usage.cache_read_input_tokens
+        # The turn sent back with its thinking renders as the model wrote it: the next
+        # prompt reads the previous prompt and the whole answer from the cache.
+        msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                   for b in r.content]},
+                 {"role": "user", "content": "Again."}]
+        again = c.messages.create(model="m", max_tokens=16, messages=msgs)
+        assert again.usage.cache_read_input_tokens >= first + r.usage.output_tokens - 1

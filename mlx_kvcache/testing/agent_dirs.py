@@ -7,7 +7,8 @@
   template and a tokenizer that mlx-lm's ``json_tools`` parser recognises: a "bigram"
   llama whose layers add nothing (zero output projections), so its next token depends on
   the current one only — ``<|assistant|>`` → ``<tool_call>`` → the call's JSON (one added
-  token) → ``</tool_call>`` → ``</s>``.
+  token) → ``</tool_call>`` → ``</s>``;
+* `write_thinking_dir`: the same kind of model reasoning first (``<think>`` … ``</think>``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import mlx.core as mx
 
 from .dirs import CHARS, SPECIALS, write_model_dir
 
-__all__ = ["REFUSING_TEMPLATE", "TOOL_TEMPLATE", "TOOL_CALL", "write_refusing_dir",
-           "write_tool_dir"]
+__all__ = ["REFUSING_TEMPLATE", "TOOL_TEMPLATE", "TOOL_CALL", "THINKING_TEMPLATE", "THOUGHT",
+           "ANSWER", "write_refusing_dir", "write_tool_dir", "write_thinking_dir"]
 
 #: Renders system messages first only (like Qwen3's), tool calls and tool results.
 REFUSING_TEMPLATE = (
@@ -59,6 +60,21 @@ TOOL_TEMPLATE = (
 )
 
 
+#: What the thinking model thinks, then answers.
+THOUGHT, ANSWER = "Let me think about it.", "It is done."
+
+#: Renders an assistant turn's reasoning inside <think> ... </think> before its text.
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' %}<|system|>{{ m['content'] }}</s>"
+    "{%- elif m['role'] == 'user' %}<|user|>{{ m['content'] }}</s>"
+    "{%- else %}<|assistant|>{%- if m.get('reasoning_content') %}<think>"
+    "{{ m['reasoning_content'] }}</think>{%- endif %}{{ m['content'] }}</s>{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
 def _write_tokenizer(path: Path, template: str, added=()) -> int:
     """The character tokenizer (`dirs`) with ``template`` and ``added`` whole-string
     tokens; returns the vocabulary size."""
@@ -85,17 +101,19 @@ def write_refusing_dir(path, kind: str = "llama", seed: int = 0) -> Path:
     return path
 
 
-def write_tool_dir(path) -> Path:
-    """The model that always calls `TOOL_CALL` (see the module doc)."""
+def _write_chain_dir(path, template: str, added, chain) -> Path:
+    """A "bigram" llama (see the module doc) that, from ``<|assistant|>``, produces the
+    tokens ``chain`` (names of specials, characters or ``added`` strings), then ``</s>``."""
     path = Path(path)
-    vocab = len(SPECIALS) + len(CHARS) + len(_ADDED)
+    added = list(added)
+    vocab = len(SPECIALS) + len(CHARS) + len(added)
     hidden = 128
     write_model_dir(path, "llama", 0, hidden_size=hidden, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=32, num_hidden_layers=1, vocab_size=vocab)
-    assert _write_tokenizer(path, TOOL_TEMPLATE, _ADDED) == vocab
-    ids = {t: i for i, t in enumerate(SPECIALS + CHARS + _ADDED)}
-    succ = {ids["<|assistant|>"]: ids["<tool_call>"], ids["<tool_call>"]: ids[_ADDED[2]],
-            ids[_ADDED[2]]: ids["</tool_call>"]}
+    assert _write_tokenizer(path, template, added) == vocab
+    ids = {t: i for i, t in enumerate(SPECIALS + CHARS + added)}
+    steps = [ids["<|assistant|>"], *(ids[t] for t in chain)]
+    succ = dict(zip(steps, steps[1:]))
     eos = ids["</s>"]
     weights = dict(mx.load(str(path / "model.safetensors")))
     for k, v in weights.items():
@@ -112,3 +130,16 @@ def write_tool_dir(path) -> Path:
     weights["lm_head.weight"] = head
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     return path
+
+
+def write_tool_dir(path) -> Path:
+    """The model that always calls `TOOL_CALL` (see the module doc)."""
+    return _write_chain_dir(path, TOOL_TEMPLATE, _ADDED, ["<tool_call>", _ADDED[2], "</tool_call>"])
+
+
+def write_thinking_dir(path) -> Path:
+    """A model that reasons: every answer is ``<think>`` `THOUGHT` ``</think>`` `ANSWER`,
+    through a template that renders an earlier turn's reasoning the same way (mlx-lm
+    splits reasoning from ``<think>`` / ``</think>`` tokens)."""
+    return _write_chain_dir(path, THINKING_TEMPLATE, ["<think>", "</think>", THOUGHT, ANSWER],
+                            ["<think>", THOUGHT, "</think>", ANSWER])
