@@ -244,3 +244,20 @@ def test_under_mlx_launch_the_ranks_checkpoint_at_the_breakpoint(dirs):
     assert got[1].usage.cache_read_input_tokens == ref[1].usage.cache_read_input_tokens \
         == 1 + len(doc)
     assert lines[0] == lines[1], lines  # both ranks restored at the breakpoint
+
+
+def test_a_template_without_system_messages_gets_them_in_the_user_turn():
+    class NoSystem:  # a chat template that raises on any system message
+        def apply_chat_template(self, msgs, add_generation_prompt=True, tokenize=False, **kw):
+            if any(m["role"] == "system" for m in msgs):
+                raise ValueError("system messages are not supported")
+            return "".join(m["content"] for m in msgs)
+
+    tok = NoSystem()
+    assert cv.system_policy(tok) == "fold_all"
+    conv = cv.Conversation.from_call([{"role": "system", "content": "S"},
+                                      {"role": "user", "content": "U"},
+                                      {"role": "system", "content": "R"}])
+    conv.fit_template(cv.system_policy(tok))
+    assert conv.messages() == [{"role": "user", "content": "<system-reminder>\nS\n"
+                                "</system-reminder>\n\nU\n\n<system-reminder>\nR\n</system-reminder>"}]

@@ -373,7 +373,7 @@ class _ChatRun(CacheAPIHandler):
         except (ValueError, AttributeError):
             msg = self.error_body.decode(errors="replace")
         msg = str(msg or f"the request failed (HTTP {self.status})")
-        if self.status == 503:
+        if self.status == 503 or "generation thread" in msg:
             return AgentRequestError(msg, 503, "overloaded_error")
         if self.status in (400, 404):  # mlx-lm answers 404 to what failed its tokenizing
             return AgentRequestError(msg, 400, "invalid_request_error")

@@ -144,13 +144,14 @@ class Conversation:
     # -- templates that refuse later system messages ------------------------------------------
     def fit_template(self, policy: str) -> None:
         """``"in_place"``: nothing to do. ``"fold"``: every system message but a first one
-        goes into the adjacent user turn (see the module doc)."""
-        if policy != "fold":
+        goes into the adjacent user turn (see the module doc); ``"fold_all"`` (a template
+        that takes no system message at all): the first one too."""
+        if policy not in ("fold", "fold_all"):
             return
         out: List[Message] = []
         items = self.items
         for i, m in enumerate(items):
-            if m.fields["role"] != "system" or i == 0:
+            if m.fields["role"] != "system" or (i == 0 and policy == "fold"):
                 out.append(m)
                 continue
             wrapped = self._wrapped(m)
@@ -208,7 +209,8 @@ _PROBE_MARK = "zq7-probe-system"
 
 def system_policy(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> str:
     """``"in_place"`` when the chat template renders a system message after the first where
-    it stands, else ``"fold"``. Probed once per tokenizer (and template arguments)."""
+    it stands, ``"fold_all"`` when it renders no system message at all, else ``"fold"``.
+    Probed once per tokenizer (and template arguments)."""
     key = (id(tokenizer), repr(sorted((template_args or {}).items())))
     with _policy_lock:
         if key in _policies:
@@ -220,23 +222,29 @@ def system_policy(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> 
         [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
          {"role": "system", "content": _PROBE_MARK}],
     ]
-    policy = "in_place"
-    for msgs in probes:
+    def renders(msgs) -> bool:
         try:
             text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
                                                  **(template_args or {}))
         except Exception:
-            policy = "fold"
-            break
-        if not isinstance(text, str) or _PROBE_MARK not in text:
-            policy = "fold"
-            break
+            return False
+        return isinstance(text, str) and _PROBE_MARK in text
+
+    if not renders([{"role": "system", "content": _PROBE_MARK}, {"role": "user", "content": "U"}]):
+        policy = "fold_all"
+    elif all(renders(msgs) for msgs in probes):
+        policy = "in_place"
+    else:
+        policy = "fold"
     with _policy_lock:
         _policies[key] = policy
     log.info("mlx_kvcache: the chat template %s; system messages inside the conversation are "
              "rendered %s", "renders later system messages in place" if policy == "in_place"
              else "refuses later system messages",
              "where they are" if policy == "in_place" else "inside the adjacent user turn")
+    if policy == "fold_all":
+        log.info("mlx_kvcache: the chat template renders no system message: the first one "
+                 "goes into the first user turn too")
     return policy
 
 
