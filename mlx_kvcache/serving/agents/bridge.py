@@ -240,7 +240,7 @@ class _Capture(io.RawIOBase):
         if self._run.closed:
             raise _Closed("the client of this answer left")
         data = bytes(data)
-        if self._run.status != 200:
+        if self._run.status not in (None, 200):
             self._run.error_body += data
             return len(data)
         self._buf += data

@@ -55,6 +55,8 @@ REMINDER_CLOSE = "\n</system-reminder>"
 FOLD_SEP = "\n\n"
 
 ROLES = ("system", "user", "assistant", "tool")
+#: Tokens re-encoded to check a breakpoint's offset.
+_WINDOW = 8
 
 
 @dataclass
@@ -276,18 +278,19 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
         raise ValueError(f"unsupported message content: {e}") from None
     kw = dict(template_args or {})
     try:
-        ids = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True,
-                                            tokenize=True, **kw)
         text = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True,
                                              tokenize=False, **kw)
     except Exception as e:  # the template's own refusal (jinja raise_exception) and the like
         raise ValueError(f"the model's chat template refused this conversation: {e}") from None
-    ids = list(ids)
-    out = Layout(len(ids))
+    # One render, one encoding: the template's text encoded without added special tokens
+    # is what mlx-lm's ``apply_chat_template(tokenize=True)`` returns.
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    starts = _token_starts(backend, text, ids)
-    if starts is None:
+    enc = backend.encode(text, add_special_tokens=False) if backend is not None else None
+    ids = list(enc.ids) if enc is not None else list(tokenizer.encode(text, add_special_tokens=False))
+    out = Layout(len(ids))
+    if enc is None:
         return out
+    starts = [a for a, _ in enc.offsets]
 
     def token_at(char: int) -> int:  # the token holding character ``char``
         return max(0, bisect.bisect_right(starts, char) - 1)
@@ -308,9 +311,7 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
             out.marks.append((token_at(at), p.label))
             cursor = at + len(p.text)
             if p.breakpoint:
-                # Exactly where the tokens of the text up to here stop agreeing with the
-                # prompt's (a token merging across the end belongs to what follows).
-                cut = _common(backend.encode(text[:cursor], add_special_tokens=False).ids, ids)
+                cut = _cut(backend, text, ids, starts, cursor)
                 if 0 < cut < len(ids):
                     out.cuts.append(cut)
     out.cuts = sorted(set(out.cuts))
@@ -325,15 +326,15 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def _token_starts(backend, text: str, ids: List[int]) -> Optional[List[int]]:
-    """Each token's first character in ``text``, when the (fast) tokenizer reports offsets
-    and tokenizes ``text`` to exactly ``ids``; else None."""
-    if backend is None:
-        return None
-    try:
-        enc = backend.encode(text, add_special_tokens=False)
-    except Exception:
-        return None
-    if list(enc.ids) != ids:
-        return None
-    return [a for a, _ in enc.offsets]
+def _cut(backend, text: str, ids: List[int], starts: List[int], end: int) -> int:
+    """The number of prompt tokens that encode ``text[:end]``: where the tokens of the
+    text up to ``end`` stop agreeing with the prompt's (a token merging across ``end``
+    belongs to what follows). Encodes the text of the last few tokens before ``end`` again,
+    from a token boundary (pre-tokenization makes tokens there independent of what came
+    before), not the whole prefix."""
+    guess = bisect.bisect_left(starts, end)
+    lo = max(0, guess - _WINDOW)
+    while lo > 0 and starts[lo] >= end:
+        lo -= 1
+    window = backend.encode(text[starts[lo]:end], add_special_tokens=False).ids
+    return lo + _common(window, ids[lo:lo + len(window)])
