@@ -43,7 +43,8 @@ def check() -> Optional[str]:
 
     missing = [name for name in ("main", "run", "argparse", "ResponseGenerator", "APIHandler",
                                  "ModelProvider", "LRUPromptCache", "ThreadingHTTPServer",
-                                 "get_system_fingerprint", "_parse_size", "stream_generate")
+                                 "get_system_fingerprint", "_parse_size", "stream_generate",
+                                 "CompletionRequest", "process_message_content", "convert_chat")
                if not hasattr(S, name)]
     if missing:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server has no "
@@ -72,7 +73,10 @@ def check() -> Optional[str]:
                                                          "stop_words"]),
             (S.APIHandler, "validate_model_parameters", ["self"]),
             (S.APIHandler, "_set_completion_headers", ["self", "status_code"]),
-            (S.APIHandler, "handle_completion", ["self", "request", "stop_words"])):
+            (S.APIHandler, "handle_completion", ["self", "request", "stop_words"]),
+            # The agent routes run mlx-lm's chat route on a request of theirs (`agents.bridge`).
+            (S.APIHandler, "do_POST", ["self"]),
+            (S.APIHandler, "handle_chat_completions", ["self"])):
         fn = getattr(owner, name, None)
         if fn is None or list(inspect.signature(fn).parameters)[:len(params)] != params:
             raise SeamError(f"mlx_lm {mlx_lm.__version__}: {owner.__name__}.{name} changed")
@@ -88,6 +92,10 @@ def check() -> Optional[str]:
     if "stream_generate(" not in single or "draft_model=" not in single:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: ResponseGenerator._serve_single no "
                         f"longer calls stream_generate(draft_model=...)")
+    chunks = inspect.getsource(S.APIHandler.handle_completion)
+    if 'f"data: {json.dumps(resp)}\\n\\n"' not in chunks or "include_usage" not in chunks:
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: APIHandler.handle_completion no longer "
+                        f"streams OpenAI chunks (data: ...) with usage, as the agent routes read")
     src = inspect.getsource(S.main)
     if "argparse.ArgumentParser(" not in src or "run(" not in src:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server.main no longer builds "
