@@ -292,3 +292,46 @@ def test_thinking_out_and_back(tmp_path):
                  {"role": "user", "content": "Again."}]
         again = c.messages.create(model="m", max_tokens=16, messages=msgs)
         assert again.usage.cache_read_input_tokens >= first + r.usage.output_tokens - 1
+
+
+def test_a_stop_refuses_in_anthropic_shape_and_ends_open_answers(tmp_path):
+    import signal
+    import threading
+
+    model = write_model_dir(tmp_path / "llama", "llama")
+    s = Server.ours(model, tmp_path / "log.txt", tmp_path, "--no-persist",
+                    "--shutdown-grace", "120")
+    try:
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.port}", api_key="x", max_retries=0)
+        events, box = [], {}
+
+        def long_answer():
+            try:
+                with c.messages.stream(model="m", max_tokens=100_000, messages=CONVO) as st:
+                    for e in st:
+                        events.append(e)
+                    box["final"] = st.get_final_message()
+            except BaseException as e:  # inspected below
+                box["error"] = e
+        t = threading.Thread(target=long_answer, daemon=True)
+        t.start()
+        s.watch.wait("the first streamed delta").until(
+            lambda: any(e.type == "content_block_delta" for e in events) or not t.is_alive())
+        s.send_signal(signal.SIGTERM)
+
+        def refused():
+            status, out = s.request("POST", "/v1/messages", body={
+                "model": "m", "max_tokens": 2, "messages": CONVO})
+            return (status, out) if status == 503 else None
+        status, out = s.watch.wait("the server to refuse new requests").until(refused)
+        assert out == {"type": "error", "error": {"type": "overloaded_error",
+                                                  "message": "the server is stopping"}}
+        assert t.is_alive()  # the open answer goes on during the grace period
+        s.send_signal(signal.SIGTERM)  # a second signal ends it now, properly
+        s.watch.wait("the open answer to end").until(lambda: not t.is_alive())
+        assert "error" not in box, box
+        assert box["final"].stop_reason == "max_tokens"
+        assert events[-1].type == "message_stop"
+        assert s.wait_exit() == 0, s.tail()
+    finally:
+        s.stop()
