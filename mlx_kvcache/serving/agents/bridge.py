@@ -27,6 +27,13 @@ on the request (`MarkedRequest`): the client's ``cache_control`` breakpoints bec
 checkpoint offsets, and the prompt cache's miss explanation names the part a request
 diverged in.
 
+Two things mlx-lm's chunks do not say are recovered here: which stop sequence ended an
+answer (mlx-lm reports ``stop`` for an end-of-sequence token and a stop word alike; the
+answer's last tokens, kept on the request's `lifecycle.Ticket`, tell them apart, matched
+as mlx-lm matches them), and whether the prompt was stored for reuse
+(`TriePromptCache.stores_prompts`). The layout costs one more render and encoding of the
+prompt, in the HTTP thread (mlx-lm's own route renders the leading system messages twice).
+
 Admission during a stop is the caller's (`CacheAPIHandler._admitted` wraps the route);
 mlx-lm's handler runs here on a worker thread (it writes, the front end reads), which ends
 when the answer does or, once the front end stops reading (its client left), at the next
