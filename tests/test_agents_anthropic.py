@@ -75,9 +75,16 @@ def test_answers_equal_the_chat_route(server, client):
 
 
 def test_raw_stream_events(server, client):
+    n = client.messages.count_tokens(model="m", messages=CONVO).input_tokens
     raw = client.messages.create(model="m", max_tokens=4, messages=CONVO, stream=True,
                                  extra_body=GREEDY)
-    kinds = [e.type for e in raw]
+    events = list(raw)
+    kinds = [e.type for e in events]
+    start, delta = events[0].message.usage, events[-2].usage
+    # message_start knows the prompt's length (and, on the batch path, what was restored);
+    # message_delta has the final numbers.
+    assert start.input_tokens + start.cache_read_input_tokens == n
+    assert delta.input_tokens + delta.cache_read_input_tokens == n and delta.output_tokens == 4
     assert kinds[:2] == ["message_start", "content_block_start"] or \
         kinds[:3] == ["message_start", "ping", "content_block_start"]
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]

@@ -245,6 +245,7 @@ class ServerResponseGenerator(ResponseGenerator):
             ctx.stop()
             self._refuse(ticket)
         ticket.started = True
+        ticket.ctx = ctx
         return ctx, _watched(response, ticket)
 
     @staticmethod

@@ -35,9 +35,10 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from .bridge import AgentRequestError, ChatCall, Event, count_tokens, run_chat, served_model
+from .bridge import (AgentRequestError, ChatCall, ChatEvents, Event, count_tokens, run_chat,
+                     served_model)
 
 __all__ = ["parse_request", "MessageBuilder", "serve_messages", "serve_count_tokens",
            "error_body"]
@@ -322,11 +323,11 @@ def parse_request(body: Any, count_only: bool = False) -> ChatCall:
 
 
 # -- the answer ------------------------------------------------------------------------------
-def _usage(ev: Optional[Event], prompt_tokens: int = 0) -> Dict[str, int]:
+def _usage(ev: Optional[Event], prompt_tokens: int = 0, cached: int = 0) -> Dict[str, int]:
     u = ev.usage if ev is not None else None
-    if u is None:
-        return {"input_tokens": prompt_tokens, "output_tokens": 0,
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    if u is None:  # at the start: what is known yet (the message_delta has the rest)
+        return {"input_tokens": prompt_tokens - cached, "output_tokens": 0,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
     return {"input_tokens": u.uncached_tokens, "output_tokens": u.output_tokens,
             "cache_creation_input_tokens": u.created_tokens,
             "cache_read_input_tokens": u.cached_tokens}
@@ -343,10 +344,10 @@ def _tool_input(arguments: str) -> Any:
 class MessageBuilder:
     """An answer as Anthropic content blocks and stream events, fed `Event`s."""
 
-    def __init__(self, model: str, prompt_tokens: int = 0) -> None:
+    def __init__(self, model: str, prompt_tokens: int = 0, cached_tokens: int = 0) -> None:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.model = model
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
         self.blocks: List[Dict[str, Any]] = []
         self._open: Optional[str] = None  # the kind of the block being streamed
         self.done: Optional[Event] = None
@@ -354,7 +355,7 @@ class MessageBuilder:
     def start(self) -> List[Tuple[str, Dict[str, Any]]]:
         head = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": _usage(None, self.prompt_tokens)}
+                "usage": _usage(None, self.prompt_tokens, self.cached_tokens)}
         return [("message_start", {"type": "message_start", "message": head}),
                 ("ping", {"type": "ping"})]
 
@@ -485,7 +486,7 @@ def serve_messages(handler) -> None:
         events = run_chat(handler, call)
     except AgentRequestError as e:
         return _send_error(handler, e)
-    builder = MessageBuilder(model)
+    builder = MessageBuilder(model, events.prompt_tokens, events.cached_tokens or 0)
     try:
         if body.get("stream"):
             _stream(handler, builder, events)
@@ -495,7 +496,7 @@ def serve_messages(handler) -> None:
         events.close()  # a client gone mid-answer ends the generation
 
 
-def _whole(handler, builder: MessageBuilder, events: Iterator[Event]) -> None:
+def _whole(handler, builder: MessageBuilder, events: ChatEvents) -> None:
     for ev in events:
         if ev.kind == "error":
             return _send_json(handler, 500, error_body(ev.text or "the answer failed", "api_error"))
@@ -505,7 +506,7 @@ def _whole(handler, builder: MessageBuilder, events: Iterator[Event]) -> None:
     _send_json(handler, 200, builder.message())
 
 
-def _stream(handler, builder: MessageBuilder, events: Iterator[Event]) -> None:
+def _stream(handler, builder: MessageBuilder, events: ChatEvents) -> None:
     handler.send_response(200)
     handler.send_header("Content-Type", "text/event-stream")
     handler.send_header("Cache-Control", "no-cache")

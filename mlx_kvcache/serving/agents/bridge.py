@@ -58,8 +58,8 @@ from ..handler import CacheAPIHandler
 from ..lifecycle import current_ticket
 from . import conversation
 
-__all__ = ["ChatCall", "Usage", "Event", "AgentRequestError", "run_chat", "count_tokens",
-           "served_model"]
+__all__ = ["ChatCall", "Usage", "Event", "AgentRequestError", "ChatEvents", "run_chat",
+           "count_tokens", "served_model"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -284,6 +284,8 @@ class _ChatRun(CacheAPIHandler):
         run.finish: Optional[str] = None
         run.usage: Optional[Dict[str, Any]] = None
         run.ended = False
+        run.prompt_tokens = prep.layout.prompt_tokens
+        run.cached_tokens: Optional[int] = None
         return run
 
     # -- what mlx-lm's handler calls -----------------------------------------------------------
@@ -301,6 +303,11 @@ class _ChatRun(CacheAPIHandler):
         pass
 
     def end_headers(self) -> None:
+        ctx = getattr(current_ticket(), "ctx", None)  # this thread's request (`generate`)
+        if ctx is not None:
+            self.prompt_tokens = len(ctx.prompt)
+            if ctx.prompt_cache_count >= 0:  # the batch path fetched already
+                self.cached_tokens = ctx.prompt_cache_count
         self.started.set()
 
     def log_message(self, format, *args) -> None:
@@ -399,7 +406,7 @@ def _stop_word(tokenizer, stops: List[str], last: Tuple[int, ...]) -> Optional[s
     return None
 
 
-def run_chat(handler, call: ChatCall) -> Iterator[Event]:
+def run_chat(handler, call: ChatCall) -> "ChatEvents":
     """Run ``call`` for the live request ``handler`` (a `CacheAPIHandler`, already
     admitted) and return its events. Raises `AgentRequestError` before anything is
     generated (bad input, the server stopping); afterwards a failure is an ``"error"``
@@ -412,17 +419,40 @@ def run_chat(handler, call: ChatCall) -> Iterator[Event]:
     if run.status != 200:
         worker.join()
         raise run.refusal()
-    return _events(run)
+    return ChatEvents(run)
 
 
-def _events(run: _ChatRun) -> Iterator[Event]:
-    try:
-        while True:
-            ev = run.events.get()
-            if ev is None:
-                return
-            yield ev
-            if ev.kind in ("done", "error"):
-                return
-    finally:
-        run.closed = True
+class ChatEvents:
+    """The events of one answer (an iterator; `close` it to stop early). Known before the
+    first event: ``prompt_tokens``, the prompt's length, and ``cached_tokens``, what the
+    prompt cache restored, where it has already fetched (else None: the ``done`` event's
+    usage says)."""
+
+    def __init__(self, run: _ChatRun) -> None:
+        self._run = run
+        self.prompt_tokens: int = run.prompt_tokens
+        self.cached_tokens: Optional[int] = run.cached_tokens
+        self._it = self._events()
+
+    def __iter__(self) -> "ChatEvents":
+        return self
+
+    def __next__(self) -> Event:
+        return next(self._it)
+
+    def close(self) -> None:
+        self._it.close()
+        self._run.closed = True
+
+    def _events(self) -> Iterator[Event]:
+        run = self._run
+        try:
+            while True:
+                ev = run.events.get()
+                if ev is None:
+                    return
+                yield ev
+                if ev.kind in ("done", "error"):
+                    return
+        finally:
+            run.closed = True
