@@ -50,8 +50,10 @@ class Reuse:
     ``offset`` and the end of the prompt. ``kind``: ``hit``, ``held`` (the whole prompt is cached,
     but a layer could not restore that far), ``extends`` (the prompt continues past the end
     of a cached one), ``diverged``, ``evicted`` (the cache held more of it before),
-    ``image`` (different images), ``empty``, ``off`` (caching is off). ``excerpts``: False
-    when the text was left out (`without_text`).
+    ``image`` (different images), ``empty``, ``off`` (caching is off). ``where``: the
+    client's name for the part of the prompt holding ``diverged_at`` (``"messages[3]"``),
+    when the server knows the prompt's layout; else empty. ``excerpts``: False when the
+    text was left out (`without_text`).
     """
 
     kind: str
@@ -62,6 +64,7 @@ class Reuse:
     cached: str
     prompt: str
     rule: str
+    where: str = ""
     excerpts: bool = True
 
     def as_dict(self) -> dict:
@@ -78,11 +81,11 @@ class Reuse:
         if self.kind == "hit":
             return self.rule
         where = f"reuse stopped at {self.offset}"
-        if self.diverged_at is not None and self.kind in ("diverged", "evicted", "image") \
-                and not self.excerpts:
-            where += f" (diverged at {self.diverged_at})"
-        elif self.diverged_at is not None and self.kind in ("diverged", "evicted", "image"):
-            where += (f" (diverged at {self.diverged_at}: cached \"…{self.before}|{self.cached}…\""
+        if self.diverged_at is not None and self.kind in ("diverged", "evicted", "image"):
+            named = f" in {self.where}" if self.where else ""
+            if not self.excerpts:
+                return f"{where} (diverged at {self.diverged_at}{named}): {self.rule}"
+            where += (f" (diverged at {self.diverged_at}{named}: cached \"…{self.before}|{self.cached}…\""
                       f" vs prompt \"…{self.before}|{self.prompt}…\")")
         return f"{where}: {self.rule}"
 

@@ -76,6 +76,17 @@ def positive_int(s: str) -> int:
     return v
 
 
+def _regex(s: str) -> str:
+    import argparse
+    import re
+
+    try:
+        re.compile(s)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {e}") from None
+    return s
+
+
 def add_options(parser) -> None:
     """Our options, added to mlx-lm's server parser (they show in ``--help``). Every byte
     size, mlx-lm's ``--prompt-cache-bytes`` included, is read as the chat command reads it
@@ -133,6 +144,14 @@ def add_options(parser) -> None:
                    "A request naming a model that is neither this id, a local path nor a "
                    "Hugging Face repo id (owner/name; offline: a cached one) is answered by the "
                    "served model")
+    g.add_argument("--keep-billing-header", action="store_true",
+                   help="agent routes: keep Claude Code's 'x-anthropic-billing-header:' line "
+                   "at the top of the system prompt (default: dropped before rendering; it "
+                   "differs on every request, so nothing behind it could be reused)")
+    g.add_argument("--drop-lines", default=None, metavar="REGEX", type=_regex,
+                   help="agent routes: also drop every line of system text that this regular "
+                   "expression matches at the line's start (volatile lines: timestamps, "
+                   "session ids)")
     # The variable is the default, so argparse checks it like the flag (an empty one is
     # refused at start, with the flag's error).
     g.add_argument("--admin-token", type=admin_token, default=os.environ.get(TOKEN_ENV),

@@ -23,10 +23,11 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from queue import Empty, Queue
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from mlx_lm.server import GenerationContext, ResponseGenerator
+from mlx_lm.server import CompletionRequest, GenerationContext, ResponseGenerator
 
 from . import sequential
 from .lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
@@ -35,6 +36,24 @@ from .profile import count_share, loop_phase
 from .validation import generation_problem
 
 log = logging.getLogger("mlx_kvcache")
+
+
+#: Tokens of each answer's end kept on its ticket (a stop sequence's, to name it).
+LAST_TOKENS = 64
+
+
+@dataclass
+class MarkedRequest(CompletionRequest):
+    """mlx-lm's chat request with what an agent route knows of its prompt's layout
+    (`agents.conversation.layout`): ``cuts``, offsets where the client marked a part for
+    reuse (checkpoints there); ``marks``, ``(offset, name)`` where each message and part
+    starts (the miss explanation names the one a request diverged in); ``session``, the
+    client's session name. Offsets are checked against the prompt the generation thread
+    makes (a cut is only ever a place to store the caches, never read as content)."""
+
+    cuts: List[int] = field(default_factory=list)
+    marks: List[Tuple[int, str]] = field(default_factory=list)
+    session: Optional[str] = None
 
 
 def split_segments(segments: List[List[int]], types: List[str],
@@ -57,6 +76,17 @@ def split_segments(segments: List[List[int]], types: List[str],
             out_types.append(kind)
         start = end
     return out, out_types
+
+
+def _watched(response, ticket: Ticket):
+    """mlx-lm's answer, keeping its last tokens on ``ticket``."""
+    last: List[int] = []
+    for r in response:
+        last.append(r.token)
+        if len(last) > 2 * LAST_TOKENS:
+            del last[:-LAST_TOKENS]
+        ticket.last_tokens = tuple(last[-LAST_TOKENS:])
+        yield r
 
 
 class _SequentialQueue:
@@ -145,13 +175,17 @@ class ServerResponseGenerator(ResponseGenerator):
         if problem:
             raise ValueError(problem)
         self._make_state_machine(self.model_provider.model_key, tokenizer, args.stop_words)
+        marked = [c for c in getattr(request, "cuts", None) or () if 0 < c < len(prompt)]
+        expect = getattr(self.prompt_cache, "expect", None)
+        if expect is not None:  # this request's layout, for its fetch's explanation
+            expect(prompt, getattr(request, "marks", None) or (), getattr(request, "session", None))
         seq = sequential.current()
         if seq is not None:  # the sequential fetch plans its own stops
-            seq.prompt, seq.vision = prompt, vision
+            seq.prompt, seq.vision, seq.extra_stops = prompt, vision, marked
             return prompt, segments, types, state, vision
         checkpoints = getattr(self.prompt_cache, "checkpoints", None)
         if vision is None and checkpoints is not None and self.model_provider.model is not None:
-            cuts = checkpoints(self.model_provider.model_key, prompt)
+            cuts = checkpoints(self.model_provider.model_key, prompt, marked)
             if cuts:
                 segments, types = split_segments(segments, types, cuts)
         return prompt, segments, types, state, vision
@@ -257,7 +291,8 @@ class ServerResponseGenerator(ResponseGenerator):
             ctx.stop()
             self._refuse(ticket)
         ticket.started = True
-        return ctx, response
+        ticket.ctx = ctx
+        return ctx, _watched(response, ticket)
 
     @staticmethod
     def _refuse(ticket: Ticket) -> None:

@@ -9,6 +9,7 @@ gets a 503; an answer the stop cuts short ends with ``finish_reason: "length"``.
 
 from __future__ import annotations
 
+import importlib
 import json
 from typing import Any, Callable, Dict, Optional
 
@@ -18,6 +19,14 @@ from .admin import AdminPolicy
 from .lifecycle import current_ticket, set_ticket
 from .model_names import DEFAULT, model_entry, models_listing, resolve
 from .validation import body_problem, vocab_size
+
+#: The agent routes (any query string accepted: Claude Code sends ``?beta=true``):
+#: path -> (module, function taking the live handler).
+_AGENT_ROUTES = {
+    "/v1/messages": (".agents.anthropic", "serve_messages"),
+    "/v1/messages/count_tokens": (".agents.anthropic", "serve_count_tokens"),
+    "/v1/responses": (".agents.responses", "serve_responses"),
+}
 
 #: The most request body read (and dropped) before refusing a request.
 _DRAIN_LIMIT = 64 << 20
@@ -51,6 +60,12 @@ class CacheAPIHandler(APIHandler):
     def _refuse_while_stopping(self) -> None:
         self._drain_body()
         body = {"error": "the server is stopping"}
+        if self._agent_route() is not None and self._agent_route()[0].endswith("anthropic"):
+            body = {"type": "error", "error": {"type": "overloaded_error",
+                                               "message": "the server is stopping"}}
+        elif self._agent_route() is not None:
+            body = {"error": {"type": "server_error", "code": "server_stopping",
+                              "message": "the server is stopping"}}
         if self._is_cache_route():
             self._send_admin(503, body)
         else:
@@ -69,9 +84,18 @@ class CacheAPIHandler(APIHandler):
                 return
             n -= len(chunk)
 
-    # -- mlx-lm's routes --------------------------------------------------------------------
+    # -- mlx-lm's routes and the agent routes ----------------------------------------------
+    def _agent_route(self):
+        return _AGENT_ROUTES.get(self.path.split("?", 1)[0].rstrip("/"))
+
     def do_POST(self):
-        self._admitted(super().do_POST)
+        route = self._agent_route()
+        if route is None:
+            return self._admitted(super().do_POST)
+        module, verb = route
+        # Imported on first use: the routes are adapters above this handler.
+        serve = getattr(importlib.import_module(module, __package__), verb)
+        self._admitted(lambda: serve(self))
 
     def do_OPTIONS(self):
         self._admitted(lambda: self._admin_route("OPTIONS") if self._is_cache_route()

@@ -38,14 +38,18 @@ class Control:
 
 class Ticket:
     """One HTTP request's standing: whether its answer started streaming, was cut short by
-    the stop, or was refused before it started."""
+    the stop, or was refused before it started; mlx-lm's ``GenerationContext`` of it
+    (its prompt, what the cache restored); and the last tokens its answer produced (which
+    stop sequence ended it, if one did)."""
 
-    __slots__ = ("started", "cut", "refused")
+    __slots__ = ("started", "cut", "refused", "ctx", "last_tokens")
 
     def __init__(self) -> None:
         self.started = False
         self.cut = False
         self.refused = False
+        self.ctx = None
+        self.last_tokens: tuple = ()
 
 
 _local = threading.local()

@@ -113,6 +113,8 @@ class TriePromptCache(CacheEndpoints):
         #: holds at most what its limit leaves beside the running requests.
         self.memory = None
         self._turn = RankTurn()
+        # `expect`: (prompt length, marks, session) of the next fetch
+        self._marks: Optional[Tuple[int, List[Tuple[int, str]], Optional[str]]] = None
 
     # -- the model's trie, made when the model loads (in the generation thread) ----------
     def _state(self, model_key) -> ModelState:
@@ -168,11 +170,12 @@ class TriePromptCache(CacheEndpoints):
         if room is not None and self.nbytes > room:  # the cache gives way to requests
             self.trim_to(n_bytes=room)
 
-    def checkpoints(self, model_key, tokens: Sequence[int]) -> List[int]:
+    def checkpoints(self, model_key, tokens: Sequence[int], extra: Sequence[int] = ()) -> List[int]:
         """Prompt offsets where prefill should stop so the caches can be stored there:
-        every ``checkpoint_interval`` tokens, a few tokens before the end and at the branch
-        point where a restore will land short (hybrid and sliding-window models; KV layers
-        reach any token from the final insert anyway). Those below where the fetch will
+        every ``checkpoint_interval`` tokens, a few tokens before the end, at the branch
+        point where a restore will land short and at ``extra`` (offsets the request asks
+        for: an agent's ``cache_control``) — hybrid and sliding-window models; KV layers
+        reach any token from the final insert anyway. Those below where the fetch will
         restore are included (the server drops them with the cached tokens): they follow
         from the trie's structure, the same on every rank without a collective. Changes
         nothing."""
@@ -186,8 +189,24 @@ class TriePromptCache(CacheEndpoints):
                 return []
             if sequential.current() is not None:
                 return []  # the sequential fetch plans (and takes) its own stops
-            return st.manager.cuts(tokens)
+            return st.manager.cuts(tokens, extra)
         return self._guard("planning checkpoints", plan, [], "plan")
+
+    def expect(self, tokens: Sequence[int], marks: Sequence[Tuple[int, str]],
+               session: Optional[str] = None) -> None:
+        """The next fetch (in this generation thread) is for ``tokens``, whose parts start
+        at ``marks`` (``(offset, name)``, ascending): its miss explanation names the part
+        where the prompt diverged; ``session`` (the client's session name) is listed with
+        the request. Eviction stays least-recently-used: each request touches its
+        session's whole path, so the leaves that go first are those of the sessions idle
+        longest, with no second order for the ranks of a sharded model to agree on."""
+        self._marks = (len(tokens), list(marks), session) if marks or session else None
+
+    def stores_prompts(self) -> bool:
+        """Whether a request's prompt is stored for reuse once computed (the trie is open
+        and the model's caches can be snapshotted)."""
+        st = self._model
+        return st is not None and st.manager is not None
 
     def _fetch(self, model_key, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:
         # The server's list becomes an array once; everything after is O(edges + bytes).
@@ -200,7 +219,7 @@ class TriePromptCache(CacheEndpoints):
             return None, list(tokens)
         mgr = st.manager
         ids = as_tokens(tokens)
-        live, plan = mgr.checkout(ids)
+        live, plan = mgr.checkout(ids, seq.extra_stops if seq is not None else ())
         self.requests += 1
         self.prompt_tokens += len(ids)
         self.disk_tokens += plan.from_disk
@@ -229,8 +248,14 @@ class TriePromptCache(CacheEndpoints):
             mgr.evicted_bytes, self.clears))
         if not self.excerpts:
             reuse = reuse.without_text()
+        marks, self._marks = self._marks, None
+        if marks is not None and marks[0] != len(tokens):
+            marks = None  # not this prompt's (images key a prompt differently)
+        if marks is not None and reuse is not None:
+            reuse.where = _part_at(marks[1], reuse.diverged_at)
         self._log.fetched(tokens, plan.matched, restored, path, reuse,
-                          from_disk=plan.from_disk if st.store is not None else None)
+                          from_disk=plan.from_disk if st.store is not None else None,
+                          session=marks[2] if marks is not None else None)
 
     def _sequential(self, st: ModelState, live, plan, key: np.ndarray,
                     seq: "sequential.SequentialRequest") -> int:
@@ -394,6 +419,18 @@ class TriePromptCache(CacheEndpoints):
                            self.agree.rank if self.agree.size > 1 else None, extra, disk)
         if self.profile.timing:
             log.info(self.profile.line(self.agree.rank))
+
+
+def _part_at(marks: Sequence[Tuple[int, str]], offset: Optional[int]) -> str:
+    """The name of the part holding token ``offset`` (the last mark at or before it)."""
+    if offset is None:
+        return ""
+    name = ""
+    for at, label in marks:
+        if at > offset:
+            break
+        name = label
+    return name
 
 
 def _decoder(tokenizer):

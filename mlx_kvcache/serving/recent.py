@@ -41,6 +41,7 @@ class _Fetch:
     reuse: Optional[Reuse]
     started: float
     from_disk: Optional[int] = None  # of the cached tokens, read back from disk (a disk tier)
+    session: Optional[str] = None  # the client's session name (an agent route's)
 
 
 class RequestLog:
@@ -52,10 +53,13 @@ class RequestLog:
         self.recent: Deque[Dict[str, Any]] = deque(maxlen=RECENT)
 
     def fetched(self, prompt, matched: int, cached: int, path: str,
-                reuse: Optional[Reuse], from_disk: Optional[int] = None) -> None:
-        """A request's fetch (``from_disk``: None without a disk tier)."""
+                reuse: Optional[Reuse], from_disk: Optional[int] = None,
+                session: Optional[str] = None) -> None:
+        """A request's fetch (``from_disk``: None without a disk tier; ``session``: the
+        client's session name, if it gave one)."""
         self._pending[next(self._seq)] = _Fetch(np.asarray(prompt, dtype=np.int64), matched,
-                                               cached, path, reuse, time.time(), from_disk)
+                                               cached, path, reuse, time.time(), from_disk,
+                                               session)
         while len(self._pending) > PENDING:
             self._pending.popitem(last=False)
 
@@ -93,6 +97,8 @@ class RequestLog:
         if disk_bytes is not None:
             line += f" | disk {human_bytes(disk_bytes)}"
         line += extra
+        if f.session is not None:
+            line += f" | session {f.session[:64]}"
         if f.reuse is not None and f.reuse.kind != "hit":
             line += f" | {f.reuse.line()}"
         log.info(line)
@@ -101,6 +107,8 @@ class RequestLog:
                                  "matched_tokens": f.matched, "answer_tokens": answer}
         if f.from_disk is not None:
             entry["disk_tokens"] = f.from_disk
+        if f.session is not None:
+            entry["session"] = f.session
         if f.reuse is not None:
             entry["reuse"] = f.reuse.as_dict()
         self.recent.append(entry)

@@ -48,7 +48,8 @@ def check() -> Optional[str]:
 
     missing = [name for name in ("main", "run", "argparse", "load", "ResponseGenerator", "APIHandler",
                                  "ModelProvider", "LRUPromptCache", "ThreadingHTTPServer",
-                                 "get_system_fingerprint", "stream_generate")
+                                 "get_system_fingerprint", "stream_generate",
+                                 "CompletionRequest", "process_message_content", "convert_chat")
                if not hasattr(S, name)]
     if missing:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server has no "
@@ -79,7 +80,10 @@ def check() -> Optional[str]:
             (S.APIHandler, "validate_model_parameters", ["self"]),
             (S.APIHandler, "handle_models_request", ["self"]),
             (S.APIHandler, "_set_completion_headers", ["self", "status_code"]),
-            (S.APIHandler, "handle_completion", ["self", "request", "stop_words"])):
+            (S.APIHandler, "handle_completion", ["self", "request", "stop_words"]),
+            # The agent routes run mlx-lm's chat route on a request of theirs (`agents.bridge`).
+            (S.APIHandler, "do_POST", ["self"]),
+            (S.APIHandler, "handle_chat_completions", ["self"])):
         fn = getattr(owner, name, None)
         if fn is None or list(inspect.signature(fn).parameters)[:len(params)] != params:
             raise SeamError(f"mlx_lm {mlx_lm.__version__}: {owner.__name__}.{name} changed")
@@ -98,6 +102,10 @@ def check() -> Optional[str]:
     if "load(draft_model_path)" not in inspect.getsource(S.ModelProvider._load):
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: ModelProvider._load no longer loads "
                         f"the draft model with load(draft_model_path)")
+    chunks = inspect.getsource(S.APIHandler.handle_completion)
+    if 'f"data: {json.dumps(resp)}\\n\\n"' not in chunks or "include_usage" not in chunks:
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: APIHandler.handle_completion no longer "
+                        f"streams OpenAI chunks (data: ...) with usage, as the agent routes read")
     src = inspect.getsource(S.main)
     if "argparse.ArgumentParser(" not in src or "run(" not in src:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server.main no longer builds "

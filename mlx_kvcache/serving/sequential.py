@@ -55,6 +55,8 @@ class SequentialRequest:
     prompt: Optional[List[int]] = None
     #: mlx-lm's ``Vision`` of the prompt (its images), or None.
     vision: Any = None
+    #: Offsets the request itself asks to checkpoint at (an agent's ``cache_control``).
+    extra_stops: List[int] = field(default_factory=list)
     #: mlx-lm's ``GenerationContext`` (its ``prompt_cache_count`` is what usage reports).
     ctx: Any = None
     #: Tokens restored from the cache, and tokens the caches hold when mlx-lm takes over

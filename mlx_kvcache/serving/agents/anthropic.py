@@ -1,0 +1,536 @@
+"""The Anthropic Messages API: ``POST /v1/messages`` (also ``?beta=true``), streamed and
+not, and ``POST /v1/messages/count_tokens`` — what Claude Code speaks.
+
+A request becomes a `bridge.ChatCall` (OpenAI chat-format messages, in the client's order):
+``system`` (a string or text blocks) is the first system message; a ``system`` message
+inside ``messages`` stays where it is (`conversation`); ``text`` blocks are content parts;
+``image`` blocks image parts (served where the model has an image processor, else a 400
+that says so); an assistant's ``tool_use`` blocks its ``tool_calls`` (``input`` as JSON),
+its ``thinking`` blocks its ``reasoning`` (rendered as the template renders reasoning;
+``redacted_thinking`` has no text and is dropped); a user's ``tool_result`` blocks tool
+messages (before the user's text, in block order; ``is_error`` prefixes ``Error: ``).
+``cache_control`` on a text, ``tool_result`` or system block is a checkpoint at the block's
+end. ``tools`` (``name``, ``description``, ``input_schema``) go to the chat template as
+function tools; server tools (a ``type`` other than ``custom``) are skipped with a log
+line. ``tool_choice`` is accepted, not enforced. ``temperature`` / ``top_p`` / ``top_k``
+are used when present, else the server's defaults; ``metadata.user_id`` names the session.
+Whatever model name the client sends, the served model answers and the name is echoed.
+
+Answers: ``content`` blocks in the order the model produced them (``thinking``, ``text``,
+``tool_use`` from mlx-lm's tool-call parser), ``stop_reason`` ``end_turn`` /
+``max_tokens`` / ``stop_sequence`` / ``tool_use``, and honest ``usage``:
+``input_tokens`` the prompt tokens not read from the cache, ``cache_read_input_tokens``
+those restored, ``cache_creation_input_tokens`` those this request computed and the
+prompt cache stores for reuse, ``output_tokens`` — the numbers of the log line and
+``GET /v1/cache``. Streamed: ``message_start``, ``ping``, per block
+``content_block_start`` / ``content_block_delta`` (``text_delta``, ``thinking_delta``,
+``input_json_delta``) / ``content_block_stop``, ``message_delta`` (stop reason, usage),
+``message_stop``; a failure after the answer started is an ``error`` event. Errors are
+``{"type": "error", "error": {"type", "message"}}`` with the fitting status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+from .bridge import (AgentRequestError, ChatCall, ChatEvents, Event, count_tokens, run_chat,
+                     served_model)
+
+__all__ = ["parse_request", "MessageBuilder", "serve_messages", "serve_count_tokens",
+           "error_body"]
+
+log = logging.getLogger("mlx_kvcache")
+
+#: Seconds between ``ping`` events while the prompt is processed.
+PING_EVERY = 5.0
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+                 "stop_sequence": "stop_sequence"}
+_ERROR_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "request_too_large", 500: "api_error", 503: "overloaded_error"}
+
+
+def error_body(message: str, kind: str = "invalid_request_error") -> Dict[str, Any]:
+    """An error in Anthropic's shape."""
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _bad(message: str) -> AgentRequestError:
+    return AgentRequestError(message, 400, "invalid_request_error")
+
+
+# -- the request -----------------------------------------------------------------------------
+def _is_text(v: Any) -> bool:
+    if not isinstance(v, str):
+        return False
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: valid JSON, breaks every tokenizer
+        return False
+    return True
+
+
+def _number(body: Dict[str, Any], key: str, lo: float, hi: Optional[float], integer=False):
+    v = body.get(key)
+    if v is None:
+        return None
+    kinds = (int,) if integer else (int, float)
+    if isinstance(v, bool) or not isinstance(v, kinds) or v < lo or (hi is not None and v > hi):
+        span = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
+        raise _bad(f"{key} must be {'an integer' if integer else 'a number'} {span}")
+    return v
+
+
+def _image_part(block: Dict[str, Any], where: str) -> Dict[str, Any]:
+    src = block.get("source")
+    if not isinstance(src, dict):
+        raise _bad(f"{where}.source must be an object")
+    if src.get("type") == "base64" and _is_text(src.get("data")) and _is_text(src.get("media_type")):
+        url = f"data:{src['media_type']};base64,{src['data']}"
+    elif src.get("type") == "url" and _is_text(src.get("url")):
+        url = src["url"]
+    else:
+        raise _bad(f"{where}.source must be a base64 (media_type, data) or url image source")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _result_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if _is_text(content):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be a string or a list of text blocks")
+    out = []
+    for k, b in enumerate(content):
+        if not isinstance(b, dict) or b.get("type") != "text" or not _is_text(b.get("text")):
+            raise _bad(f"{where}.content[{k}] must be a text block (tool results carry text here)")
+        out.append(b["text"])
+    return "\n".join(out)
+
+
+class _Builder:
+    """OpenAI messages, their names and the breakpoints, as a request is read."""
+
+    def __init__(self) -> None:
+        self.messages: List[Dict[str, Any]] = []
+        self.labels: List[str] = []
+        self.part_labels: List[Optional[List[str]]] = []
+        self.breakpoints: List[Tuple[int, int]] = []
+
+    def add(self, msg: Dict[str, Any], label: str, parts: Optional[List[str]] = None,
+            marked: Tuple[int, ...] = ()) -> None:
+        i = len(self.messages)
+        self.messages.append(msg)
+        self.labels.append(label)
+        self.part_labels.append(parts)
+        self.breakpoints.extend((i, j) for j in marked)
+
+
+def _blocks(content: Any, where: str) -> List[Dict[str, Any]]:
+    if _is_text(content):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be a string or a list of content blocks")
+    for k, b in enumerate(content):
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+            raise _bad(f"{where}.content[{k}] must be a content block (an object with a type)")
+    return content
+
+
+def _text_parts(blocks, where: str, out: _Builder, role: str, images: bool) -> Tuple[list, list, tuple]:
+    """Text (and image) blocks as OpenAI parts, their names and the marked ones."""
+    parts, names, marked = [], [], []
+    for k, b in blocks:
+        name = f"{where}.content[{k}]"
+        if b["type"] == "text":
+            if not _is_text(b.get("text")):
+                raise _bad(f"{name}.text must be a string")
+            parts.append({"type": "text", "text": b["text"]})
+        elif b["type"] == "image" and images:
+            parts.append(_image_part(b, name))
+        else:
+            raise _bad(f"{name}: a {b['type']!r} block is not allowed in a {role} message")
+        if b.get("cache_control") is not None:
+            marked.append(len(parts) - 1)
+        names.append(name)
+    return parts, names, tuple(marked)
+
+
+def _user(m: Dict[str, Any], i: int, out: _Builder) -> None:
+    where = f"messages[{i}]"
+    blocks = list(enumerate(_blocks(m.get("content"), where)))
+    rest = []
+    for k, b in blocks:
+        if b["type"] != "tool_result":
+            rest.append((k, b))
+            continue
+        name = f"{where}.content[{k}]"
+        if not _is_text(b.get("tool_use_id")):
+            raise _bad(f"{name}.tool_use_id must be a string")
+        text = _result_text(b.get("content"), name)
+        if b.get("is_error") is True:
+            text = "Error: " + text
+        out.add({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text}, name,
+                [name], (0,) if b.get("cache_control") is not None else ())
+    if rest or not blocks:
+        parts, names, marked = _text_parts(rest, where, out, "user", images=True)
+        out.add({"role": "user", "content": parts}, where, names, marked)
+
+
+def _assistant(m: Dict[str, Any], i: int, out: _Builder) -> None:
+    where = f"messages[{i}]"
+    text, names, marked, calls, thinking = [], [], [], [], []
+    for k, b in enumerate(_blocks(m.get("content"), where)):
+        name = f"{where}.content[{k}]"
+        t = b["type"]
+        if t == "text":
+            if not _is_text(b.get("text")):
+                raise _bad(f"{name}.text must be a string")
+            text.append({"type": "text", "text": b["text"]})
+            names.append(name)
+            if b.get("cache_control") is not None:
+                marked.append(len(text) - 1)
+        elif t == "tool_use":
+            if not _is_text(b.get("id")) or not _is_text(b.get("name")):
+                raise _bad(f"{name} needs an id and a name (strings)")
+            inp = b.get("input", {})
+            if not isinstance(inp, dict):
+                raise _bad(f"{name}.input must be an object")
+            # The same input always serialises the same (key order as sent): the turn
+            # renders identically when re-sent.
+            calls.append({"id": b["id"], "type": "function",
+                          "function": {"name": b["name"],
+                                       "arguments": json.dumps(inp, ensure_ascii=False)}})
+        elif t == "thinking":
+            if not _is_text(b.get("thinking")):
+                raise _bad(f"{name}.thinking must be a string")
+            thinking.append(b["thinking"])
+        elif t == "redacted_thinking":
+            continue  # encrypted for Anthropic's models: nothing a local model can read
+        else:
+            raise _bad(f"{name}: a {t!r} block is not allowed in an assistant message")
+    msg: Dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        msg["tool_calls"] = calls
+    if thinking:
+        msg["reasoning"] = "\n".join(thinking)
+    out.add(msg, where, names, tuple(marked))
+
+
+def _system_message(content: Any, where: str, out: _Builder) -> None:
+    blocks = list(enumerate(_blocks(content, where)))
+    if isinstance(content, str):
+        out.add({"role": "system", "content": [{"type": "text", "text": content}]}, where, [where])
+        return
+    parts, names, marked = _text_parts(blocks, where, out, "system", images=False)
+    out.add({"role": "system", "content": parts}, where,
+            [n.replace(".content", "") if where == "system" else n for n in names], marked)
+
+
+def _tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools must be a list")
+    out = []
+    for k, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise _bad(f"tools[{k}] must be an object")
+        kind = t.get("type")
+        if kind not in (None, "custom"):  # Anthropic's server tools (web_search_…, bash_…)
+            log.info("mlx_kvcache: skipping tools[%d] of type %r (only client tools reach "
+                     "the model)", k, kind)
+            continue
+        if not _is_text(t.get("name")) or not t["name"]:
+            raise _bad(f"tools[{k}].name must be a non-empty string")
+        schema = t.get("input_schema", {"type": "object", "properties": {}})
+        if not isinstance(schema, dict):
+            raise _bad(f"tools[{k}].input_schema must be an object")
+        fn = {"name": t["name"], "parameters": schema}
+        if t.get("description") is not None:
+            if not _is_text(t["description"]):
+                raise _bad(f"tools[{k}].description must be a string")
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None:
+        return None
+    if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+        raise _bad('tool_choice must be {"type": "auto" | "any" | "tool" | "none"}')
+    return choice
+
+
+def parse_request(body: Any, count_only: bool = False) -> ChatCall:
+    """A Messages request body as a `ChatCall`; `AgentRequestError` (400) names the first
+    problem."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    if body.get("model") is not None and not _is_text(body["model"]):
+        raise _bad("model must be a string")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages must be a non-empty list")
+    out = _Builder()
+    if body.get("system") is not None:
+        _system_message(body["system"], "system", out)
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}] must be an object")
+        role = m.get("role")
+        if role == "user":
+            _user(m, i, out)
+        elif role == "assistant":
+            _assistant(m, i, out)
+        elif role == "system":
+            _system_message(m.get("content"), f"messages[{i}]", out)
+        else:
+            raise _bad(f"messages[{i}].role must be user, assistant or system, not {role!r}")
+    call = ChatCall(messages=out.messages, labels=out.labels, tools=_tools(body.get("tools")),
+                    tool_choice=_tool_choice(body.get("tool_choice")),
+                    breakpoints=out.breakpoints, part_labels=out.part_labels)
+    meta = body.get("metadata")
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise _bad("metadata must be an object")
+        if meta.get("user_id") is not None:
+            if not _is_text(meta["user_id"]):
+                raise _bad("metadata.user_id must be a string")
+            call.session = meta["user_id"]
+    if count_only:
+        return call
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise _bad("stream must be true or false")
+    call.max_tokens = _number(body, "max_tokens", 1, None, integer=True)
+    for key, lo, hi, integer in (("temperature", 0, 2, False), ("top_p", 0, 1, False),
+                                 ("top_k", 0, None, True)):
+        v = _number(body, key, lo, hi, integer)
+        if v is not None:
+            call.sampling[key] = v
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(_is_text(s) and s for s in stops):
+            raise _bad("stop_sequences must be a list of non-empty strings")
+        call.stop = list(stops)
+    return call
+
+
+# -- the answer ------------------------------------------------------------------------------
+def _usage(ev: Optional[Event], prompt_tokens: int = 0, cached: int = 0) -> Dict[str, int]:
+    u = ev.usage if ev is not None else None
+    if u is None:  # at the start: what is known yet (the message_delta has the rest)
+        return {"input_tokens": prompt_tokens - cached, "output_tokens": 0,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+    return {"input_tokens": u.uncached_tokens, "output_tokens": u.output_tokens,
+            "cache_creation_input_tokens": u.created_tokens,
+            "cache_read_input_tokens": u.cached_tokens}
+
+
+def _tool_input(arguments: str) -> Any:
+    try:
+        v = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
+    return v if isinstance(v, dict) else {"value": v}
+
+
+class MessageBuilder:
+    """An answer as Anthropic content blocks and stream events, fed `Event`s."""
+
+    def __init__(self, model: str, prompt_tokens: int = 0, cached_tokens: int = 0) -> None:
+        self.id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.model = model
+        self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
+        self.blocks: List[Dict[str, Any]] = []
+        self._open: Optional[str] = None  # the kind of the block being streamed
+        self.done: Optional[Event] = None
+
+    def start(self) -> List[Tuple[str, Dict[str, Any]]]:
+        head = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": _usage(None, self.prompt_tokens, self.cached_tokens)}
+        return [("message_start", {"type": "message_start", "message": head}),
+                ("ping", {"type": "ping"})]
+
+    def _close(self) -> List[Tuple[str, Dict[str, Any]]]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [("content_block_stop", {"type": "content_block_stop",
+                                        "index": len(self.blocks) - 1})]
+
+    def feed(self, ev: Event) -> List[Tuple[str, Dict[str, Any]]]:
+        """The stream events ``ev`` makes (and the whole answer's blocks grow)."""
+        out: List[Tuple[str, Dict[str, Any]]] = []
+        if ev.kind in ("text", "reasoning") and ev.text:
+            kind = "text" if ev.kind == "text" else "thinking"
+            if self._open != kind:
+                out += self._close()
+                block = ({"type": "text", "text": ""} if kind == "text"
+                         else {"type": "thinking", "thinking": "", "signature": ""})
+                self.blocks.append(dict(block))
+                self._open = kind
+                out.append(("content_block_start", {"type": "content_block_start",
+                                                    "index": len(self.blocks) - 1,
+                                                    "content_block": block}))
+            self.blocks[-1][kind] += ev.text
+            delta = ({"type": "text_delta", "text": ev.text} if kind == "text"
+                     else {"type": "thinking_delta", "thinking": ev.text})
+            out.append(("content_block_delta", {"type": "content_block_delta",
+                                                "index": len(self.blocks) - 1, "delta": delta}))
+        elif ev.kind == "tool_call" and ev.tool_call is not None:
+            out += self._close()
+            tc = ev.tool_call
+            tid = tc.get("id") or ""
+            if not tid.startswith("toolu_"):
+                tid = f"toolu_{(tid or uuid.uuid4().hex).replace('-', '')[:24]}"
+            args = tc.get("arguments") or "{}"
+            self.blocks.append({"type": "tool_use", "id": tid, "name": tc.get("name") or "",
+                                "input": _tool_input(args)})
+            i = len(self.blocks) - 1
+            out += [("content_block_start", {"type": "content_block_start", "index": i,
+                                             "content_block": {"type": "tool_use", "id": tid,
+                                                               "name": tc.get("name") or "",
+                                                               "input": {}}}),
+                    ("content_block_delta", {"type": "content_block_delta", "index": i,
+                                             "delta": {"type": "input_json_delta",
+                                                       "partial_json": json.dumps(
+                                                           self.blocks[-1]["input"])}}),
+                    ("content_block_stop", {"type": "content_block_stop", "index": i})]
+        elif ev.kind == "done":
+            self.done = ev
+            out += self._close()
+            out += [("message_delta", {"type": "message_delta",
+                                       "delta": {"stop_reason": self.stop_reason,
+                                                 "stop_sequence": ev.stop_sequence},
+                                       "usage": _usage(ev)}),
+                    ("message_stop", {"type": "message_stop"})]
+        elif ev.kind == "error":
+            out.append(("error", error_body(ev.text or "the answer failed", "api_error")))
+        return out
+
+    @property
+    def stop_reason(self) -> Optional[str]:
+        if self.done is None:
+            return None
+        return _STOP_REASONS.get(self.done.finish_reason or "stop", "end_turn")
+
+    def message(self) -> Dict[str, Any]:
+        """The whole answer (after its ``done`` event)."""
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": self.blocks, "stop_reason": self.stop_reason,
+                "stop_sequence": self.done.stop_sequence if self.done else None,
+                "usage": _usage(self.done)}
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+def _read_body(handler) -> Any:
+    n = handler.headers.get("Content-Length")
+    if n is None:
+        raise AgentRequestError("a Content-Length header is required", 411)
+    try:
+        n = int(n)
+    except ValueError:
+        raise _bad("the Content-Length header is not an integer") from None
+    raw = handler.rfile.read(n) if n > 0 else b""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _bad(f"the request body is not valid JSON: {e}") from None
+
+
+def _send_json(handler, status: int, body: Dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("request-id", f"req_{uuid.uuid4().hex[:24]}")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+    handler.wfile.flush()
+
+
+def _send_error(handler, e: AgentRequestError) -> None:
+    kind = e.kind if e.kind in _ERROR_KINDS.values() else _ERROR_KINDS.get(e.status, "api_error")
+    _send_json(handler, e.status, error_body(e.message, kind))
+
+
+def _sse(kind: str, data: Dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def serve_count_tokens(handler) -> None:
+    """Answer ``POST /v1/messages/count_tokens``: ``{"input_tokens": n}``, the tokens of
+    the prompt `serve_messages` would give the model."""
+    try:
+        call = parse_request(_read_body(handler), count_only=True)
+        n = count_tokens(handler, call)
+    except AgentRequestError as e:
+        return _send_error(handler, e)
+    _send_json(handler, 200, {"input_tokens": n})
+
+
+def serve_messages(handler) -> None:
+    """Answer one ``POST /v1/messages`` on ``handler`` (see the module doc)."""
+    try:
+        body = _read_body(handler)
+        call = parse_request(body)
+        model = body.get("model") or served_model(handler)
+        events = run_chat(handler, call)
+    except AgentRequestError as e:
+        return _send_error(handler, e)
+    builder = MessageBuilder(model, events.prompt_tokens, events.cached_tokens or 0)
+    try:
+        if body.get("stream"):
+            _stream(handler, builder, events)
+        else:
+            _whole(handler, builder, events)
+    finally:
+        events.close()  # a client gone mid-answer ends the generation
+
+
+def _whole(handler, builder: MessageBuilder, events: ChatEvents) -> None:
+    for ev in events:
+        if ev.kind == "error":
+            return _send_json(handler, 500, error_body(ev.text or "the answer failed", "api_error"))
+        builder.feed(ev)
+    if builder.done is None:
+        return _send_json(handler, 500, error_body("the answer ended early", "api_error"))
+    _send_json(handler, 200, builder.message())
+
+
+def _stream(handler, builder: MessageBuilder, events: ChatEvents) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.send_header("Cache-Control", "no-cache")
+    handler.send_header("request-id", f"req_{uuid.uuid4().hex[:24]}")
+    handler.end_headers()
+
+    def write(batch: List[Tuple[str, Dict[str, Any]]]) -> None:
+        if batch:
+            handler.wfile.write(b"".join(_sse(k, d) for k, d in batch))
+            handler.wfile.flush()
+
+    try:
+        write(builder.start())
+        pinged = time.monotonic()
+        ended = False
+        for ev in events:
+            if ev.kind == "progress":
+                if time.monotonic() - pinged >= PING_EVERY:
+                    pinged = time.monotonic()
+                    write([("ping", {"type": "ping"})])
+                continue
+            write(builder.feed(ev))
+            ended = ev.kind in ("done", "error")
+        if not ended:
+            write([("error", error_body("the answer ended early", "api_error"))])
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the client left; closing the events ends the generation

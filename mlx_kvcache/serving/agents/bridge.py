@@ -1,0 +1,458 @@
+"""The one generation path of the agent routes: a chat call run through mlx-lm's own chat
+machinery and our prompt cache, seen as a stream of neutral `Event`s.
+
+Both agent front ends (`anthropic`: ``/v1/messages``; `responses`: ``/v1/responses``)
+translate their request into a `ChatCall` (OpenAI chat-format messages, tools, limits),
+call `run_chat`, and render the events in their API's shape.
+
+The seam, and why this one: `run_chat` builds the body of the ``/v1/chat/completions``
+request mlx-lm's handler expects (always streamed, with usage) and runs mlx-lm's own
+``APIHandler.do_POST`` on it, in a request object of ours (`_ChatRun`, a subclass of the
+server's handler) whose output goes to a capturing writer instead of a socket. Each SSE
+chunk mlx-lm writes is translated into events as it is written. So every behaviour of the
+chat route is the agent routes' too, streaming included, without a copy of its code: the
+request checks and defaults (mlx-lm's and our `validation`), the chat template, the
+tool-call parser, the reasoning split, stop words, batching, the prompt cache (fetch,
+checkpoints, inserts, the log line, ``GET /v1/cache``), the stop's cut (``length``) and
+refusal (503). Calling ``ResponseGenerator.generate`` directly would couple less to the
+handler's output format but re-implement its sampling defaults, its text state machine loop
+and its tool-call formatting; the chunk format the capture reads (OpenAI's chat completion
+chunk) is a public wire format, stable by definition.
+
+What the bridge adds before mlx-lm sees the conversation (`conversation`): system messages
+stay where the client put them (folded into the adjacent user turn where the model's
+template refuses them), the billing line and user-named volatile lines are dropped, and
+the rendered prompt's layout — where each message and content part starts — rides along
+on the request (`MarkedRequest`): the client's ``cache_control`` breakpoints become
+checkpoint offsets, and the prompt cache's miss explanation names the part a request
+diverged in.
+
+Two things mlx-lm's chunks do not say are recovered here: which stop sequence ended an
+answer (mlx-lm reports ``stop`` for an end-of-sequence token and a stop word alike; the
+answer's last tokens, kept on the request's `lifecycle.Ticket`, tell them apart, matched
+as mlx-lm matches them), and whether the prompt was stored for reuse
+(`TriePromptCache.stores_prompts`). The layout costs one more render and encoding of the
+prompt, in the HTTP thread (mlx-lm's own route renders the leading system messages twice).
+
+Admission during a stop is the caller's (`CacheAPIHandler._admitted` wraps the route);
+mlx-lm's handler runs here on a worker thread (it writes, the front end reads), which ends
+when the answer does or, once the front end stops reading (its client left), at the next
+write, as a broken connection ends mlx-lm's own route.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from queue import Queue
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from mlx_lm.server import APIHandler
+
+from ..generator import MarkedRequest
+from ..handler import CacheAPIHandler
+from ..lifecycle import current_ticket
+from . import conversation
+
+__all__ = ["ChatCall", "Usage", "Event", "AgentRequestError", "ChatEvents", "run_chat",
+           "count_tokens", "served_model"]
+
+log = logging.getLogger("mlx_kvcache")
+
+
+@dataclass
+class ChatCall:
+    """One chat request, as both agent front ends hand it to the bridge.
+
+    ``messages``: OpenAI chat-format messages, roles ``system`` / ``user`` / ``assistant`` /
+    ``tool``; ``content`` a string or a list of ``{"type": "text", "text": ...}`` parts
+    (joined with nothing between them, as mlx-lm's chat route joins them); an assistant
+    message may carry ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
+    "arguments" (a JSON string)}}]``) and ``reasoning``; a tool message ``tool_call_id``.
+    System messages may be anywhere: they render where they are (see `conversation`).
+    ``labels``: per message, the client's name for it (``"messages[3]"``, ``"input[4]"``),
+    used by the miss explanation; ``part_labels`` optionally names each content part (else
+    ``"<label>.content[j]"``). ``tools``: OpenAI function tools (``[{"type": "function",
+    "function": {"name", "description", "parameters"}}]``), given to the chat template.
+    ``tool_choice``: accepted, not enforced (mlx-lm has no constrained decoding).
+    ``max_tokens``: None for the server's ``--max-tokens``. ``sampling``: only what the
+    client sent (``temperature``, ``top_p``, ``top_k``); the rest are the server's
+    defaults. ``stop``: stop strings. ``breakpoints``: ``(message index, part index)``
+    whose END the client marked for reuse (part index 0 for a string content): the prompt
+    cache stores a checkpoint there. ``session``: the client's session name (Codex
+    ``prompt_cache_key``, Anthropic ``metadata.user_id``), or None: listed with the request
+    in the log line and ``GET /v1/cache`` ``recent``; eviction stays least-recently-used,
+    which already takes other sessions' leaves first (see `TriePromptCache.expect`).
+    """
+
+    messages: List[Dict[str, Any]]
+    labels: List[str] = field(default_factory=list)
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Any = None
+    max_tokens: Optional[int] = None
+    sampling: Dict[str, Any] = field(default_factory=dict)
+    stop: List[str] = field(default_factory=list)
+    breakpoints: List[Tuple[int, int]] = field(default_factory=list)
+    session: Optional[str] = None
+    part_labels: Optional[List[Optional[List[str]]]] = None
+
+
+@dataclass
+class Usage:
+    """Token counts of one answer. ``prompt_tokens``: the whole prompt; ``cached_tokens``:
+    of those, restored from the prompt cache (the log line's ``cached``);
+    ``created_tokens``: of those, computed by this request and stored for reuse (the
+    prompt cache stores every prompt it computes unless it is off or the model's caches
+    cannot be stored: then 0); ``output_tokens``: the answer's."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    created_tokens: int
+    output_tokens: int
+
+    @property
+    def uncached_tokens(self) -> int:
+        """Prompt tokens not read from the cache (Anthropic's ``input_tokens``)."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass
+class Event:
+    """One step of an answer.
+
+    ``kind``: ``"text"`` / ``"reasoning"`` (``text`` is the delta), ``"tool_call"``
+    (``tool_call``: ``{"id", "name", "arguments"}``, arguments a JSON string, one whole
+    call, as mlx-lm's parser yields them), ``"progress"`` (prompt processing:
+    ``text`` is ``"done/total"``; a front end may send a keep-alive, else ignore it),
+    ``"error"`` (the answer failed after it started: ``text`` says why; the last event), or
+    ``"done"`` (the last event of a complete answer). On ``"done"``: ``finish_reason``
+    (``"stop"``, ``"length"`` — also when the server's stop cut the answer —,
+    ``"tool_calls"`` or ``"stop_sequence"``), ``stop_sequence`` (which one), ``usage``.
+    Front ends ignore kinds they do not know.
+    """
+
+    kind: str
+    text: str = ""
+    tool_call: Optional[Dict[str, Any]] = None
+    finish_reason: Optional[str] = None
+    stop_sequence: Optional[str] = None
+    usage: Optional[Usage] = None
+
+
+class AgentRequestError(Exception):
+    """A request the bridge will not run, raised before any event: ``status`` (HTTP),
+    ``message`` (for the client), ``kind`` (``"invalid_request_error"``, ``"overloaded_error"``
+    while the server stops, ``"api_error"``)."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def served_model(handler) -> str:
+    """The name of the model the server serves (what answers any model name)."""
+    provider = handler.response_generator.model_provider
+    key = getattr(provider, "model_key", None)
+    if key and key[0]:
+        return str(key[0])
+    return str(getattr(provider.cli_args, "model", None) or "default_model")
+
+
+# -- preparing a call ------------------------------------------------------------------------
+@dataclass
+class _Prepared:
+    messages: List[Dict[str, Any]]   # what mlx-lm renders
+    tools: Optional[List[Dict[str, Any]]]
+    layout: "conversation.Layout"
+
+
+def _tokenizer(generator):
+    """The served model's tokenizer, once the generation thread has loaded it (a request
+    that comes first waits, as a chat request waits in mlx-lm's queue)."""
+    provider = generator.model_provider
+    while provider.tokenizer is None:
+        if not generator.generation_available():
+            raise AgentRequestError("the model could not be loaded", 503, "overloaded_error")
+        time.sleep(0.05)
+    return provider.tokenizer
+
+
+def _prepare(handler, call: ChatCall) -> _Prepared:
+    provider = handler.response_generator.model_provider
+    tokenizer = _tokenizer(handler.response_generator)
+    args = provider.cli_args
+    try:
+        conv = conversation.Conversation.from_call(
+            call.messages, call.labels, call.part_labels, call.breakpoints)
+    except ValueError as e:
+        raise AgentRequestError(str(e)) from None
+    conv.drop_lines(conversation.line_filter(
+        keep_billing=bool(getattr(args, "keep_billing_header", False)),
+        extra=getattr(args, "drop_lines", None)))
+    template_args = dict(getattr(args, "chat_template_args", None) or {})
+    if getattr(tokenizer, "has_chat_template", False):
+        conv.fit_template(conversation.system_policy(tokenizer, template_args))
+    messages = conv.messages()
+    tools = call.tools or None
+    try:
+        layout = conversation.layout(tokenizer, conv, tools, template_args,
+                                     vision=getattr(provider, "processor", None) is not None)
+    except ValueError as e:
+        raise AgentRequestError(str(e)) from None
+    return _Prepared(messages, tools, layout)
+
+
+def _body(call: ChatCall, prep: _Prepared) -> Dict[str, Any]:
+    body: Dict[str, Any] = {"messages": prep.messages, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if prep.tools:
+        body["tools"] = prep.tools
+    if call.max_tokens is not None:
+        body["max_tokens"] = call.max_tokens
+    if call.stop:
+        body["stop"] = list(call.stop)
+    for k in ("temperature", "top_p", "top_k"):
+        if call.sampling.get(k) is not None:
+            body[k] = call.sampling[k]
+    return body
+
+
+def count_tokens(handler, call: ChatCall) -> int:
+    """The prompt tokens `run_chat` would give the model for ``call`` (the chat template
+    applied as mlx-lm's chat route applies it)."""
+    return _prepare(handler, call).layout.prompt_tokens
+
+
+# -- running it through mlx-lm's handler ------------------------------------------------------
+class _Closed(BrokenPipeError):
+    """The front end stopped reading (its client left)."""
+
+
+class _Capture(io.RawIOBase):
+    """The ``wfile`` of a `_ChatRun`: mlx-lm's SSE chunks, parsed as they are written."""
+
+    def __init__(self, run: "_ChatRun") -> None:
+        super().__init__()
+        self._run = run
+        self._buf = b""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        if self._run.closed:
+            raise _Closed("the client of this answer left")
+        data = bytes(data)
+        if self._run.status not in (None, 200):
+            self._run.error_body += data
+            return len(data)
+        self._buf += data
+        while b"\n\n" in self._buf:
+            chunk, self._buf = self._buf.split(b"\n\n", 1)
+            self._run.chunk(chunk.decode("utf-8"))
+        return len(data)
+
+
+class _ChatRun(CacheAPIHandler):
+    """One chat call, served by mlx-lm's ``do_POST`` as if it came over HTTP, with its
+    output captured (never constructed by ``BaseHTTPRequestHandler``: no socket)."""
+
+    @classmethod
+    def make(cls, handler, body: Dict[str, Any], prep: _Prepared, call: ChatCall) -> "_ChatRun":
+        run = cls.__new__(cls)
+        raw = json.dumps(body).encode()
+        run.response_generator = handler.response_generator
+        run.system_fingerprint = handler.system_fingerprint
+        run.created = handler.created
+        run.client_address = handler.client_address
+        run.server = handler.server
+        run.command, run.path, run.request_version = "POST", "/v1/chat/completions", "HTTP/1.1"
+        run.requestline = f"POST /v1/chat/completions HTTP/1.1 (for {handler.path})"
+        run.headers = {"Content-Length": str(len(raw)), "Origin": None}
+        run.rfile = io.BytesIO(raw)
+        run.wfile = _Capture(run)
+        run.prep, run.call = prep, call
+        run.events: "Queue[Optional[Event]]" = Queue()
+        run.status = None
+        run.started = threading.Event()
+        run.closed = False
+        run.error_body = b""
+        run.finish: Optional[str] = None
+        run.usage: Optional[Dict[str, Any]] = None
+        run.ended = False
+        run.prompt_tokens = prep.layout.prompt_tokens
+        run.cached_tokens: Optional[int] = None
+        return run
+
+    # -- what mlx-lm's handler calls -----------------------------------------------------------
+    def handle_chat_completions(self):
+        request = super().handle_chat_completions()
+        lay = self.prep.layout
+        return MarkedRequest(request.request_type, request.prompt, request.messages,
+                             request.tools, request.role_mapping, cuts=list(lay.cuts),
+                             marks=list(lay.marks), session=self.call.session)
+
+    def send_response(self, code, message=None) -> None:
+        self.status = code
+
+    def send_header(self, keyword, value) -> None:
+        pass
+
+    def end_headers(self) -> None:
+        ctx = getattr(current_ticket(), "ctx", None)  # this thread's request (`generate`)
+        if ctx is not None:
+            self.prompt_tokens = len(ctx.prompt)
+            if ctx.prompt_cache_count >= 0:  # the batch path fetched already
+                self.cached_tokens = ctx.prompt_cache_count
+        self.started.set()
+
+    def log_message(self, format, *args) -> None:
+        pass
+
+    # -- the captured output ----------------------------------------------------------------------
+    def chunk(self, text: str) -> None:
+        for line in text.splitlines():
+            if line.startswith(": keepalive"):
+                self.events.put(Event("progress", text=line.split()[-1]))
+            elif line.startswith("data: "):
+                self._data(line[len("data: "):])
+
+    def _data(self, payload: str) -> None:
+        if payload.strip() == "[DONE]":
+            self.ended = True
+            return self.events.put(self._done())
+        msg = json.loads(payload)
+        if msg.get("usage") is not None:
+            self.usage = msg["usage"]
+        for choice in msg.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning"):
+                self.events.put(Event("reasoning", text=delta["reasoning"]))
+            if delta.get("content"):
+                self.events.put(Event("text", text=delta["content"]))
+            for tc in delta.get("tool_calls") or []:
+                fn = tc.get("function") or {}
+                self.events.put(Event("tool_call", tool_call={
+                    "id": tc.get("id"), "name": fn.get("name"),
+                    "arguments": fn.get("arguments") or "{}"}))
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+                self.last_tokens = tuple(getattr(current_ticket(), "last_tokens", ()) or ())
+
+    def _done(self) -> Event:
+        u = self.usage or {}
+        prompt = int(u.get("prompt_tokens") or 0)
+        cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        cached = max(0, min(cached, prompt))
+        cache = getattr(self.response_generator, "prompt_cache", None)
+        stores = bool(getattr(cache, "stores_prompts", lambda: False)())
+        usage = Usage(prompt, cached, prompt - cached if stores else 0,
+                      int(u.get("completion_tokens") or 0))
+        finish, which = self.finish or "stop", None
+        if finish == "stop" and self.call.stop:
+            which = _stop_word(self.response_generator.model_provider.tokenizer,
+                               self.call.stop, getattr(self, "last_tokens", ()))
+            if which is not None:
+                finish = "stop_sequence"
+        return Event("done", finish_reason=finish, stop_sequence=which, usage=usage)
+
+    # -- the worker thread ------------------------------------------------------------------------
+    def serve(self) -> None:
+        try:
+            APIHandler.do_POST(self)  # mlx-lm's route, with this handler's overrides
+            if not self.started.is_set():
+                self.status = self.status or 500
+            if self.status == 200 and not self.ended and not self.closed:
+                self.events.put(Event("error", text="the answer ended early"))
+        except _Closed:
+            pass
+        except Exception as e:  # never into the HTTP thread unsaid
+            log.exception("mlx_kvcache: an agent request failed")
+            if self.status == 200 and self.started.is_set():
+                self.events.put(Event("error", text=f"the answer failed: {e}"))
+            else:
+                self.status = 500
+                self.error_body = json.dumps({"error": str(e)}).encode()
+        finally:
+            self.started.set()
+            self.events.put(None)
+
+    def refusal(self) -> AgentRequestError:
+        try:
+            msg = json.loads(self.error_body.decode() or "{}").get("error") or ""
+        except (ValueError, AttributeError):
+            msg = self.error_body.decode(errors="replace")
+        msg = str(msg or f"the request failed (HTTP {self.status})")
+        if self.status == 503 or "generation thread" in msg:
+            return AgentRequestError(msg, 503, "overloaded_error")
+        if self.status in (400, 404):  # mlx-lm answers 404 to what failed its tokenizing
+            return AgentRequestError(msg, 400, "invalid_request_error")
+        return AgentRequestError(msg, 500, "api_error")
+
+
+def _stop_word(tokenizer, stops: List[str], last: Tuple[int, ...]) -> Optional[str]:
+    """The stop string whose tokens end ``last`` (how mlx-lm matched it), or None (an end
+    of sequence token stopped the answer)."""
+    if not last or last[-1] in set(getattr(tokenizer, "eos_token_ids", ()) or ()):
+        return None
+    for s in stops:
+        ids = tuple(tokenizer.encode(s, add_special_tokens=False))
+        if ids and tuple(last[-len(ids):]) == ids:
+            return s
+    return None
+
+
+def run_chat(handler, call: ChatCall) -> "ChatEvents":
+    """Run ``call`` for the live request ``handler`` (a `CacheAPIHandler`, already
+    admitted) and return its events. Raises `AgentRequestError` before anything is
+    generated (bad input, the server stopping); afterwards a failure is an ``"error"``
+    event. Closing the iterator early (the client left) stops the generation."""
+    prep = _prepare(handler, call)
+    run = _ChatRun.make(handler, _body(call, prep), prep, call)
+    worker = threading.Thread(target=run.serve, name="mlx_kvcache-agent", daemon=True)
+    worker.start()
+    run.started.wait()
+    if run.status != 200:
+        worker.join()
+        raise run.refusal()
+    return ChatEvents(run)
+
+
+class ChatEvents:
+    """The events of one answer (an iterator; `close` it to stop early). Known before the
+    first event: ``prompt_tokens``, the prompt's length, and ``cached_tokens``, what the
+    prompt cache restored, where it has already fetched (else None: the ``done`` event's
+    usage says)."""
+
+    def __init__(self, run: _ChatRun) -> None:
+        self._run = run
+        self.prompt_tokens: int = run.prompt_tokens
+        self.cached_tokens: Optional[int] = run.cached_tokens
+        self._it = self._events()
+
+    def __iter__(self) -> "ChatEvents":
+        return self
+
+    def __next__(self) -> Event:
+        return next(self._it)
+
+    def close(self) -> None:
+        self._it.close()
+        self._run.closed = True
+
+    def _events(self) -> Iterator[Event]:
+        run = self._run
+        try:
+            while True:
+                ev = run.events.get()
+                if ev is None:
+                    return
+                yield ev
+                if ev.kind in ("done", "error"):
+                    return
+        finally:
+            run.closed = True

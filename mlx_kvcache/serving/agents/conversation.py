@@ -1,0 +1,340 @@
+"""A conversation as the agent routes render it: a prefix that only grows from turn to turn.
+
+Agent clients re-send the whole conversation every turn and append to it; the prompt cache
+serves such a turn from cache only if its rendering extends the last one's. Peers break
+that in three ways, each avoided here:
+
+* Hoisting system messages: Claude Code puts ``system`` messages inside the conversation
+  (nudges, reminders after user messages). They stay where the client put them. Where the
+  model's chat template refuses a system message after the first (Qwen-style templates
+  raise) or silently drops it, `system_policy` finds that out once per template, by
+  rendering a probe, and `Conversation.fit_template` then renders each later system
+  message inside the adjacent user turn as a ``<system-reminder>`` block: appended to the
+  user message before it, else prepended to the user message after it, else as a user
+  message of its own. The choice depends only on the message and its neighbours in the
+  same request, so turn N+1 renders turn N's messages exactly as turn N did.
+* Volatile lines: Claude Code's ``x-anthropic-billing-header: …`` line at the top of the
+  system prompt differs on every request (billing metadata, never meant for the model).
+  `line_filter` drops it from system text by default (``--keep-billing-header`` keeps
+  it), and whole lines matching a user's ``--drop-lines`` regular expression. Only lines
+  that *start* with the header name are dropped, so text quoting it stays.
+* Re-rendering: tool calls, tool results and earlier turns are passed to the template as
+  the same values every time (the bridge copies, never rewrites them per request).
+
+`layout` renders the prompt once in the HTTP thread (the same call mlx-lm makes, so its
+length is ``count_tokens``) and, where the tokenizer reports character offsets, finds where
+each message and content part starts (``marks``: the miss explanation names the part a
+request diverged in) and where each part the client marked with ``cache_control`` ends
+(``cuts``: checkpoint offsets).
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from mlx_lm.server import convert_chat, process_message_content
+
+__all__ = ["Conversation", "Layout", "line_filter", "system_policy", "layout", "BILLING_LINE",
+           "REMINDER_OPEN", "REMINDER_CLOSE"]
+
+log = logging.getLogger("mlx_kvcache")
+
+#: Claude Code's per-request billing line (anchored: a line starting with it).
+BILLING_LINE = r"x-anthropic-billing-header:"
+#: How a system message is wrapped inside a user turn where the template refuses it.
+REMINDER_OPEN = "<system-reminder>\n"
+REMINDER_CLOSE = "\n</system-reminder>"
+#: Between a user turn's text and a system message folded into it.
+FOLD_SEP = "\n\n"
+
+ROLES = ("system", "user", "assistant", "tool")
+#: Tokens re-encoded to check a breakpoint's offset.
+_WINDOW = 8
+
+
+@dataclass
+class Part:
+    """One content part: its text (None for a non-text part, kept as ``raw``), the client's
+    name for it, and whether the client marked its end for reuse."""
+
+    text: Optional[str]
+    label: str
+    breakpoint: bool = False
+    raw: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class Message:
+    fields: Dict[str, Any]  # everything but content
+    parts: List[Part]
+    label: str
+
+
+def _parts_of(content: Any, label: str, part_labels: Optional[List[str]], where: str) -> List[Part]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [Part(content, label)]
+    if not isinstance(content, list):
+        raise ValueError(f"{where}.content must be a string or a list of parts")
+    out = []
+    for j, p in enumerate(content):
+        name = part_labels[j] if part_labels and j < len(part_labels) else f"{label}.content[{j}]"
+        if not isinstance(p, dict):
+            raise ValueError(f"{where}.content[{j}] must be an object")
+        if p.get("type") == "text":
+            if not isinstance(p.get("text"), str):
+                raise ValueError(f"{where}.content[{j}].text must be a string")
+            out.append(Part(p["text"], name))
+        else:
+            out.append(Part(None, name, raw=copy.deepcopy(p)))
+    return out
+
+
+class Conversation:
+    """The messages of one request, as parts that keep their names through filtering and
+    folding."""
+
+    def __init__(self, messages: List[Message]) -> None:
+        self.items = messages
+
+    @classmethod
+    def from_call(cls, messages: Sequence[Any], labels: Sequence[str] = (),
+                  part_labels: Optional[Sequence[Optional[List[str]]]] = None,
+                  breakpoints: Sequence[Tuple[int, int]] = ()) -> "Conversation":
+        """From OpenAI chat-format messages (see `bridge.ChatCall`); ValueError names the
+        first malformed message."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("the conversation has no messages")
+        out = []
+        for i, m in enumerate(messages):
+            where = labels[i] if i < len(labels) else f"messages[{i}]"
+            if not isinstance(m, dict):
+                raise ValueError(f"{where} must be an object")
+            role = m.get("role")
+            if role not in ROLES:
+                raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}, not {role!r}")
+            pl = part_labels[i] if part_labels and i < len(part_labels) else None
+            parts = _parts_of(m.get("content"), where, pl, where)
+            fields = {k: copy.deepcopy(v) for k, v in m.items() if k != "content"}
+            out.append(Message(fields, parts, where))
+        for i, j in breakpoints:
+            if 0 <= i < len(out) and 0 <= j < len(out[i].parts):
+                out[i].parts[j].breakpoint = True
+        return cls(out)
+
+    # -- volatile lines ----------------------------------------------------------------------
+    def drop_lines(self, keep: Callable[[str], bool]) -> None:
+        """Drop the lines of system text for which ``keep`` is false (with their newline)."""
+        for m in self.items:
+            if m.fields["role"] != "system":
+                continue
+            for p in m.parts:
+                if p.text:
+                    lines = p.text.splitlines(keepends=True)
+                    kept = [ln for ln in lines if keep(ln.rstrip("\r\n"))]
+                    if len(kept) != len(lines):
+                        p.text = "".join(kept)
+
+    # -- templates that refuse later system messages ------------------------------------------
+    def fit_template(self, policy: str) -> None:
+        """``"in_place"``: nothing to do. ``"fold"``: every system message but a first one
+        goes into the adjacent user turn (see the module doc); ``"fold_all"`` (a template
+        that takes no system message at all): the first one too."""
+        if policy not in ("fold", "fold_all"):
+            return
+        out: List[Message] = []
+        items = self.items
+        for i, m in enumerate(items):
+            if m.fields["role"] != "system" or (i == 0 and policy == "fold"):
+                out.append(m)
+                continue
+            wrapped = self._wrapped(m)
+            prev = out[-1] if out else None
+            nxt = items[i + 1] if i + 1 < len(items) else None
+            if prev is not None and prev.fields["role"] == "user":
+                prev.parts.extend([Part(FOLD_SEP + REMINDER_OPEN, m.label), *wrapped[1:]])
+            elif nxt is not None and nxt.fields["role"] == "user":
+                nxt.parts[:0] = [*wrapped, Part(FOLD_SEP, m.label)]
+            else:
+                out.append(Message({"role": "user"}, wrapped, m.label))
+        self.items = out
+
+    @staticmethod
+    def _wrapped(m: Message) -> List[Part]:
+        return [Part(REMINDER_OPEN, m.label), *m.parts, Part(REMINDER_CLOSE, m.label)]
+
+    # -- what mlx-lm renders -----------------------------------------------------------------
+    def messages(self) -> List[Dict[str, Any]]:
+        """OpenAI chat-format messages: text content joined into a string (as mlx-lm
+        joins a list of text parts), content with other parts as a list."""
+        out = []
+        for m in self.items:
+            d = copy.deepcopy(m.fields)
+            if all(p.text is not None for p in m.parts):
+                d["content"] = "".join(p.text for p in m.parts)
+            else:
+                d["content"] = [{"type": "text", "text": p.text} if p.text is not None else p.raw
+                                for p in m.parts]
+            if d.get("reasoning") and "reasoning_content" not in d:
+                d["reasoning_content"] = d["reasoning"]  # the name chat templates read
+            out.append(d)
+        return out
+
+    def has_images(self) -> bool:
+        return any(p.text is None for m in self.items for p in m.parts)
+
+
+def line_filter(keep_billing: bool = False, extra: Optional[str] = None) -> Callable[[str], bool]:
+    """Whether a line of system text stays: not the billing line (unless
+    ``keep_billing``), not a line ``extra`` (a regular expression) matches at its start."""
+    pats = []
+    if not keep_billing:
+        pats.append(re.compile(re.escape(BILLING_LINE)))
+    if extra:
+        pats.append(re.compile(extra))
+    return lambda line: not any(p.match(line) for p in pats)
+
+
+# -- probing a template ----------------------------------------------------------------------
+_policies: Dict[Tuple[int, str], str] = {}
+_policy_lock = threading.Lock()
+_PROBE_MARK = "zq7-probe-system"
+
+
+def system_policy(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> str:
+    """``"in_place"`` when the chat template renders a system message after the first where
+    it stands, ``"fold_all"`` when it renders no system message at all, else ``"fold"``.
+    Probed once per tokenizer (and template arguments)."""
+    key = (id(tokenizer), repr(sorted((template_args or {}).items())))
+    with _policy_lock:
+        if key in _policies:
+            return _policies[key]
+    probes = [
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+         {"role": "assistant", "content": "A"}, {"role": "system", "content": _PROBE_MARK},
+         {"role": "user", "content": "V"}],
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+         {"role": "system", "content": _PROBE_MARK}],
+    ]
+    def renders(msgs) -> bool:
+        try:
+            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
+                                                 **(template_args or {}))
+        except Exception:
+            return False
+        return isinstance(text, str) and _PROBE_MARK in text
+
+    if not renders([{"role": "system", "content": _PROBE_MARK}, {"role": "user", "content": "U"}]):
+        policy = "fold_all"
+    elif all(renders(msgs) for msgs in probes):
+        policy = "in_place"
+    else:
+        policy = "fold"
+    with _policy_lock:
+        _policies[key] = policy
+    log.info("mlx_kvcache: the chat template %s; system messages inside the conversation are "
+             "rendered %s", "renders later system messages in place" if policy == "in_place"
+             else "refuses later system messages",
+             "where they are" if policy == "in_place" else "inside the adjacent user turn")
+    if policy == "fold_all":
+        log.info("mlx_kvcache: the chat template renders no system message: the first one "
+                 "goes into the first user turn too")
+    return policy
+
+
+# -- the rendered prompt's layout ----------------------------------------------------------
+@dataclass
+class Layout:
+    """``prompt_tokens``: the prompt's length. ``cuts``: token offsets where a part the
+    client marked ends. ``marks``: ``(token offset, name)`` where each message (its
+    template markup) and each content part starts, in order."""
+
+    prompt_tokens: int
+    cuts: List[int] = field(default_factory=list)
+    marks: List[Tuple[int, str]] = field(default_factory=list)
+
+
+def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[str, Any]] = None,
+           vision: bool = False) -> Layout:
+    """Render ``conv`` as mlx-lm's chat route will; ValueError when the template refuses it
+    or it has images the model cannot see (``vision``: the model has an image processor).
+    With images the length is the text's (the processor expands each image later)."""
+    msgs = conv.messages()
+    if conv.has_images() and not vision:
+        raise ValueError("this model serves no images (it has no image processor); send text only")
+    if not getattr(tokenizer, "has_chat_template", False):
+        return Layout(len(tokenizer.encode(convert_chat(msgs, None))))
+    try:
+        process_message_content(msgs, keep_images=vision)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"unsupported message content: {e}") from None
+    kw = dict(template_args or {})
+    try:
+        text = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True,
+                                             tokenize=False, **kw)
+    except Exception as e:  # the template's own refusal (jinja raise_exception) and the like
+        raise ValueError(f"the model's chat template refused this conversation: {e}") from None
+    # One render, one encoding: the template's text encoded without added special tokens
+    # is what mlx-lm's ``apply_chat_template(tokenize=True)`` returns.
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    enc = backend.encode(text, add_special_tokens=False) if backend is not None else None
+    ids = list(enc.ids) if enc is not None else list(tokenizer.encode(text, add_special_tokens=False))
+    out = Layout(len(ids))
+    if enc is None:
+        return out
+    starts = [a for a, _ in enc.offsets]
+
+    def token_at(char: int) -> int:  # the token holding character ``char``
+        return max(0, bisect.bisect_right(starts, char) - 1)
+
+    cursor = 0
+    for n, m in enumerate(conv.items):
+        # Template text between two messages (closing one, opening the next) is named
+        # after both: a change there is either one's edge.
+        gap = (f"the template's text before {m.label}" if n == 0 else
+               f"the template's text between {conv.items[n - 1].label} and {m.label}")
+        out.marks.append((token_at(cursor), gap))
+        for p in m.parts:
+            if p.text is None:
+                continue
+            at = text.find(p.text, cursor) if p.text else cursor
+            if at < 0:
+                continue
+            out.marks.append((token_at(at), p.label))
+            cursor = at + len(p.text)
+            if p.breakpoint:
+                cut = _cut(backend, text, ids, starts, cursor)
+                if 0 < cut < len(ids):
+                    out.cuts.append(cut)
+    out.cuts = sorted(set(out.cuts))
+    return out
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
+
+
+def _cut(backend, text: str, ids: List[int], starts: List[int], end: int) -> int:
+    """The number of prompt tokens that encode ``text[:end]``: where the tokens of the
+    text up to ``end`` stop agreeing with the prompt's (a token merging across ``end``
+    belongs to what follows). Encodes the text of the last few tokens before ``end`` again,
+    from a token boundary (pre-tokenization makes tokens there independent of what came
+    before), not the whole prefix."""
+    guess = bisect.bisect_left(starts, end)
+    lo = max(0, guess - _WINDOW)
+    while lo > 0 and starts[lo] >= end:
+        lo -= 1
+    window = backend.encode(text[starts[lo]:end], add_special_tokens=False).ids
+    return lo + _common(window, ids[lo:lo + len(window)])

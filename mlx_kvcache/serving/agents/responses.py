@@ -1,0 +1,554 @@
+"""The OpenAI Responses API — ``POST /v1/responses`` — as an adapter onto the agents bridge.
+
+Entry point for the route table: ``serve_responses(handler) -> None``. ``handler`` is the
+live `CacheAPIHandler`, already admitted, its body not yet read. It reads the JSON body,
+answers one JSON response (``stream`` false) or a stream of server-sent events, and never
+raises for bad input: a 400 in OpenAI's error shape (``{"error": {"message", "type",
+"param", "code"}}``) names the problem; nothing reaches the generation thread.
+
+Stateless: every request carries the whole conversation (as Codex sends it).
+``previous_response_id`` and ``conversation`` are refused with a 400 that says so — this
+server keeps no responses. ``store``, ``metadata``, ``parallel_tool_calls`` are accepted
+and echoed; ``prompt_cache_key`` becomes `ChatCall.session`; OpenAI-side options with no
+local meaning (``include``, ``reasoning``, ``text``, ``truncation``, ``user``,
+``service_tier``, …) are accepted and ignored.
+
+The translation is two pure steps, tested without a server:
+  * `parse_request`: a request body -> a `ChatCall` (OpenAI chat-format messages in the
+    client's order: ``instructions`` first, then every input item where it stands);
+  * `ResponseBuilder`: `Event`s -> the stream's events (each with ``sequence_number``) and
+    the final ``response`` object; the non-streamed answer is the streamed one's last
+    snapshot, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+from .bridge import AgentRequestError, ChatCall, Event, run_chat, served_model
+
+__all__ = ["serve_responses", "parse_request", "ResponseBuilder", "error_body"]
+
+log = logging.getLogger("mlx_kvcache")
+
+#: Tool types other than ``function`` that were skipped (each logged once per process).
+_SKIPPED_LOGGED: set = set()
+
+
+def _bad(message: str, param: Optional[str] = None) -> AgentRequestError:
+    err = AgentRequestError(message, 400, "invalid_request_error")
+    err.param = param
+    return err
+
+
+def error_body(message: str, kind: str = "invalid_request_error",
+               param: Optional[str] = None, code: Optional[str] = None) -> Dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# -- request -> ChatCall -----------------------------------------------------------------------
+def _text_of(content: Any, where: str, allowed: Tuple[str, ...]) -> str:
+    """The text of a message's content: a string, or parts of the ``allowed`` types."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be a string or a list of content parts", where)
+    pieces = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if isinstance(part, str):
+            pieces.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise _bad(f"{at} must be an object", at)
+        kind = part.get("type")
+        if kind in ("input_image", "input_file", "input_audio"):
+            raise _bad(f"{at}: {kind} parts are not served by this server (text only)", at)
+        if kind not in allowed:
+            raise _bad(f"{at}: content part type {kind!r} is not one of "
+                       f"{', '.join(allowed)}", at)
+        text = part.get("refusal") if kind == "refusal" else part.get("text")
+        if not isinstance(text, str):
+            raise _bad(f"{at}.text must be a string", at)
+        pieces.append(text)
+    return "".join(pieces)
+
+
+_TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
+
+
+def _tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
+    """Function tools in chat form; other types (web_search, local_shell, custom, …) are
+    skipped, not refused — Codex sends them whatever the model — and logged once."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools must be a list", "tools")
+    out, skipped = [], []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise _bad(f"tools[{i}] must be an object", f"tools[{i}]")
+        kind = tool.get("type", "function")
+        if kind != "function":
+            skipped.append(str(kind))
+            continue
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise _bad(f"tools[{i}].name must be a non-empty string", f"tools[{i}].name")
+        params = tool.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise _bad(f"tools[{i}].parameters must be a JSON schema object",
+                       f"tools[{i}].parameters")
+        fn: Dict[str, Any] = {"name": name,
+                              "parameters": params or {"type": "object", "properties": {}}}
+        if tool.get("description") is not None:
+            fn["description"] = str(tool["description"])
+        out.append({"type": "function", "function": fn})
+    new = sorted(set(skipped) - _SKIPPED_LOGGED)
+    if new:
+        _SKIPPED_LOGGED.update(new)
+        log.info("mlx_kvcache: /v1/responses: tools of type %s skipped (only function tools "
+                 "reach the chat template)", ", ".join(new))
+    return out or None
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict):
+        kind = choice.get("type")
+        if kind == "function" and isinstance(choice.get("name"), str):
+            return {"type": "function", "function": {"name": choice["name"]}}
+        if kind == "allowed_tools" and choice.get("mode") in ("auto", "required"):
+            return choice["mode"]
+    raise _bad("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
+               f"'name': …}}, not {json.dumps(choice)[:200]}", "tool_choice")
+
+
+def _number(body: Dict[str, Any], key: str, lo: float, hi: float) -> Optional[float]:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise _bad(f"{key} must be a number from {lo} to {hi}, not {json.dumps(v)}", key)
+    return float(v)
+
+
+class _Messages:
+    """Chat messages built item by item, each with its label (``input[i]``)."""
+
+    def __init__(self) -> None:
+        self.messages: List[Dict[str, Any]] = []
+        self.labels: List[str] = []
+        self._reasoning: List[str] = []  # reasoning items waiting for their assistant turn
+        self._open_assistant: Optional[int] = None  # may take the function calls that follow
+
+    def add(self, message: Dict[str, Any], label: str) -> None:
+        self.messages.append(message)
+        self.labels.append(label)
+        self._open_assistant = None
+        self._reasoning = []  # reasoning belongs to the assistant turn right after it
+
+    def assistant(self, i: int) -> Dict[str, Any]:
+        """The assistant turn input item ``i`` belongs to: the one just added (text then
+        calls is one turn, as the model produced it), else a new one."""
+        if self._open_assistant is not None:
+            m = self._open_assistant
+            self.labels[m] = f"{self.labels[m].split('..')[0].rstrip(']')}..{i}]"
+            return self.messages[m]
+        msg: Dict[str, Any] = {"role": "assistant", "content": ""}
+        if self._reasoning:
+            msg["reasoning"] = "".join(self._reasoning)
+            self._reasoning = []
+        self.add(msg, f"input[{i}]")
+        self._open_assistant = len(self.messages) - 1
+        return msg
+
+    def reasoning(self, text: str) -> None:
+        if text:  # (an item with only encrypted_content has none)
+            self._reasoning.append(text)
+        self._open_assistant = None
+
+
+def _item(msgs: _Messages, item: Any, i: int) -> None:
+    at = f"input[{i}]"
+    if not isinstance(item, dict):
+        raise _bad(f"{at} must be an object", at)
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise _bad(f"{at}.role must be user, assistant, system or developer, not "
+                       f"{json.dumps(role)}", f"{at}.role")
+        text = _text_of(item.get("content"), at, _TEXT_PARTS)
+        if role == "assistant":
+            msg = msgs.assistant(i)
+            msg["content"] = (msg["content"] or "") + text
+            return
+        # developer is OpenAI's newer name for system; chat templates know "system".
+        msgs.add({"role": "system" if role == "developer" else role, "content": text}, at)
+    elif kind in ("function_call", "custom_tool_call"):
+        call_id, name = item.get("call_id"), item.get("name")
+        args = item.get("arguments") if kind == "function_call" else item.get("input")
+        if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(args, str):
+            raise _bad(f"{at}: a {kind} needs string call_id, name and "
+                       f"{'arguments' if kind == 'function_call' else 'input'}", at)
+        msg = msgs.assistant(i)
+        msg.setdefault("tool_calls", []).append(
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+    elif kind in ("function_call_output", "custom_tool_call_output"):
+        call_id = item.get("call_id")
+        if not isinstance(call_id, str):
+            raise _bad(f"{at}.call_id must be a string", f"{at}.call_id")
+        out = item.get("output")
+        text = out if isinstance(out, str) else _text_of(out, at, _TEXT_PARTS)
+        msgs.add({"role": "tool", "tool_call_id": call_id, "content": text}, at)
+    elif kind == "reasoning":
+        # Tolerated: its readable text (never encrypted_content) goes with the next
+        # assistant turn, where the template renders reasoning (most drop it from past turns).
+        parts = item.get("content") or item.get("summary") or []
+        msgs.reasoning(_text_of(parts, at, _TEXT_PARTS) if isinstance(parts, list) else "")
+    elif kind == "item_reference":
+        raise _bad(f"{at}: item_reference needs stored items; this server is stateless — "
+                   "send the items themselves", at)
+    else:
+        raise _bad(f"{at}: input item type {json.dumps(kind)} is not served (message, "
+                   "function_call, function_call_output, reasoning)", at)
+
+
+def parse_request(body: Any) -> ChatCall:
+    """A Responses request body as a `ChatCall`, or `AgentRequestError` (400) naming the
+    field at fault."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    for key in ("previous_response_id", "conversation"):
+        if body.get(key) is not None:
+            raise _bad(f"{key} is not supported: this server is stateless and keeps no "
+                       "responses; send the whole conversation in input (as Codex does)", key)
+    msgs = _Messages()
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if isinstance(instructions, list):
+            instructions = _text_of(instructions, "instructions", _TEXT_PARTS)
+        if not isinstance(instructions, str):
+            raise _bad("instructions must be a string", "instructions")
+        msgs.add({"role": "system", "content": instructions}, "instructions")
+    items = body.get("input")
+    if isinstance(items, str):
+        msgs.add({"role": "user", "content": items}, "input")
+    elif isinstance(items, list):
+        for i, item in enumerate(items):
+            _item(msgs, item, i)
+    elif items is not None:
+        raise _bad("input must be a string or a list of items", "input")
+    if not msgs.messages:
+        raise _bad("input is empty: nothing to answer", "input")
+    max_tokens = body.get("max_output_tokens")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise _bad(f"max_output_tokens must be a positive integer, not {json.dumps(max_tokens)}",
+                   "max_output_tokens")
+    sampling = {}
+    for key, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+        v = _number(body, key, lo, hi)
+        if v is not None:
+            sampling[key] = v
+    session = body.get("prompt_cache_key")
+    if session is not None and not isinstance(session, str):
+        raise _bad("prompt_cache_key must be a string", "prompt_cache_key")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise _bad("stream must be true or false", "stream")
+    n = len(msgs.messages)
+    last = msgs.messages[-1]
+    # The client comes back with this prompt extended: mark the end of the instructions
+    # (shared by every session) and of the input so far, as Claude Code's cache_control does.
+    marks = [(0, 0)] if instructions is not None else []
+    if n - 1 not in (m for m, _ in marks) and last["role"] != "assistant":
+        marks.append((n - 1, 0))
+    return ChatCall(messages=msgs.messages, labels=msgs.labels, tools=_tools(body.get("tools")),
+                    tool_choice=_tool_choice(body.get("tool_choice")), max_tokens=max_tokens,
+                    sampling=sampling, stop=[], breakpoints=marks, session=session)
+
+
+# -- Events -> response ------------------------------------------------------------------------
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseBuilder:
+    """The Responses answer built from the bridge's `Event`s.
+
+    `start` gives the opening stream events (``response.created``, ``response.in_progress``);
+    `feed` one `Event`'s stream events; `fail` the closing ``response.failed``. `response`
+    is the ``response`` object as of now (the final one once ``done`` was fed)."""
+
+    def __init__(self, body: Dict[str, Any], model: str) -> None:
+        self.id = _new_id("resp")
+        self.created_at = int(time.time())
+        self.body, self.model = body, model
+        self.output: List[Dict[str, Any]] = []
+        self.status = "in_progress"
+        self.incomplete: Optional[Dict[str, Any]] = None
+        self.error: Optional[Dict[str, Any]] = None
+        self.usage: Optional[Dict[str, Any]] = None
+        self._seq = 0
+        self._open: Optional[Dict[str, Any]] = None  # the item text goes into, if any
+        self._open_kind: Optional[str] = None
+        self._call_ids: set = set()
+
+    # the response object -----------------------------------------------------------------------
+    def response(self) -> Dict[str, Any]:
+        b = self.body
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "status": self.status, "model": self.model,
+            "output": json.loads(json.dumps(self.output)),
+            "error": self.error, "incomplete_details": self.incomplete,
+            "instructions": b.get("instructions"),
+            "max_output_tokens": b.get("max_output_tokens"),
+            "parallel_tool_calls": b.get("parallel_tool_calls", True),
+            "previous_response_id": None,
+            "temperature": b.get("temperature"), "top_p": b.get("top_p"),
+            "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
+            "metadata": b.get("metadata") or {}, "store": b.get("store", False),
+            "prompt_cache_key": b.get("prompt_cache_key"),
+            "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "usage": self.usage,
+        }
+
+    def output_text(self) -> str:
+        return "".join(p["text"] for item in self.output if item["type"] == "message"
+                       for p in item["content"])
+
+    # stream events -----------------------------------------------------------------------------
+    def _ev(self, kind: str, **fields: Any) -> Tuple[str, Dict[str, Any]]:
+        ev = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return kind, ev
+
+    def _snapshot(self, kind: str) -> Tuple[str, Dict[str, Any]]:
+        return self._ev(kind, response=self.response())
+
+    def start(self) -> List[Tuple[str, Dict[str, Any]]]:
+        return [self._snapshot("response.created"), self._snapshot("response.in_progress")]
+
+    def _close(self, status: str = "completed") -> List[Tuple[str, Dict[str, Any]]]:
+        item, kind = self._open, self._open_kind
+        self._open = self._open_kind = None
+        if item is None:
+            return []
+        idx = len(self.output) - 1
+        item["status"] = status
+        out = []
+        if kind == "message":
+            part = item["content"][0]
+            out.append(self._ev("response.output_text.done", item_id=item["id"],
+                                output_index=idx, content_index=0, text=part["text"],
+                                logprobs=[]))
+            out.append(self._ev("response.content_part.done", item_id=item["id"],
+                                output_index=idx, content_index=0, part=dict(part)))
+        elif kind == "reasoning":
+            part = item["content"][0]
+            out.append(self._ev("response.reasoning_text.done", item_id=item["id"],
+                                output_index=idx, content_index=0, text=part["text"]))
+            out.append(self._ev("response.content_part.done", item_id=item["id"],
+                                output_index=idx, content_index=0, part=dict(part)))
+        out.append(self._ev("response.output_item.done", output_index=idx,
+                            item=json.loads(json.dumps(item))))
+        return out
+
+    def _open_item(self, kind: str) -> List[Tuple[str, Dict[str, Any]]]:
+        if self._open_kind == kind:
+            return []
+        out = self._close()
+        if kind == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item = {"id": _new_id("msg"), "type": "message", "role": "assistant",
+                    "status": "in_progress", "content": []}
+        else:
+            part = {"type": "reasoning_text", "text": ""}
+            item = {"id": _new_id("rs"), "type": "reasoning", "summary": [],
+                    "status": "in_progress", "content": []}
+        self.output.append(item)
+        idx = len(self.output) - 1
+        out.append(self._ev("response.output_item.added", output_index=idx,
+                            item=json.loads(json.dumps(item))))
+        item["content"].append(part)
+        out.append(self._ev("response.content_part.added", item_id=item["id"],
+                            output_index=idx, content_index=0, part=dict(part)))
+        self._open, self._open_kind = item, kind
+        return out
+
+    def feed(self, event: Event) -> List[Tuple[str, Dict[str, Any]]]:
+        """The stream events ``event`` makes (none for an empty delta)."""
+        if event.kind in ("text", "reasoning"):
+            if not event.text:
+                return []
+            kind = "message" if event.kind == "text" else "reasoning"
+            out = self._open_item(kind)
+            item = self._open
+            item["content"][0]["text"] += event.text
+            idx = len(self.output) - 1
+            name = ("response.output_text.delta" if kind == "message"
+                    else "response.reasoning_text.delta")
+            extra = {"logprobs": []} if kind == "message" else {}
+            out.append(self._ev(name, item_id=item["id"], output_index=idx, content_index=0,
+                                delta=event.text, **extra))
+            return out
+        if event.kind == "tool_call":
+            out = self._close()
+            tc = event.tool_call or {}
+            args = tc.get("arguments")
+            if not isinstance(args, str):
+                args = json.dumps(args if args is not None else {})
+            call_id = tc.get("id")
+            if not call_id or call_id in self._call_ids:  # clients match outputs by call_id
+                call_id = _new_id("call")
+            self._call_ids.add(call_id)
+            item = {"id": _new_id("fc"), "type": "function_call", "status": "in_progress",
+                    "call_id": call_id, "name": tc.get("name", ""),
+                    "arguments": ""}
+            self.output.append(item)
+            idx = len(self.output) - 1
+            out.append(self._ev("response.output_item.added", output_index=idx,
+                                item=dict(item)))
+            item["arguments"] = args
+            out.append(self._ev("response.function_call_arguments.delta", item_id=item["id"],
+                                output_index=idx, delta=args))
+            out.append(self._ev("response.function_call_arguments.done", item_id=item["id"],
+                                output_index=idx, arguments=args))
+            item["status"] = "completed"
+            out.append(self._ev("response.output_item.done", output_index=idx,
+                                item=dict(item)))
+            return out
+        if event.kind == "done":
+            cut = event.finish_reason == "length"
+            out = self._close("incomplete" if cut else "completed")
+            if cut:
+                self.status = "incomplete"
+                self.incomplete = {"reason": "max_output_tokens"}
+            else:
+                self.status = "completed"
+            u = event.usage
+            if u is not None:
+                self.usage = {
+                    "input_tokens": u.prompt_tokens,
+                    "input_tokens_details": {"cached_tokens": u.cached_tokens,
+                                             "cache_write_tokens": u.created_tokens},
+                    "output_tokens": u.output_tokens,
+                    # not counted apart from the answer by the bridge
+                    "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": u.prompt_tokens + u.output_tokens,
+                }
+            out.append(self._snapshot("response.incomplete" if cut else "response.completed"))
+            return out
+        return []  # kinds this front end does not render (progress)
+
+    def fail(self, message: str) -> List[Tuple[str, Dict[str, Any]]]:
+        """The closing events of an answer the server could not finish."""
+        out = self._close("incomplete")
+        self.status = "failed"
+        self.error = {"code": "server_error", "message": message}
+        out.append(self._snapshot("response.failed"))
+        return out
+
+
+def render(body: Dict[str, Any], model: str, events: Iterable[Event]
+           ) -> Iterator[Tuple[str, Dict[str, Any]]]:
+    """Every stream event of an answer made of ``events`` (without failure handling)."""
+    b = ResponseBuilder(body, model)
+    yield from b.start()
+    for ev in events:
+        yield from b.feed(ev)
+
+
+# -- HTTP --------------------------------------------------------------------------------------
+def _read_body(handler) -> Tuple[Optional[Any], Optional[str]]:
+    """(the JSON body, None) or (None, what is wrong with it)."""
+    try:
+        n = int(handler.headers.get("Content-Length") or "")
+    except ValueError:
+        return None, "a Content-Length header (an integer) is required"
+    raw = handler.rfile.read(n) if n > 0 else b""
+    try:
+        return json.loads(raw.decode("utf-8")), None
+    except (UnicodeDecodeError, ValueError) as e:
+        return None, f"the request body is not valid JSON: {e}"
+
+
+def _send_json(handler, status: int, body: Dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+    handler.wfile.flush()
+
+
+def _sse(kind: str, data: Dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def serve_responses(handler) -> None:
+    """Answer one ``POST /v1/responses`` on ``handler`` (see the module's docstring)."""
+    body, problem = _read_body(handler)
+    if problem is not None:
+        return _send_json(handler, 400, error_body(problem))
+    try:
+        events = run_chat(handler, parse_request(body))  # bad input raises here, before any event
+    except AgentRequestError as e:
+        return _send_json(handler, e.status, error_body(
+            e.message, e.kind, getattr(e, "param", None)))
+    # The served model answers whatever name the client sent; the name is echoed back.
+    name = body.get("model")
+    builder = ResponseBuilder(body, name if isinstance(name, str) and name
+                              else served_model(handler))
+    try:
+        if body.get("stream"):
+            _stream(handler, builder, events)
+        else:
+            _whole(handler, builder, events)
+    finally:
+        events.close()  # a client gone mid-answer ends the generation
+
+
+def _whole(handler, builder: ResponseBuilder, events: Iterator[Event]) -> None:
+    for ev in events:
+        if ev.kind == "error":  # the generation failed after it started
+            return _send_json(handler, 500, error_body(ev.text, "server_error"))
+        builder.feed(ev)
+    _send_json(handler, 200, builder.response())
+
+
+def _stream(handler, builder: ResponseBuilder, events: Iterator[Event]) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.send_header("Cache-Control", "no-cache")
+    handler.end_headers()
+
+    def write(data: bytes) -> None:
+        if data:
+            handler.wfile.write(data)
+            handler.wfile.flush()
+
+    def send(batch: List[Tuple[str, Dict[str, Any]]]) -> None:
+        write(b"".join(_sse(k, d) for k, d in batch))
+
+    try:
+        send(builder.start())
+        for ev in events:
+            if ev.kind == "progress":  # a long prefill: keep the client's idle timer fed
+                write(f": keepalive {ev.text}\n\n".encode())
+            elif ev.kind == "error":  # the generation failed mid-answer: the stream says so
+                send(builder.fail(ev.text))
+                return
+            else:
+                send(builder.feed(ev))
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the client hung up; closing the events ends the generation

@@ -1,0 +1,145 @@
+"""Offline model directories for the agent routes' tests (see `dirs` for the base ones):
+
+* `write_refusing_dir`: the character tokenizer with a Qwen-style chat template that
+  refuses a system message anywhere but first (``raise_exception``), renders tool calls
+  and tool results;
+* `write_tool_dir`: a model that answers every prompt with one tool call, through a
+  template and a tokenizer that mlx-lm's ``json_tools`` parser recognises: a "bigram"
+  llama whose layers add nothing (zero output projections), so its next token depends on
+  the current one only — ``<|assistant|>`` → ``<tool_call>`` → the call's JSON (one added
+  token) → ``</tool_call>`` → ``</s>``;
+* `write_thinking_dir`: the same kind of model reasoning first (``<think>`` … ``</think>``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+from .dirs import CHARS, SPECIALS, write_model_dir
+
+__all__ = ["REFUSING_TEMPLATE", "TOOL_TEMPLATE", "TOOL_CALL", "THINKING_TEMPLATE", "THOUGHT",
+           "ANSWER", "write_refusing_dir", "write_tool_dir", "write_thinking_dir"]
+
+#: Renders system messages first only (like Qwen3's), tool calls and tool results.
+REFUSING_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' %}"
+    "{%- if not loop.first %}{{ raise_exception('System message must be at the beginning.') }}"
+    "{%- endif %}<|system|>{{ m['content'] }}</s>"
+    "{%- elif m['role'] == 'user' %}<|user|>{{ m['content'] }}</s>"
+    "{%- elif m['role'] == 'tool' %}<|user|><tool_response>{{ m['content'] }}</tool_response></s>"
+    "{%- else %}<|assistant|>{{ m['content'] }}"
+    "{%- for tc in m.get('tool_calls') or [] %}<tool>{{ tc['function'] | tojson }}</tool>"
+    "{%- endfor %}</s>{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+#: The one call the tool model makes.
+TOOL_CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+_ADDED = ["<tool_call>", "</tool_call>", json.dumps(TOOL_CALL)]
+
+#: System messages in place, tools listed in a system turn, calls in json_tools' format.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|system|>Tools:{% for t in tools %} {{ t['function']['name'] }}"
+    "{%- endfor %}</s>{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' %}<|system|>{{ m['content'] }}</s>"
+    "{%- elif m['role'] == 'user' %}<|user|>{{ m['content'] }}</s>"
+    "{%- elif m['role'] == 'tool' %}<|user|><tool_response>{{ m['content'] }}</tool_response></s>"
+    "{%- else %}<|assistant|>{{ m['content'] }}"
+    "{%- for tc in m.get('tool_calls') or [] %}{%- set tool_call = tc['function'] %}"
+    "<tool_call>{\"name\": \"{{ tool_call.name }}\", \"arguments\": "
+    "{{ tool_call.arguments | tojson }}}</tool_call>{%- endfor %}</s>"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+#: What the thinking model thinks, then answers.
+THOUGHT, ANSWER = "Let me think about it.", "It is done."
+
+#: Renders an assistant turn's reasoning inside <think> ... </think> before its text.
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' %}<|system|>{{ m['content'] }}</s>"
+    "{%- elif m['role'] == 'user' %}<|user|>{{ m['content'] }}</s>"
+    "{%- else %}<|assistant|>{%- if m.get('reasoning_content') %}<think>"
+    "{{ m['reasoning_content'] }}</think>{%- endif %}{{ m['content'] }}</s>{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _write_tokenizer(path: Path, template: str, added=()) -> int:
+    """The character tokenizer (`dirs`) with ``template`` and ``added`` whole-string
+    tokens; returns the vocabulary size."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    tok.add_tokens([AddedToken(a, normalized=False) for a in added])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", additional_special_tokens=SPECIALS[3:])
+    fast.chat_template = template
+    fast.save_pretrained(str(path))
+    return tok.get_vocab_size()
+
+
+def write_refusing_dir(path, kind: str = "llama", seed: int = 0) -> Path:
+    """A `dirs.write_model_dir` model whose template refuses later system messages."""
+    path = write_model_dir(path, kind, seed)
+    _write_tokenizer(path, REFUSING_TEMPLATE)
+    return path
+
+
+def _write_chain_dir(path, template: str, added, chain) -> Path:
+    """A "bigram" llama (see the module doc) that, from ``<|assistant|>``, produces the
+    tokens ``chain`` (names of specials, characters or ``added`` strings), then ``</s>``."""
+    path = Path(path)
+    added = list(added)
+    vocab = len(SPECIALS) + len(CHARS) + len(added)
+    hidden = 128
+    write_model_dir(path, "llama", 0, hidden_size=hidden, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32, num_hidden_layers=1, vocab_size=vocab)
+    assert _write_tokenizer(path, template, added) == vocab
+    ids = {t: i for i, t in enumerate(SPECIALS + CHARS + added)}
+    steps = [ids["<|assistant|>"], *(ids[t] for t in chain)]
+    succ = dict(zip(steps, steps[1:]))
+    eos = ids["</s>"]
+    weights = dict(mx.load(str(path / "model.safetensors")))
+    for k, v in weights.items():
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[k] = mx.zeros_like(v)  # the layers add nothing to the residual
+        elif k.endswith("norm.weight"):
+            weights[k] = mx.ones_like(v)
+    embed = mx.zeros((vocab, hidden))
+    embed[mx.arange(vocab), mx.arange(vocab)] = 1.0  # token t: the t-th axis
+    head = mx.zeros((vocab, hidden))
+    for t in range(vocab):
+        head[succ.get(t, eos), t] = 10.0  # next(t), by a wide margin
+    weights["model.embed_tokens.weight"] = embed
+    weights["lm_head.weight"] = head
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return path
+
+
+def write_tool_dir(path) -> Path:
+    """The model that always calls `TOOL_CALL` (see the module doc)."""
+    return _write_chain_dir(path, TOOL_TEMPLATE, _ADDED, ["<tool_call>", _ADDED[2], "</tool_call>"])
+
+
+def write_thinking_dir(path) -> Path:
+    """A model that reasons: every answer is ``<think>`` `THOUGHT` ``</think>`` `ANSWER`,
+    through a template that renders an earlier turn's reasoning the same way (mlx-lm
+    splits reasoning from ``<think>`` / ``</think>`` tokens)."""
+    return _write_chain_dir(path, THINKING_TEMPLATE, ["<think>", "</think>", THOUGHT, ANSWER],
+                            ["<think>", THOUGHT, "</think>", ANSWER])

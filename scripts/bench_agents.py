@@ -1,0 +1,460 @@
+#!/usr/bin/env python
+"""Benchmark: coding-agent sessions against ``mlx-kvcache serve``'s agent routes vs the
+baseline users have today (a benchmark, not a test).
+
+Two replayed sessions, each turn re-sending the whole history as the agents do:
+  claude  Claude-Code-shaped, Anthropic Messages (``POST /v1/messages``): system text blocks
+          whose first line is the per-request ``x-anthropic-billing-header:`` line, a long
+          system prompt and tools marked with ``cache_control``, ``tool_use`` /
+          ``tool_result`` exchanges, a ``role: "system"`` nudge every few turns and a
+          trailing ``<total_tokens>N tokens left</total_tokens>`` system message after every
+          user message; ``cache_control`` on the last message.
+  codex   Codex-shaped, OpenAI Responses (``POST /v1/responses``): long ``instructions``,
+          function tools plus the non-function tools Codex sends (web_search, local_shell,
+          custom), developer and environment messages, ``prompt_cache_key``, a
+          ``max_output_tokens=1`` probe before the first turn, reasoning items,
+          ``function_call`` / ``function_call_output`` exchanges, an occasional developer
+          message mid-conversation.
+The assistant turns are scripted (a replay of a recorded session), so both contenders see
+the same conversation whatever the model answers.
+
+Contenders, both on loopback, the same turn sent to one and then the other (alternating
+order):
+  ours      ``mlx-kvcache serve`` on the route the agent speaks;
+  baseline  stock ``mlx_lm.server`` (``scripts/stock_server.py``) behind the translation
+            users put in front of it today (vllm-mlx 0.6, the common proxies): every
+            system / developer message hoisted into the leading system message, the
+            billing line stripped (as vllm-mlx does; without that, almost nothing is
+            reused at all), tool calls and results as chat messages, reasoning dropped.
+            It lives in this file only: it is the thing measured against, not a feature.
+
+Per turn and overall (turns after the first): prompt tokens computed ÷ the turn's new
+tokens (goal <= 1.1), the share of prompt tokens read from cache (goal >= 0.95), and TTFT
+p50 ours ÷ baseline (goal <= 0.3). Models: the embedded SmolLM2-135M, and a small hybrid
+(the tests' qwen3_next: gated delta net + attention, 4 layers, random weights, one
+character per token).
+
+    python scripts/bench_agents.py            # 24 turns each, a ~3.2k-token prefix
+    python scripts/bench_agents.py --quick    # 10 turns, ~1k-token prefix (minutes)
+    python scripts/bench_agents.py --only smollm2 --shapes codex
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import mlx_kvcache  # noqa: F401  (before mlx: preloads a fast BLAS)
+
+from mlx_kvcache.testing import write_model_dir  # noqa: E402
+from mlx_kvcache.testing.servers import Server  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_server  # noqa: E402  (its stock server, model, request and percentile helpers)
+from bench_server import pct, smollm2_dir, text  # noqa: E402
+
+BILLING = "x-anthropic-billing-header:"
+
+
+# -- the sessions ----------------------------------------------------------------------------
+def tool_specs(rng: random.Random, n: int, words: int) -> List[Dict[str, Any]]:
+    """(name, description, JSON schema) of ``n`` tools, each described in ``words`` words."""
+    out = []
+    for k in range(n):
+        out.append({"name": f"tool_{k}", "description": text(rng, words),
+                    "schema": {"type": "object", "properties": {
+                        "path": {"type": "string", "description": text(rng, 8)},
+                        "query": {"type": "string", "description": text(rng, 8)}},
+                        "required": ["path"]}})
+    return out
+
+
+class Shape:
+    """One scripted session: ``request(turn)`` is the turn's request body for ours,
+    ``baseline(turn)`` the chat messages and tools the baseline translation sends, and
+    ``advance(turn)`` appends the scripted answer and what follows it."""
+
+    def __init__(self, seed: int, prefix_words: int, tool_words: int, result_words: int):
+        self.rng = random.Random(seed)
+        self.result_words = result_words
+        self.system = ("You are a coding agent working in the user's repository. "
+                       + text(self.rng, prefix_words))
+        self.tools = tool_specs(self.rng, 12, tool_words)
+
+
+class ClaudeShape(Shape):
+    """Anthropic Messages, as Claude Code sends them."""
+
+    route = "messages"
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.messages: List[Dict[str, Any]] = []
+        self._user("Fix the failing test in " + text(self.rng, 20))
+        self.calls = 0
+
+    def _user(self, content) -> None:
+        self.messages.append({"role": "user", "content": content})
+        budget = 200000 - 1500 * len(self.messages)
+        self.messages.append({"role": "system",
+                              "content": f"<total_tokens>{budget} tokens left</total_tokens>"})
+
+    def request(self, turn: int, max_tokens: int) -> Dict[str, Any]:
+        billing = (f"{BILLING} cc_version=2.1.{turn}; cc_entrypoint=cli; "
+                   f"cch={uuid.uuid4().hex[:5]};")
+        msgs = json.loads(json.dumps(self.messages))
+        last = msgs[-1]
+        last["content"] = [{"type": "text", "text": last["content"],
+                            "cache_control": {"type": "ephemeral"}}] \
+            if isinstance(last["content"], str) else last["content"]
+        tools = [{"name": t["name"], "description": t["description"],
+                  "input_schema": t["schema"]} for t in self.tools]
+        tools[-1]["cache_control"] = {"type": "ephemeral"}
+        return {"model": "claude-sonnet-5", "max_tokens": max_tokens, "stream": True,
+                "system": [{"type": "text", "text": billing},
+                           {"type": "text", "text": self.system,
+                            "cache_control": {"type": "ephemeral"}}],
+                "tools": tools, "messages": msgs,
+                "metadata": {"user_id": "user_bench_session_1"}}
+
+    def advance(self, turn: int) -> None:
+        self.calls += 1
+        cid = f"toolu_{self.calls:04d}"
+        tool = self.tools[self.calls % len(self.tools)]["name"]
+        self.messages.append({"role": "assistant", "content": [
+            {"type": "text", "text": "Let me look at " + text(self.rng, 6) + "."},
+            {"type": "tool_use", "id": cid, "name": tool,
+             "input": {"path": f"src/{text(self.rng, 1)}.py", "query": text(self.rng, 3)}}]})
+        if turn % 3 == 2:  # the user speaks between tool exchanges now and then
+            content = [{"type": "tool_result", "tool_use_id": cid,
+                        "content": text(self.rng, self.result_words)},
+                       {"type": "text", "text": "Also check " + text(self.rng, 10)}]
+        else:
+            content = [{"type": "tool_result", "tool_use_id": cid, "is_error": turn % 5 == 4,
+                        "content": [{"type": "text", "text": text(self.rng, self.result_words)}]}]
+        self._user(content)
+        if turn % 3 == 1:  # the nudge (every ~7 messages)
+            self.messages.append({"role": "system", "content": (
+                "The task tools haven't been used recently. Todo list: "
+                + text(self.rng, 40))})
+
+    def baseline(self, turn: int):
+        """Hoisted: the system prompt then every system message, in one leading message."""
+        system = [self.system]
+        chat: List[Dict[str, Any]] = []
+        for m in self.messages:
+            c = m["content"]
+            if m["role"] == "system":
+                system.append(c)
+                continue
+            if isinstance(c, str):
+                chat.append({"role": m["role"], "content": c})
+                continue
+            texts = [b["text"] for b in c if b["type"] == "text"]
+            if m["role"] == "assistant":
+                calls = [{"id": b["id"], "type": "function", "function": {
+                    "name": b["name"], "arguments": json.dumps(b["input"])}}
+                    for b in c if b["type"] == "tool_use"]
+                chat.append({"role": "assistant", "content": "".join(texts),
+                             **({"tool_calls": calls} if calls else {})})
+                continue
+            for b in c:
+                if b["type"] == "tool_result":
+                    r = b["content"]
+                    r = r if isinstance(r, str) else "".join(x["text"] for x in r)
+                    chat.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": r})
+            if texts:
+                chat.append({"role": "user", "content": "".join(texts)})
+        tools = [{"type": "function", "function": {"name": t["name"], "description":
+                  t["description"], "parameters": t["schema"]}} for t in self.tools]
+        return [{"role": "system", "content": "\n\n".join(system)}] + chat, tools
+
+
+class CodexShape(Shape):
+    """OpenAI Responses, as Codex sends them."""
+
+    route = "responses"
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.key = str(uuid.UUID(int=self.rng.getrandbits(128)))
+        self.input: List[Dict[str, Any]] = [
+            {"type": "message", "role": "developer", "content": [
+                {"type": "input_text", "text": "<permissions instructions>sandbox: "
+                 "workspace-write; approvals: on-request</permissions instructions>"}]},
+            {"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "# AGENTS.md instructions\n" + text(self.rng, 60)}]},
+            {"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "<environment_context><cwd>/repo</cwd>"
+                 "<shell>zsh</shell></environment_context>"}]},
+            {"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Fix the failing test in " + text(self.rng, 20)}]},
+        ]
+        self.calls = 0
+
+    def tool_list(self):
+        return [{"type": "function", "name": t["name"], "description": t["description"],
+                 "parameters": t["schema"], "strict": False} for t in self.tools] + [
+            {"type": "web_search"}, {"type": "local_shell"},
+            {"type": "custom", "name": "apply_patch", "description": "Apply a patch",
+             "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}]
+
+    def request(self, turn: int, max_tokens: int) -> Dict[str, Any]:
+        return {"model": "gpt-5-codex", "instructions": self.system,
+                "input": json.loads(json.dumps(self.input)), "tools": self.tool_list(),
+                "tool_choice": "auto", "parallel_tool_calls": False, "store": False,
+                "stream": True, "include": ["reasoning.encrypted_content"],
+                "prompt_cache_key": self.key, "max_output_tokens": max_tokens}
+
+    def advance(self, turn: int) -> None:
+        self.calls += 1
+        cid = f"call_{self.calls:04d}"
+        self.input.append({"type": "reasoning", "id": f"rs_{self.calls}", "summary": [
+            {"type": "summary_text", "text": "Looking at " + text(self.rng, 5)}],
+            "encrypted_content": None})
+        if turn % 4 == 3:
+            self.input.append({"type": "message", "role": "assistant", "content": [
+                {"type": "output_text", "text": "Progress: " + text(self.rng, 12),
+                 "annotations": []}]})
+        self.input.append({"type": "function_call", "call_id": cid,
+                           "name": self.tools[self.calls % len(self.tools)]["name"],
+                           "arguments": json.dumps({"path": f"src/{text(self.rng, 1)}.py"})})
+        self.input.append({"type": "function_call_output", "call_id": cid,
+                           "output": text(self.rng, self.result_words)})
+        if turn % 4 == 3:
+            self.input.append({"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Now " + text(self.rng, 10)}]})
+        if turn % 7 == 5:  # e.g. the approval mode changed mid-session
+            self.input.append({"type": "message", "role": "developer", "content": [
+                {"type": "input_text", "text": "<permissions instructions>approvals: never"
+                 "</permissions instructions>"}]})
+
+    def baseline(self, turn: int):
+        system = [self.system]
+        chat: List[Dict[str, Any]] = []
+        for it in self.input:
+            kind = it.get("type")
+            if kind == "message":
+                t = "".join(p["text"] for p in it["content"])
+                if it["role"] in ("system", "developer"):
+                    system.append(t)
+                elif it["role"] == "assistant":
+                    chat.append({"role": "assistant", "content": t})
+                else:
+                    chat.append({"role": "user", "content": t})
+            elif kind == "function_call":
+                call = {"id": it["call_id"], "type": "function",
+                        "function": {"name": it["name"], "arguments": it["arguments"]}}
+                if chat and chat[-1]["role"] == "assistant" and "tool_calls" not in chat[-1]:
+                    chat[-1]["tool_calls"] = [call]
+                else:
+                    chat.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif kind == "function_call_output":
+                chat.append({"role": "tool", "tool_call_id": it["call_id"],
+                             "content": it["output"]})
+        tools = [{"type": "function", "function": {"name": t["name"], "description":
+                  t["description"], "parameters": t["schema"]}} for t in self.tools]
+        return [{"role": "system", "content": "\n\n".join(system)}] + chat, tools
+
+
+SHAPES = {"claude": ClaudeShape, "codex": CodexShape}
+
+
+# -- one request per contender ---------------------------------------------------------------
+def ask_ours(server: Server, shape: Shape, body: Dict[str, Any]) -> Dict[str, Any]:
+    """One streamed request on the agent route, through the official SDK: TTFT (first
+    content of any kind), prompt and cached tokens from the answer's usage."""
+    base = f"http://127.0.0.1:{server.port}"
+    t0 = time.perf_counter()
+    ttft = None
+    if shape.route == "messages":
+        import anthropic
+        client = anthropic.Anthropic(base_url=base, api_key="local", max_retries=0,
+                                     timeout=1800)
+        usage: Dict[str, int] = {}
+        for ev in client.messages.create(**body):
+            if ev.type == "content_block_delta" and ttft is None:
+                ttft = time.perf_counter() - t0
+            if ev.type == "message_start":
+                usage.update({k: v for k, v in ev.message.usage.model_dump().items()
+                              if isinstance(v, int)})
+            elif ev.type == "message_delta" and ev.usage is not None:
+                usage.update({k: v for k, v in ev.usage.model_dump().items()
+                              if isinstance(v, int)})
+        cached = usage.get("cache_read_input_tokens") or 0
+        prompt = (usage.get("input_tokens") or 0) + cached
+    else:
+        import openai
+        client = openai.OpenAI(base_url=base + "/v1", api_key="local", max_retries=0,
+                               timeout=1800)
+        final = None
+        for ev in client.responses.create(**body):
+            if ttft is None and ev.type in ("response.output_text.delta",
+                                            "response.reasoning_text.delta",
+                                            "response.function_call_arguments.delta"):
+                ttft = time.perf_counter() - t0
+            if ev.type in ("response.completed", "response.incomplete"):
+                final = ev.response
+        assert final is not None and final.usage is not None, "no usage in the answer"
+        prompt = final.usage.input_tokens
+        cached = final.usage.input_tokens_details.cached_tokens
+    if ttft is None:
+        ttft = time.perf_counter() - t0
+    return {"ttft": ttft, "prompt": prompt, "cached": cached}
+
+
+def ask_baseline(server: Server, shape: Shape, turn: int, max_tokens: int) -> Dict[str, Any]:
+    # (the tools are left out: the templates measured here do not render them, so stock
+    # mlx-lm would drop them as ours does)
+    messages, _ = shape.baseline(turn)
+    return bench_server.ask(server, messages, max_tokens, timeout=1800)
+
+
+# -- a run -------------------------------------------------------------------------------------
+def run_shape(name: str, servers: Dict[str, Server], turns: int, max_tokens: int,
+              prefix_words: int, tool_words: int, result_words: int) -> Dict[str, List[dict]]:
+    shapes = {k: SHAPES[name](7, prefix_words, tool_words, result_words) for k in servers}
+    res: Dict[str, List[dict]] = {k: [] for k in servers}
+    if name == "codex":  # Codex probes the provider before the first turn
+        body = dict(shapes["ours"].request(0, 1))
+        ask_ours(servers["ours"], shapes["ours"], body)
+        ask_baseline(servers["baseline"], shapes["baseline"], 0, 1)
+    for turn in range(turns):
+        order = ["baseline", "ours"] if turn % 2 == 0 else ["ours", "baseline"]
+        for who in order:
+            shape = shapes[who]
+            if who == "ours":
+                r = ask_ours(servers[who], shape, shape.request(turn, max_tokens))
+            else:
+                r = ask_baseline(servers[who], shape, turn, max_tokens)
+            res[who].append(r)
+            shape.advance(turn)
+        o, b = res["ours"][-1], res["baseline"][-1]
+        print(f"  {name} turn {turn + 1:>2}/{turns}: prompt ours {o['prompt']:>6} "
+              f"(cached {o['cached']:>6}), baseline {b['prompt']:>6} (cached {b['cached']:>6}); "
+              f"TTFT ours {o['ttft']:.3f} s, baseline {b['ttft']:.3f} s", flush=True)
+    return res
+
+
+def summarize(rs: List[dict]) -> List[dict]:
+    """Per turn: computed, new tokens, computed ÷ new, share read from cache."""
+    out, prev = [], 0
+    for i, r in enumerate(rs):
+        new = r["prompt"] - prev if i else r["prompt"]
+        computed = r["prompt"] - r["cached"]
+        out.append({**r, "new": new, "computed": computed,
+                    "ratio": computed / new if new > 0 else float("nan"),
+                    "share": r["cached"] / r["prompt"] if r["prompt"] else 0.0})
+        prev = r["prompt"]
+    return out
+
+
+def report(title: str, res: Dict[str, List[dict]]) -> Dict[str, float]:
+    o, b = summarize(res["ours"]), summarize(res["baseline"])
+    print(f"\n  {title}: per turn (computed ÷ new tokens; share read from cache; TTFT s)")
+    print(f"  {'turn':>4} {'new':>6} | {'ours c/new':>10} {'share':>6} {'TTFT':>7} | "
+          f"{'base c/new':>10} {'share':>6} {'TTFT':>7}")
+    for i, (x, y) in enumerate(zip(o, b)):
+        print(f"  {i + 1:>4} {x['new']:>6} | {x['ratio']:>10.2f} {x['share']:>6.3f} "
+              f"{x['ttft']:>7.3f} | {y['ratio']:>10.2f} {y['share']:>6.3f} {y['ttft']:>7.3f}")
+
+    def overall(rows):
+        later = rows[1:]
+        new = sum(r["new"] for r in later)
+        return {"ratio": sum(r["computed"] for r in later) / new if new else float("nan"),
+                "share": sum(r["cached"] for r in later) / max(1, sum(r["prompt"] for r in later)),
+                "p50": pct([r["ttft"] for r in later], 0.5),
+                "mean": sum(r["ttft"] for r in later) / max(1, len(later))}
+    a, c = overall(o), overall(b)
+    row = {"ours_ratio": a["ratio"], "ours_share": a["share"], "base_ratio": c["ratio"],
+           "base_share": c["share"], "ours_p50": a["p50"], "base_p50": c["p50"],
+           "ttft_ratio": a["p50"] / c["p50"] if c["p50"] else float("nan"),
+           "mean_ratio": a["mean"] / c["mean"] if c["mean"] else float("nan")}
+    print(f"  overall, turns 2-{len(o)}: computed ÷ new ours {a['ratio']:.2f} / baseline "
+          f"{c['ratio']:.2f} (goal <= 1.1); share from cache ours {a['share']:.3f} / baseline "
+          f"{c['share']:.3f} (goal >= 0.95); TTFT p50 ours {a['p50']:.3f} s / baseline "
+          f"{c['p50']:.3f} s = {row['ttft_ratio']:.2f} (goal <= 0.3); TTFT mean ours "
+          f"{a['mean']:.3f} s / baseline {c['mean']:.3f} s = {row['mean_ratio']:.2f}")
+    return row
+
+
+def models(work: Path, which: List[str]) -> Dict[str, Optional[Path]]:
+    out: Dict[str, Optional[Path]] = {}
+    if "smollm2" in which:
+        out["smollm2"] = smollm2_dir(work)
+    if "hybrid" in which:
+        # the tests' tiny qwen3_next (4 layers, 64 wide: bench_server's 8 x 256 one takes
+        # hours for these sessions on a few CPU cores); 64k positions for the long prompts
+        out["hybrid"] = write_model_dir(work / "hybrid", "qwen3_next",
+                                        max_position_embeddings=65536)
+    return out
+
+
+#: (system prompt words, words per tool description, words per tool result): the system
+#: prompt alone is the long prefix (neither template renders tools). SmolLM2: ~1 token a
+#: word here; the hybrid: one token a character (~6.5 a word).
+SIZES = {("smollm2", False): (3100, 30, 40), ("smollm2", True): (800, 12, 25),
+         ("hybrid", False): (500, 6, 14), ("hybrid", True): (250, 5, 10)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="10 turns, a ~1k-token prefix (~1.8k on the hybrid), 4-token answers")
+    ap.add_argument("--only", nargs="+", choices=("smollm2", "hybrid"),
+                    default=["smollm2", "hybrid"])
+    ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=list(SHAPES))
+    ap.add_argument("--turns", type=int, default=None, help="turns per session (24; quick 10)")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
+    turns = args.turns or (10 if args.quick else 24)
+    max_tokens = 4 if args.quick else 16
+    print(f"command: python scripts/bench_agents.py {shlex.join(argv or sys.argv[1:])}")
+    work = Path(tempfile.mkdtemp(prefix="bench_agents_"))
+    print(f"logs and caches under {work}")
+    rows = {}
+    for mname, d in models(work, args.only).items():
+        if d is None:
+            print(f"{mname} skipped: the embedded SmolLM2 is not installed")
+            continue
+        words = SIZES[(mname, args.quick)]
+        home = work / f"home_{mname}"
+        ours = Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model", str(d),
+                       "--cache-dir", str(work / f"cache_{mname}")],
+                      work / f"ours_{mname}.log", home)
+        try:
+            base = Server([sys.executable, str(ROOT / "scripts" / "stock_server.py"),
+                           "--model", str(d)], work / f"baseline_{mname}.log", home)
+        except Exception:
+            ours.stop()
+            raise
+        servers = {"ours": ours, "baseline": base}
+        try:
+            for sname in args.shapes:
+                print(f"\n{mname}, {sname}-shaped session:", flush=True)
+                res = run_shape(sname, servers, turns, max_tokens, *words)
+                rows[(mname, sname)] = report(f"{mname}, {sname}", res)
+        finally:
+            for s in servers.values():
+                s.stop()
+    print("\n  | model | session | computed ÷ new, ours | baseline | share from cache, ours "
+          "| baseline | TTFT p50 ours ÷ baseline | TTFT mean ours ÷ baseline |")
+    print("  | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (m, s), r in rows.items():
+        print(f"  | {m} | {s} | {r['ours_ratio']:.2f} | {r['base_ratio']:.2f} | "
+              f"{r['ours_share']:.3f} | {r['base_share']:.3f} | {r['ttft_ratio']:.2f} "
+              f"({r['ours_p50']:.3f} / {r['base_p50']:.3f} s) | {r['mean_ratio']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

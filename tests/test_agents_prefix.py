@@ -1,0 +1,263 @@
+"""A prefix that never breaks: Claude-Code-shaped sessions read at least the whole previous
+prompt from the cache every turn — on a template that renders system messages in place and
+on one that refuses them —, a ``cache_control`` breakpoint is where a hybrid model restores
+exactly, and the miss explanation names the message a request diverged in."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+anthropic = pytest.importorskip("anthropic")
+
+from mlx_lm.tokenizer_utils import load as load_tokenizer  # noqa: E402
+
+from mlx_kvcache.serving.agents import conversation as cv  # noqa: E402
+from mlx_kvcache.testing import write_model_dir  # noqa: E402
+from mlx_kvcache.testing.agent_dirs import write_refusing_dir  # noqa: E402
+from mlx_kvcache.testing.servers import Server  # noqa: E402
+from mlx_kvcache.testing.waits import CAP  # noqa: E402
+
+pytestmark = pytest.mark.timeout(CAP)
+
+LONG_SYSTEM = ("You are an agent for software engineering. Be careful with files. " * 6).strip()
+TOOLS = [{"name": "Read", "description": "Read a file",
+          "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}},
+         {"name": "Bash", "description": "Run a command",
+          "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+          "cache_control": {"type": "ephemeral"}}]
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prefix")
+    return {"in_place": write_model_dir(root / "llama", "llama"),
+            "refusing": write_refusing_dir(root / "refusing"),
+            "hybrid": write_model_dir(root / "qwen3_5", "qwen3_5"),
+            "root": root}
+
+
+def _system(turn: int):
+    # Claude Code's billing line differs on every request.
+    return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.{turn}; "
+                                     f"cch={uuid.uuid4().hex[:5]};"},
+            {"type": "text", "text": LONG_SYSTEM, "cache_control": {"type": "ephemeral"}}]
+
+
+def _session(client, turns: int = 6):
+    """A Claude-Code-shaped session; returns each turn's usage."""
+    history, usages = [], []
+    for t in range(turns):
+        if t == 3:  # the periodic nudge, appended after the assistant's turn
+            history.append({"role": "system", "content": "The task tools haven't been used "
+                                                         "recently. Consider the todo list."})
+        if t == 2:  # the answer to the tool call of turn 1
+            user = [{"type": "tool_result", "tool_use_id": "toolu_01", "is_error": False,
+                     "content": [{"type": "text", "text": "README.md\nsetup.py"}]},
+                    {"type": "text", "text": "Now summarise.", "cache_control": {"type": "ephemeral"}}]
+        else:
+            user = [{"type": "text", "text": "<system-reminder>ctx</system-reminder>"},
+                    {"type": "text", "text": f"Question {t}: what next?",
+                     "cache_control": {"type": "ephemeral"}}]
+        history.append({"role": "user", "content": user})
+        history.append({"role": "system",
+                        "content": f"<total_tokens>{90000 - 800 * t} tokens left</total_tokens>"})
+        r = client.messages.create(model="claude-sonnet-5", max_tokens=5, system=_system(t),
+                                   tools=TOOLS, messages=history, extra_body=GREEDY)
+        usages.append(r.usage)
+        if t == 1:  # the model "calls a tool" (the client sends the call back as made)
+            history.append({"role": "assistant", "content": [
+                {"type": "text", "text": "Let me look."},
+                {"type": "tool_use", "id": "toolu_01", "name": "Bash", "input": {"cmd": "ls"}}]})
+        else:
+            history.append({"role": "assistant",
+                            "content": [b.model_dump(exclude_none=True) for b in r.content]})
+    return usages
+
+
+@pytest.mark.parametrize("template", ["in_place", "refusing"])
+def test_claude_code_session_reads_the_whole_previous_prompt(dirs, template):
+    root = dirs["root"] / f"server_{template}"
+    root.mkdir()
+    with Server.ours(dirs[template], root / "log.txt", root / "home", "--no-persist") as s:
+        client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.port}", api_key="k",
+                                     max_retries=0)
+        usages = _session(client)
+        log = s.tail(200_000)
+    prompts = [u.input_tokens + u.cache_read_input_tokens for u in usages]
+    assert usages[0].cache_read_input_tokens == 0
+    for prev, u in zip(prompts, usages[1:]):
+        assert u.cache_read_input_tokens >= prev, (prompts, usages)
+    want = ("rendered inside the adjacent user turn" if template == "refusing"
+            else "rendered where they are")
+    assert want in log
+
+
+def test_miss_explanation_names_the_message(dirs):
+    root = dirs["root"] / "explain"
+    root.mkdir()
+    with Server.ours(dirs["in_place"], root / "log.txt", root / "home", "--no-persist") as s:
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.port}", api_key="k", max_retries=0)
+        msgs = [{"role": "user", "content": "Please read the file called notes.txt for me."},
+                {"role": "assistant", "content": "It says: remember the milk tomorrow."},
+                {"role": "user", "content": "And then?"}]
+        c.messages.create(model="m", max_tokens=2, system=LONG_SYSTEM, messages=msgs)
+        msgs[1] = {"role": "assistant", "content": "It says: remember the eggs tomorrow."}
+        r = c.messages.create(model="m", max_tokens=2, system=LONG_SYSTEM, messages=msgs,
+                              metadata={"user_id": "session-7"})
+        recent = s.cache()["recent"][-1]
+        reuse = recent["reuse"]
+        log = s.tail(100_000)
+    assert recent["session"] == "session-7" and "| session session-7" in log
+    assert reuse["kind"] == "diverged" and reuse["where"] == "messages[1].content[0]"
+    assert r.usage.cache_read_input_tokens == reuse["diverged_at"]
+    assert "in messages[1].content[0]" in log
+
+
+def test_cache_control_is_where_a_hybrid_model_restores(dirs):
+    root = dirs["root"] / "hybrid_server"
+    root.mkdir()
+    # No spaces: one token per character with either tokenizer class (Qwen3.5's drops them).
+    first = "Here-is-a-long-document-about-ships-and-the-sea.-" * 12
+    other = "A-different-document,-about-mountains-and-their-snow.-" * 12
+
+    def ask(c, doc, question, mark=True):
+        block = {"type": "text", "text": doc}
+        if mark:
+            block["cache_control"] = {"type": "ephemeral"}
+        return c.messages.create(model="m", max_tokens=3, extra_body=GREEDY, messages=[
+            {"role": "user", "content": [block, {"type": "text", "text": question}]}])
+
+    with Server.ours(dirs["hybrid"], root / "log.txt", root / "home", "--no-persist",
+                     "--checkpoint-interval", "4096") as s:
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.port}", api_key="k", max_retries=0)
+        ask(c, first, "Question one?")
+        warm = ask(c, first, "Another question entirely?")
+        # One token per character: "<|user|>" and the document.
+        assert warm.usage.cache_read_input_tokens == 1 + len(first)
+        s.request("DELETE", "/v1/cache")
+        cold = ask(c, first, "Another question entirely?")
+        assert cold.usage.cache_read_input_tokens == 0
+        assert [b.model_dump() for b in cold.content] == [b.model_dump() for b in warm.content]
+        # Without the breakpoint the hybrid model has no state there to restore.
+        ask(c, other, "Question one?", mark=False)
+        unmarked = ask(c, other, "Another question entirely?", mark=False)
+        assert unmarked.usage.cache_read_input_tokens < 1 + len(other)
+
+
+# -- the conversation rules, without a server -------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizers(dirs):
+    return {k: load_tokenizer(dirs[k]) for k in ("in_place", "refusing")}
+
+
+def test_template_policy_is_probed(tokenizers):
+    assert cv.system_policy(tokenizers["in_place"]) == "in_place"
+    assert cv.system_policy(tokenizers["refusing"]) == "fold"
+
+
+def _render(tok, msgs, breakpoints=()):
+    conv = cv.Conversation.from_call(msgs, [f"messages[{i}]" for i in range(len(msgs))],
+                                     breakpoints=breakpoints)
+    conv.drop_lines(cv.line_filter())
+    conv.fit_template(cv.system_policy(tok))
+    return tok.apply_chat_template(conv.messages(), add_generation_prompt=False, tokenize=False), conv
+
+
+def test_folding_keeps_every_turn_a_prefix_of_the_next(tokenizers):
+    tok = tokenizers["refusing"]
+    turns = [
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
+         {"role": "system", "content": "r1"}],
+        [{"role": "assistant", "content": "a1"}, {"role": "system", "content": "nudge"},
+         {"role": "user", "content": "u2"}, {"role": "system", "content": "r2"}],
+        [{"role": "assistant", "content": "a2"}, {"role": "user", "content": "u3"}],
+    ]
+    history, last = [], ""
+    for more in turns:
+        history += more
+        text, _ = _render(tok, history)
+        assert text.startswith(last.rsplit("</s>", 1)[0])
+        assert "<system-reminder>\nnudge" in text or len(history) < 5
+        last = text
+    assert "u1\n\n<system-reminder>\nr1\n</system-reminder>" in last
+    assert "<system-reminder>\nnudge\n</system-reminder>\n\nu2" in last
+
+
+def test_billing_line_and_volatile_lines_are_dropped():
+    keep = cv.line_filter(extra=r"Session id: ")
+    conv = cv.Conversation.from_call([
+        {"role": "system", "content": "x-anthropic-billing-header: cch=1;\nSession id: 9\nRules"},
+        {"role": "user", "content": "quote: x-anthropic-billing-header: stays"}])
+    conv.drop_lines(keep)
+    msgs = conv.messages()
+    assert msgs[0]["content"] == "Rules"
+    assert msgs[1]["content"] == "quote: x-anthropic-billing-header: stays"  # user text kept
+    conv = cv.Conversation.from_call([{"role": "system", "content": "x-anthropic-billing-header: a"}])
+    conv.drop_lines(cv.line_filter(keep_billing=True))
+    assert conv.messages()[0]["content"] == "x-anthropic-billing-header: a"
+
+
+def test_layout_marks_parts_and_cuts_breakpoints(tokenizers):
+    tok = tokenizers["in_place"]
+    msgs = [{"role": "system", "content": [{"type": "text", "text": "abc"},
+                                           {"type": "text", "text": "defg"}]},
+            {"role": "user", "content": "hello"}]
+    conv = cv.Conversation.from_call(msgs, ["system", "messages[0]"], breakpoints=[(0, 0), (1, 0)])
+    lay = cv.layout(tok, conv, None)
+    ids = tok.apply_chat_template(conv.messages(), add_generation_prompt=True)
+    assert lay.prompt_tokens == len(ids)
+    # "<|system|>abc" ends at token 4; "...defg</s><|user|>hello" at 4 + 4 + 2 + 5.
+    assert lay.cuts == [4, 15]
+    assert lay.marks == [(0, "the template's text before system"), (1, "system.content[0]"),
+                         (4, "system.content[1]"),
+                         (8, "the template's text between system and messages[0]"),
+                         (10, "messages[0]")]
+
+
+def test_under_mlx_launch_the_ranks_checkpoint_at_the_breakpoint(dirs):
+    from mlx_kvcache.testing.launch import LaunchedServer
+
+    root = dirs["root"] / "launch"
+    root.mkdir()
+    doc = "Ranks-share-one-request-and-its-layout.-" * 10
+
+    def ask(c, question):
+        return c.messages.create(model="m", max_tokens=3, extra_body=GREEDY, messages=[
+            {"role": "user", "content": [{"type": "text", "text": doc,
+                                          "cache_control": {"type": "ephemeral"}},
+                                         {"type": "text", "text": question}]}])
+
+    with Server.ours(dirs["hybrid"], root / "one.log", root, "--no-persist",
+                     "--checkpoint-interval", "4096") as s:
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.port}", api_key="k", max_retries=0)
+        ref = [ask(c, "First?"), ask(c, "Second one?")]
+    with LaunchedServer(dirs["hybrid"], "--pipeline", "--no-persist", "--checkpoint-interval",
+                        "4096", home=root) as s:
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.port}", api_key="k", max_retries=0)
+        got = [ask(c, "First?"), ask(c, "Second one?")]
+        lines = s.wait_for_lines(2)
+    assert [[b.model_dump() for b in r.content] for r in got] == \
+        [[b.model_dump() for b in r.content] for r in ref]
+    assert got[1].usage.cache_read_input_tokens == ref[1].usage.cache_read_input_tokens \
+        == 1 + len(doc)
+    assert lines[0] == lines[1], lines  # both ranks restored at the breakpoint
+
+
+def test_a_template_without_system_messages_gets_them_in_the_user_turn():
+    class NoSystem:  # a chat template that raises on any system message
+        def apply_chat_template(self, msgs, add_generation_prompt=True, tokenize=False, **kw):
+            if any(m["role"] == "system" for m in msgs):
+                raise ValueError("system messages are not supported")
+            return "".join(m["content"] for m in msgs)
+
+    tok = NoSystem()
+    assert cv.system_policy(tok) == "fold_all"
+    conv = cv.Conversation.from_call([{"role": "system", "content": "S"},
+                                      {"role": "user", "content": "U"},
+                                      {"role": "system", "content": "R"}])
+    conv.fit_template(cv.system_policy(tok))
+    assert conv.messages() == [{"role": "user", "content": "<system-reminder>\nS\n"
+                                "</system-reminder>\n\nU\n\n<system-reminder>\nR\n</system-reminder>"}]
