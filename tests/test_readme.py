@@ -93,7 +93,6 @@ def test_first_screen_server_curl_and_openai_sdk(tmp_path):
         last = s.watch.wait("the request log").until(third, poll=0.2)
         # the whole prompt but its last token, as the README says
         assert cached[1] == last["cached_tokens"] == last["prompt_tokens"] - 1, (lines, last)
-        assert lines[0].split(" | ")[0] == lines[1].split(" | ")[0]  # the same answer
 
         from openai import OpenAI
 
