@@ -28,7 +28,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from mlx_lm.server import GenerationContext, ResponseGenerator
 
-from . import sequential
+from . import extract, sequential
 from .lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
 from .profile import count_share, loop_phase
 from .validation import generation_problem
@@ -92,6 +92,8 @@ class ServerResponseGenerator(ResponseGenerator):
         # Set before mlx-lm's __init__, which starts the generation thread.
         self.lifecycle = lifecycle or Lifecycle()
         self._agree = agree
+        if hasattr(prompt_cache, "checkpoints"):  # ours: it copies only the rows it lacks
+            extract.install()
         super().__init__(model_provider, prompt_cache)
 
     # -- prompts ------------------------------------------------------------------------------
@@ -143,6 +145,10 @@ class ServerResponseGenerator(ResponseGenerator):
 
     def _next_request(self, timeout=None):
         if not (self._is_distributed and self._agree is not None):
+            if timeout is not None:  # no request in flight: work that waited for that
+                idle = getattr(self.prompt_cache, "idle", None)
+                if idle is not None:
+                    idle()
             request = super()._next_request(timeout)
         else:
             with self._phase(loop_phase(timeout)):
@@ -163,6 +169,9 @@ class ServerResponseGenerator(ResponseGenerator):
 
     def _run_control(self, rqueue: Queue, control: Control) -> None:
         if control.kind == "stop":
+            idle = getattr(self.prompt_cache, "idle", None)
+            if idle is not None and not self._is_distributed:
+                idle()  # what waited for an idle batch is captured here, on this thread
             self._stop = True
             self.lifecycle.stopped.set()
             rqueue.put(None)

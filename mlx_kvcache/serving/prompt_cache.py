@@ -43,10 +43,12 @@ from ..prefix.explain import Explainer, Reuse
 from ..prefix.tokens import as_tokens
 from . import sequential
 from .endpoints import CacheEndpoints
+from .extract import release
+from .idle_writes import IdleWrites
 from .model_state import ModelState, open_model
 from .native import from_native, to_native
 from .padding import was_padded
-from .profile import Profile
+from .profile import Profile, probe_request_path
 from .rank_turn import RankTurn
 from .recent import RequestLog
 
@@ -106,6 +108,8 @@ class TriePromptCache(CacheEndpoints):
         self._ranks: List[Tuple[int, ...]] = []  # every rank's counters, as last shared
         self.profile = profile or getattr(agree, "profile", None) or Profile()
         self._turn = RankTurn()
+        #: One process: captures for the disk writer wait for an idle batch (`idle`).
+        self._writes = IdleWrites()
 
     # -- the model's trie, made when the model loads (in the generation thread) ----------
     def _state(self, model_key) -> ModelState:
@@ -120,6 +124,8 @@ class TriePromptCache(CacheEndpoints):
                 sharding=self.sharding, cold_bits=self.cold_bits)
         self.max_bytes = self._model.max_bytes
         self._explainer = Explainer(_decoder(getattr(self.provider, "tokenizer", None)))
+        if self.profile.timing:
+            probe_request_path(self.profile, self._model, self._explainer)
         if self.agree.size > 1 and self._model.manager is not None:
             self._model.manager.defer_budget = True  # settled once a turn (`rank_turn`)
         self._share_stats()
@@ -156,6 +162,7 @@ class TriePromptCache(CacheEndpoints):
         self._guard("a prompt cache insert",
                     lambda: self._insert(model_key, tokens, prompt_cache, cache_type, final),
                     None, "checkpoint" if final is None else "final")
+        release(prompt_cache)  # mlx-lm never reads an inserted cache again (`extract`)
 
     def checkpoints(self, model_key, tokens: Sequence[int]) -> List[int]:
         """Prompt offsets where prefill should stop so the caches can be stored there:
@@ -282,11 +289,23 @@ class TriePromptCache(CacheEndpoints):
             self._explainer.remember(tokens, st.manager.evicted_bytes, self.clears)
         if final is not None:
             self._log_request(st, key, final, note if caches is not None else note + " | not stored")
-        if not sharded:  # sharded: once a turn, after the budget is settled (`end_turn`)
+        if not sharded and self._writes.changed():
+            # sharded: once a turn, after the budget is settled (`end_turn`); else while
+            # the batch is idle (`idle`), or now when too much has waited
             self._capture(st)
+
+    def idle(self) -> None:
+        """The generation loop has no request in flight (and before it stops): capture
+        what the inserts changed for the disk writer (one process; `idle_writes`)."""
+        st = self._model
+        if not self._writes.pending or st is None or st.manager is None:
+            return
+        self._guard("capturing the prompt cache for the disk", lambda: self._capture(st),
+                    None, "idle")
 
     def _capture(self, st: ModelState) -> None:
         """Hand what changed in the trie to the background writer."""
+        self._writes.taken()
         if st.writer is not None:
             try:
                 plan = st.manager.run(st.store.capture)
@@ -366,6 +385,8 @@ class TriePromptCache(CacheEndpoints):
         """Finish the background writes of the current model (on model switch and stop)."""
         st = self._model
         if st is not None and st.writer is not None:
+            if self._writes.pending and st.manager is not None:
+                self._capture(st)  # the generation thread has stopped: nothing else runs MLX
             st.writer.close(timeout)
         if st is not None and st.store is not None:
             st.store.close()
