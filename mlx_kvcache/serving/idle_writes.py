@@ -25,7 +25,7 @@ class IdleWrites:
         max_age: ... or at the first insert this many seconds after the oldest pending one.
     """
 
-    def __init__(self, limit: int = 32, max_age: float = 30.0) -> None:
+    def __init__(self, limit: int = 32, max_age: float = 120.0) -> None:
         self.limit = int(limit)
         self.max_age = float(max_age)
         self.pending = 0
