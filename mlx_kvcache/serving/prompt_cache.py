@@ -196,7 +196,8 @@ class TriePromptCache(CacheEndpoints):
             return None, list(tokens)
         mgr = st.manager
         ids = as_tokens(tokens)
-        live, plan = mgr.checkout(ids)
+        # The batch path's merge copies the rows into mlx-lm's batch cache: no room to grow.
+        live, plan = mgr.checkout(ids, room=None if seq is not None else 0)
         self.requests += 1
         self.prompt_tokens += len(ids)
         self.disk_tokens += plan.from_disk
