@@ -39,6 +39,8 @@ its cache from disk; stock starts cold). Ratios are ours / stock.
     python scripts/bench_server.py --quick      # ~8 min
     python scripts/bench_server.py --only b     # (or a, d, q)
     python scripts/bench_server.py --only 2     # two ranks under mlx.launch (~3 min)
+    python scripts/bench_server.py --only a --quick --profile [--no-persist] [--sessions 1]
+                                                # + where one request's time goes, ours vs stock
 """
 
 from __future__ import annotations
