@@ -39,6 +39,8 @@ its cache from disk; stock starts cold). Ratios are ours / stock.
     python scripts/bench_server.py --quick      # ~8 min
     python scripts/bench_server.py --only b     # (or a, d, q)
     python scripts/bench_server.py --only 2     # two ranks under mlx.launch (~3 min)
+    python scripts/bench_server.py --only a --quick --profile [--no-persist] [--sessions 1]
+                                                # + where one request's time goes, ours vs stock
 """
 
 from __future__ import annotations
@@ -185,15 +187,17 @@ def stock_bytes(log: Path) -> int:
 
 
 # -- one workload -------------------------------------------------------------------------------
-def run(kind, model_args, sessions_n, turns, max_tokens, ours_extra, work, system_words):
+def run(kind, model_args, sessions_n, turns, max_tokens, ours_extra, work, system_words,
+        profile=False):
     home = work / f"home_{kind}"
     stock_cmd = [sys.executable, str(ROOT / "scripts" / "stock_server.py"), *model_args]
     # (stock's speculative decoding raises or goes wrong on some models; the workloads
     # here use models where it runs)
     ours_cmd = [sys.executable, "-m", "mlx_kvcache.cli", "serve", *model_args,
                 "--cache-dir", str(work / f"cache_{kind}"), *ours_extra]
-    servers = {"stock": Server(stock_cmd, work / f"stock_{kind}.log", home),
-               "ours": Server(ours_cmd, work / f"ours_{kind}.log", home)}
+    env = {PROFILE_ENV: "1"} if profile else None
+    servers = {"stock": Server(stock_cmd, work / f"stock_{kind}.log", home, env=env),
+               "ours": Server(ours_cmd, work / f"ours_{kind}.log", home, env=env)}
     sessions = {k: make_sessions(kind, sessions_n, system_words) for k in servers}
     res = {k: [] for k in servers}
     agree = 0
@@ -219,6 +223,9 @@ def run(kind, model_args, sessions_n, turns, max_tokens, ours_extra, work, syste
     finally:
         for s in servers.values():
             s.stop()
+    if profile:
+        request_breakdown(kind, {k: rank_profiles(s.log.read_text(errors="replace")).get(0, {})
+                                 for k, s in servers.items()}, len(res["ours"]))
     # After a restart: the first session's first request again (stock has nothing).
     first = make_sessions(kind, 1, system_words)[0].messages()
     restart = {}
@@ -351,6 +358,69 @@ def breakdown(profiles, requests):
                 f"{k} {v / requests:.3f}" for k, v in parts if v))
 
 
+PROFILE_ENV = "MLX_KVCACHE_PROFILE"
+
+#: The request path on one machine (`mlx_kvcache.serving.profile.probe_request_path`): the
+#: generation thread's phases (``time.*`` less nested phases), mlx-lm's passes, and the
+#: disk writer's thread.
+REQUEST_PHASES = (
+    ("restore (plan + copy; stock: its LRU copy)", ("time.restore", "time.fetch")),
+    ("  disk: parked nodes read back", ("time.disk.verify",)),
+    ("  lock waits (+ deferred work)", ("time.lock",)),
+    ("explanation", ("time.explain",)),
+    ("caches to/from mlx-lm's classes", ("time.native",)),
+    ("checkpoint + final insert (snapshots, trie)", ("time.record", "time.checkpoint", "time.final")),
+    ("persistence capture (gen. thread)", ("time.persist.capture",)),
+    ("prefetch", ("time.prefetch",)),
+    ("planning checkpoints", ("time.plan",)),
+    ("trim", ("time.trim",)),
+    ("prefill passes (mlx-lm)", ("pass.prefill",)),
+    ("decode steps (mlx-lm)", ("pass.decode",)),
+    ("extract_cache (mlx-lm)", ("extract",)),
+)
+WRITER_PHASES = (
+    ("writer: SQLite + bookkeeping", ("time.bg.write",)),
+    ("writer: safetensors encode", ("time.bg.encode",)),
+    ("writer: file write + CRC + fsync", ("time.bg.file",)),
+    ("writer: directory fsync", ("time.bg.fsync_dir",)),
+    ("writer: time begun with a request in flight", ("bg.overlap",)),
+)
+
+
+def request_breakdown(kind, profiles, requests):
+    """Where one request's time goes, ours vs stock (``MLX_KVCACHE_PROFILE=1``): seconds per
+    request per phase and its share of the generation thread's accounted time; for our
+    Python phases also the share of their wall time the thread was not running (waiting
+    for the GIL, a lock, the CPU or MLX work it forced)."""
+    def row(p, keys):
+        t = p.get("seconds", {})
+        return sum(t.get(k, 0.0) for k in keys) / max(requests, 1)
+
+    def wait(p, keys):
+        t = p.get("seconds", {})
+        wall = sum(t.get(k, 0.0) for k in keys if k.startswith("time."))
+        cpu = sum(t.get("cpu." + k[5:], 0.0) for k in keys if k.startswith("time."))
+        return (wall - cpu) / wall if wall > 1e-6 else None
+    totals = {k: sum(row(p, keys) for _, keys in REQUEST_PHASES) for k, p in profiles.items()}
+    load = os.getloadavg()
+    print(f"\n  workload {kind}: where one request's time goes on the generation thread "
+          f"(MLX_KVCACHE_PROFILE=1; {requests} requests each; load average {load[0]:.1f} / "
+          f"{load[1]:.1f} / {load[2]:.1f})")
+    print(f"  {'phase':<46}{'stock s':>9}{'share':>7}{'ours s':>9}{'share':>7}{'ours waiting':>14}")
+    for label, keys in REQUEST_PHASES + WRITER_PHASES:
+        a, b = row(profiles.get("stock", {}), keys), row(profiles.get("ours", {}), keys)
+        if a < 5e-5 and b < 5e-5:
+            continue
+        w = wait(profiles.get("ours", {}), keys)
+        gen = (label, keys) in REQUEST_PHASES
+        sa = f"{a / totals['stock']:.1%}" if gen and totals.get("stock") else ""
+        sb = f"{b / totals['ours']:.1%}" if gen and totals.get("ours") else ""
+        print(f"  {label:<46}{a:>9.4f}{sa:>7}{b:>9.4f}{sb:>7}"
+              f"{'' if w is None or 'pass' in keys[0] else f'{w:.0%}':>14}")
+    print(f"  {'accounted on the generation thread':<46}{totals.get('stock', 0):>9.4f}{'':>7}"
+          f"{totals.get('ours', 0):>9.4f}")
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -392,6 +462,11 @@ def main(argv=None):
     ap.add_argument("--system-words", type=int, default=None,
                     help="a: words of tool documentation in the shared system prompt (3600, "
                     "~4.7k tokens; quick 1500)")
+    ap.add_argument("--profile", action="store_true",
+                    help="a, b, d, q: both servers profile themselves (MLX_KVCACHE_PROFILE=1) "
+                    "and the breakdown of one request's time is printed")
+    ap.add_argument("--no-persist", action="store_true",
+                    help="a, b, d, q: ours without its disk tier")
     ap.add_argument("--intervals", type=int, nargs="+", default=None,
                     help="2: ours' --checkpoint-interval values, one contender each "
                     f"(default {' '.join(map(str, INTERVALS))})")
@@ -400,6 +475,9 @@ def main(argv=None):
     turns = args.turns or (3 if args.quick else 4)
     print(f"command: python scripts/bench_server.py {shlex.join(argv or sys.argv[1:])}")
     work = Path(tempfile.mkdtemp(prefix="bench_server_"))
+    extra = ["--no-persist"] if args.no_persist else []
+    print(f"load average at the start {'{:.1f} / {:.1f} / {:.1f}'.format(*os.getloadavg())} "
+          f"(1 / 5 / 15 min)")
     print(f"logs and caches under {work}")
     if args.only in (None, "a"):
         d = smollm2_dir(work)
@@ -407,7 +485,7 @@ def main(argv=None):
             print("workload a skipped: the embedded SmolLM2 is not installed")
         else:
             words = args.system_words or (1500 if args.quick else 3600)
-            out = run("a", ["--model", str(d)], n, turns, 16, [], work, words)
+            out = run("a", ["--model", str(d)], n, turns, 16, extra, work, words, args.profile)
             report("a", *out, goals={"p50": "<= 1.0", "held": "<= 0.3", "restart": "<= 0.05 (of cold)"})
     if args.only in (None, "d", "q"):
         d = smollm2_dir(work)
@@ -418,12 +496,12 @@ def main(argv=None):
             if args.only in (None, "d"):
                 draft = write_draft_dir(work / "draft", d, sigma=0.08)
                 out = run("d", ["--model", str(d), "--draft-model", str(draft),
-                                "--num-draft-tokens", "3"], n, turns, 16, [], work, words)
+                                "--num-draft-tokens", "3"], n, turns, 16, extra, work, words, args.profile)
                 report("d", *out, goals={"p50": "<= 1.0", "computed": "<= 1.0",
                                          "held": "<= 1.0"})
             if args.only in (None, "q"):
                 out = run("q", ["--model", str(d), "--kv-bits", "8", "--quantized-kv-start",
-                                "0"], n, turns, 16, [], work, words)
+                                "0"], n, turns, 16, extra, work, words, args.profile)
                 report("q", *out, goals={"p50": "<= 1.0", "computed": "<= 1.0",
                                          "held": "<= 0.3"})
     if args.only in (None, "b"):
@@ -432,7 +510,8 @@ def main(argv=None):
                             head_dim=32, linear_num_value_heads=8, linear_num_key_heads=4,
                             linear_key_head_dim=32, linear_value_head_dim=32,
                             moe_intermediate_size=128, shared_expert_intermediate_size=128)
-        out = run("b", ["--model", str(d)], n, turns, 16, ["--checkpoint-interval", "128"], work, 0)
+        out = run("b", ["--model", str(d)], n, turns, 16, ["--checkpoint-interval", "128", *extra], work, 0,
+                  args.profile)
         report("b", *out, goals={"p50": "<= 0.5", "computed": "<= 0.5"})
     if args.only in (None, "2"):
         run_two_ranks(work, 2 if args.quick else 3, turns,

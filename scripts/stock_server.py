@@ -23,8 +23,14 @@ class MeasuredLRUPromptCache(S.LRUPromptCache):
     def _report(self):
         logging.info("BENCH_CACHE_BYTES %d", self.nbytes)
 
+    def fetch_nearest_cache(self, *args, **kwargs):
+        with PROFILE.phase("fetch"):  # its copy of the entry (the restore)
+            return super().fetch_nearest_cache(*args, **kwargs)
+
     def insert_cache(self, *args, **kwargs):
-        super().insert_cache(*args, **kwargs)
+        final = kwargs.get("cache_type", "assistant") == "assistant"
+        with PROFILE.phase("final" if final else "checkpoint"):
+            super().insert_cache(*args, **kwargs)
         self._report()
         if PROFILE.timing and kwargs.get("cache_type", "assistant") == "assistant":
             PROFILE.add("stored.final")

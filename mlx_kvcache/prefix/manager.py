@@ -149,17 +149,21 @@ class PrefixManager(Budget):
             return fn(*args)
 
     # -- checkout: restore ----------------------------------------------------------------
-    def checkout(self, tokens: Sequence[int], extra_stops: Sequence[int] = ()) -> Tuple[LiveSet, Plan]:
+    def checkout(self, tokens: Sequence[int], extra_stops: Sequence[int] = (),
+                 room: Optional[int] = None) -> Tuple[LiveSet, Plan]:
         """A live set of the caller's own, restored for ``tokens``, and its prefill plan.
 
         Always leaves at least one prompt token to evaluate (the model needs logits).
         ``extra_stops`` adds snapshot offsets (e.g. chat message boundaries). ``tokens``
         may be any token sequence; an int64 numpy array is used without a copy.
+        ``room``: tokens the live set will be written past the restored ones in place
+        (None: the rest of the prompt and the first new token; 0 for a caller that copies
+        the caches elsewhere before writing, like mlx-lm's batch merge).
         """
         tokens = as_tokens(tokens)
         if not len(tokens):
             raise ValueError("the prompt is empty")
-        return self.run(self._checkout, tokens, list(extra_stops))
+        return self.run(self._checkout, tokens, list(extra_stops), room)
 
     def preview(self, tokens: Sequence[int], extra_stops: Sequence[int] = ()) -> Plan:
         """The plan `checkout` would make for ``tokens`` on fresh caches; changes nothing
@@ -207,7 +211,8 @@ class PrefixManager(Budget):
                              pre_end_margin=self.pre_end_margin,
                              snapshot_interval=self.snapshot_interval, extra=extra)
 
-    def _checkout(self, tokens, extra_stops: List[int]) -> Tuple[LiveSet, Plan]:
+    def _checkout(self, tokens, extra_stops: List[int],
+                  room: Optional[int] = None) -> Tuple[LiveSet, Plan]:
         live = self._idle
         if live is not None and len(live.tokens) and live.tokens[0] == tokens[0]:
             self._idle = None
@@ -219,7 +224,8 @@ class PrefixManager(Budget):
         plan, path, live_common = self._target(live, tokens, extra_stops)
         target = plan.restored
         live.align(target)
-        room = len(tokens) - target + 1  # the rest of the prompt and the first new token
+        if room is None:
+            room = len(tokens) - target + 1  # the rest of the prompt and the first new token
         ok = all(planner.restore_layer(c, i, target, path, live_common, room)
                  for i, c in enumerate(live.leaves))
         if not every(self.agree, ok and live.consistent(target)):

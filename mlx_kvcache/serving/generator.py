@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mlx_lm.server import CompletionRequest, GenerationContext, ResponseGenerator
 
-from . import sequential
+from . import extract, sequential
 from .lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
 from .memory import AdmissionQueue, MemoryGuard, MemoryRefused
 from .profile import count_share, loop_phase
@@ -129,6 +129,8 @@ class ServerResponseGenerator(ResponseGenerator):
         self._gate = AdmissionQueue(self.memory, self._request_size,
                                     lambda item: isinstance(item[1], Control),
                                     lambda item: self._sized.pop(id(item[1]), None))
+        if hasattr(prompt_cache, "checkpoints"):  # ours: it copies only the rows it lacks
+            extract.install()
         super().__init__(model_provider, prompt_cache)
 
     def _log_cache_stats(self) -> None:
@@ -219,6 +221,10 @@ class ServerResponseGenerator(ResponseGenerator):
 
     def _next_request(self, timeout=None):
         if not (self._is_distributed and self._agree is not None):
+            if timeout is not None:  # no request in flight: work that waited for that
+                idle = getattr(self.prompt_cache, "idle", None)
+                if idle is not None:
+                    idle()
             request = super()._next_request(timeout)
         else:
             with self._phase(loop_phase(timeout)):
@@ -239,6 +245,9 @@ class ServerResponseGenerator(ResponseGenerator):
 
     def _run_control(self, rqueue: Queue, control: Control) -> None:
         if control.kind == "stop":
+            idle = getattr(self.prompt_cache, "idle", None)
+            if idle is not None and not self._is_distributed:
+                idle()  # what waited for an idle batch is captured here, on this thread
             self._stop = True
             self.lifecycle.stopped.set()
             rqueue.put(None)

@@ -55,23 +55,35 @@ class Profile:
         """Collectives issued inside are counted under ``name`` (the innermost phase);
         ``time.<name>`` is the time inside it less its nested phases'."""
         s = self._stack()
-        s.append([name, 0.0])
+        s.append([name, 0.0, 0.0])
         t0 = time.perf_counter() if self.timing else 0.0
+        c0 = time.thread_time() if self.timing else 0.0
         try:
             yield
         finally:
-            _, nested = s.pop()
+            _, nested, nested_cpu = s.pop()
             if self.timing:
                 dt = time.perf_counter() - t0
+                dc = time.thread_time() - c0
                 if s:
                     s[-1][1] += dt
+                    s[-1][2] += dc
                 self.add(f"time.{name}", 1, dt - nested)
+                # this thread's CPU time in it: the rest of its wall time it waited (for
+                # the GIL, a lock, the CPU, or MLX work it forced)
+                self.add(f"cpu.{name}", 0, max(dc - nested_cpu, 0.0) or 1e-9)
 
     def add(self, key: str, n: int = 1, seconds: float = 0.0) -> None:
         with self._lock:
             self.counts[key] += n
             if seconds:
                 self.seconds[key] += seconds
+
+    def begin(self, name: str):
+        """`phase` entered now and left by calling what this returns (on this thread)."""
+        cm = self.phase(name)
+        cm.__enter__()
+        return lambda: cm.__exit__(None, None, None)
 
     @contextmanager
     def collective(self, kind: str) -> Iterator[None]:
@@ -171,3 +183,103 @@ def probe_mlx_lm(prof: Profile) -> None:
          size=lambda a: sum(len(t) for t in a[0]) if a and a[0] else 0)
     wrap(G.GenerationBatch, "next", "pass.decode")
     wrap(G.BatchGenerator, "extract_cache", "extract")
+
+
+def probe_request_path(prof: Profile, state: Any, explainer: Any) -> None:
+    """Time the parts of a request on one machine (profiling only): wrappers around this
+    model's objects that time, then run the same code. On the generation thread:
+    ``restore`` (the checkout: plan and copy), ``disk.verify`` (parked nodes read back),
+    ``record`` (snapshots into the trie, the budget), ``lock`` (waiting for the trie's
+    critical section, deferred work included), ``explain``, ``prefetch``,
+    ``native`` (our caches to mlx-lm's and back) and ``persist.capture`` (what the disk
+    writer will write). On the writer's thread: ``bg.write`` (SQLite and the rest),
+    ``bg.encode`` (safetensors serialization), ``bg.file`` (write, CRC, fsync) and
+    ``bg.fsync_dir``; ``bg.overlap`` is the writer's time that began with a request in
+    flight. Every phase also has ``cpu.<phase>``: the thread's own CPU time in it."""
+    mgr = getattr(state, "manager", None)
+    if mgr is None:
+        return
+    inflight = [0]
+
+    def phased(obj: Any, name: str, phase: str, before=None) -> None:
+        orig = getattr(obj, name)
+
+        def probe(*a, **k):
+            if before is not None:
+                before()
+            with prof.phase(phase):
+                return orig(*a, **k)
+        setattr(obj, name, probe)
+
+    run = mgr.run
+
+    def locked(fn, *a):
+        end = prof.begin("lock")
+        entered = []
+
+        def section(*b):
+            entered.append(True)
+            end()
+            return fn(*b)
+        try:
+            return run(section, *a)
+        finally:
+            if not entered:
+                end()
+    mgr.run = locked
+
+    def started() -> None:
+        inflight[0] += 1
+
+    def recorded() -> None:
+        if prof.current == "final":
+            inflight[0] = max(0, inflight[0] - 1)
+    phased(mgr, "checkout", "restore", before=started)
+    phased(mgr, "record", "record", before=recorded)
+    phased(mgr, "checkpoint", "record")
+    if mgr.verify is not None:
+        phased(mgr, "verify", "disk.verify")
+    phased(explainer, "explain", "explain")
+    store = getattr(state, "store", None)
+    if store is not None:
+        phased(store, "capture", "persist.capture")
+        phased(store, "prefetch", "prefetch")
+    if getattr(state, "writer", None) is not None and store is not None:
+        from ..store.autosave import Autosaver
+
+        write = store.write
+
+        def timed_write(*a):
+            t0 = time.perf_counter()
+            busy = inflight[0] > 0
+            with prof.phase("bg.write"):
+                try:
+                    return write(*a)
+                finally:
+                    if busy:
+                        prof.add("bg.overlap", 1, time.perf_counter() - t0)
+        state.writer.close()  # nothing was submitted yet: the model just opened
+        state.writer = Autosaver(timed_write)
+    _probe_modules(prof)
+
+
+def _probe_modules(prof: Profile) -> None:
+    """Module-level functions of the request path and the writer, wrapped once per process."""
+    from ..store import save
+    from . import prompt_cache
+
+    def wrap(mod: Any, name: str, phase: str) -> None:
+        orig = getattr(mod, name)
+        if getattr(orig, "_mlx_kvcache_probe", False):
+            return
+
+        def probe(*a, **k):
+            with prof.phase(phase):
+                return orig(*a, **k)
+        probe._mlx_kvcache_probe = True
+        setattr(mod, name, probe)
+    wrap(prompt_cache, "to_native", "native")
+    wrap(prompt_cache, "from_native", "native")
+    wrap(save, "encode_file", "bg.encode")
+    wrap(save, "write_atomic", "bg.file")
+    wrap(save, "fsync_dir", "bg.fsync_dir")

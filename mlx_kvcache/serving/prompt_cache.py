@@ -43,10 +43,12 @@ from ..prefix.explain import Explainer, Reuse
 from ..prefix.tokens import as_tokens
 from . import sequential
 from .endpoints import CacheEndpoints
+from .extract import release
+from .idle_writes import IdleWrites
 from .model_state import ModelState, open_model
 from .native import from_native, to_native
 from .padding import was_padded
-from .profile import Profile
+from .profile import Profile, probe_request_path
 from .rank_turn import RankTurn
 from .recent import RequestLog
 
@@ -115,6 +117,8 @@ class TriePromptCache(CacheEndpoints):
         self._turn = RankTurn()
         # `expect`: (prompt length, marks, session) of the next fetch
         self._marks: Optional[Tuple[int, List[Tuple[int, str]], Optional[str]]] = None
+        #: One process: captures for the disk writer wait for an idle batch (`idle`).
+        self._writes = IdleWrites()
 
     # -- the model's trie, made when the model loads (in the generation thread) ----------
     def _state(self, model_key) -> ModelState:
@@ -130,6 +134,8 @@ class TriePromptCache(CacheEndpoints):
         self.max_bytes = self._model.max_bytes
         self._explainer = Explainer(_decoder(getattr(self.provider, "tokenizer", None))
                                     if self.excerpts else None)
+        if self.profile.timing:
+            probe_request_path(self.profile, self._model, self._explainer)
         if self.agree.size > 1 and self._model.manager is not None:
             self._model.manager.defer_budget = True  # settled once a turn (`rank_turn`)
         self._share_stats()
@@ -169,6 +175,7 @@ class TriePromptCache(CacheEndpoints):
         room = self.memory.room() if self.memory is not None else None
         if room is not None and self.nbytes > room:  # the cache gives way to requests
             self.trim_to(n_bytes=room)
+        release(prompt_cache)  # mlx-lm never reads an inserted cache again (`extract`)
 
     def checkpoints(self, model_key, tokens: Sequence[int], extra: Sequence[int] = ()) -> List[int]:
         """Prompt offsets where prefill should stop so the caches can be stored there:
@@ -219,7 +226,9 @@ class TriePromptCache(CacheEndpoints):
             return None, list(tokens)
         mgr = st.manager
         ids = as_tokens(tokens)
-        live, plan = mgr.checkout(ids, seq.extra_stops if seq is not None else ())
+        # The batch path's merge copies the rows into mlx-lm's batch cache: no room to grow.
+        live, plan = mgr.checkout(ids, seq.extra_stops if seq is not None else (),
+                                  room=None if seq is not None else 0)
         self.requests += 1
         self.prompt_tokens += len(ids)
         self.disk_tokens += plan.from_disk
@@ -320,11 +329,23 @@ class TriePromptCache(CacheEndpoints):
             self._explainer.remember(tokens, st.manager.evicted_bytes, self.clears)
         if final is not None:
             self._log_request(st, key, final, note if caches is not None else note + " | not stored")
-        if not sharded:  # sharded: once a turn, after the budget is settled (`end_turn`)
+        if not sharded and self._writes.changed():
+            # sharded: once a turn, after the budget is settled (`end_turn`); else while
+            # the batch is idle (`idle`), or now when too much has waited
             self._capture(st)
+
+    def idle(self) -> None:
+        """The generation loop has no request in flight (and before it stops): capture
+        what the inserts changed for the disk writer (one process; `idle_writes`)."""
+        st = self._model
+        if not self._writes.pending or st is None or st.manager is None:
+            return
+        self._guard("capturing the prompt cache for the disk", lambda: self._capture(st),
+                    None, "idle")
 
     def _capture(self, st: ModelState) -> None:
         """Hand what changed in the trie to the background writer."""
+        self._writes.taken()
         if st.writer is not None:
             try:
                 plan = st.manager.run(st.store.capture)
@@ -404,6 +425,8 @@ class TriePromptCache(CacheEndpoints):
         """Finish the background writes of the current model (on model switch and stop)."""
         st = self._model
         if st is not None and st.writer is not None:
+            if self._writes.pending and st.manager is not None:
+                self._capture(st)  # the generation thread has stopped: nothing else runs MLX
             st.writer.close(timeout)
         if st is not None and st.store is not None:
             st.store.close()

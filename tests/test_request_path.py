@@ -1,0 +1,110 @@
+"""The server's request path on one machine: mlx-lm's batch extraction as views, disk
+captures that wait for an idle batch, and the profile of the request's phases."""
+
+from __future__ import annotations
+
+import types
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models import cache as mlc
+
+from mlx_kvcache.serving import TriePromptCache, extract
+from mlx_kvcache.serving.idle_writes import IdleWrites
+from mlx_kvcache.serving.profile import Profile
+from models import V, build
+
+KEY = ("model", None, None)
+
+
+def provider(m):
+    return types.SimpleNamespace(model=m, tokenizer=None, draft_model=None, model_key=KEY)
+
+
+def prefilled(m, prompt):
+    cache = mlc.make_prompt_cache(m)
+    m(mx.array([prompt]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def decode(m, prompt, cache=None, n=4):
+    cache = cache if cache is not None else mlc.make_prompt_cache(m)
+    return [(int(t), lp) for (t, lp), _ in zip(
+        generate_step(mx.array(prompt), m, prompt_cache=cache, max_tokens=n), range(n))]
+
+
+def batch_of(m, prompts):
+    """Each layer's `BatchKVCache` holding ``prompts`` (left-padded), as mlx-lm merges them."""
+    per_prompt = [prefilled(m, p) for p in prompts]
+    return [mlc.BatchKVCache.merge([pc[i] for pc in per_prompt]) for i in range(len(per_prompt[0]))]
+
+
+def test_extracted_views_hold_mlx_lm_rows_and_are_released():
+    m = build("llama")
+    a, b = [(3 * i + 1) % V for i in range(23)], [(5 * i + 2) % V for i in range(9)]
+    batch = batch_of(m, [a, b])
+    expected = [(c.keys[1:2, :, 23 - 9:], c.values[1:2, :, 23 - 9:]) for c in batch]
+    extract.install()
+    extract.install()  # once per process
+    got = [c.extract(1) for c in batch]
+    for c, (k, v) in zip(got, expected):
+        assert type(c) is mlc.KVCache and c.offset == 9
+        assert mx.array_equal(c.keys, k) and mx.array_equal(c.values, v)
+    extract.release(got)
+    assert all(c.keys is None and c.values is None for c in got)
+    extract.release([mlc.KVCache()])  # not extracted: left alone
+
+
+def test_an_insert_of_extracted_views_restores_to_cold_log_probs():
+    m = build("llama")
+    a, b = [(3 * i + 1) % V for i in range(23)], [(5 * i + 2) % V for i in range(17)]
+    batch = batch_of(m, [a, b])
+    extract.install()
+    pc = TriePromptCache(provider(m), max_bytes=1 << 30)
+    for i, p in enumerate((a, b)):
+        row = [c.extract(i) for c in batch]
+        pc.insert_cache(KEY, p, row)
+        assert all(c.keys is None for c in row)  # released once stored
+    # the batch's arrays are untouched by the extraction and the release
+    for c in batch:
+        c.update_and_fetch(mx.zeros((2, c.keys.shape[1], 1, c.keys.shape[3])),
+                           mx.zeros((2, c.values.shape[1], 1, c.values.shape[3])))
+    got, rest = pc.fetch_nearest_cache(KEY, b + [4, 5])
+    assert rest == [4, 5]
+    out, cold = decode(m, rest, got), decode(m, b + [4, 5])
+    assert [t for t, _ in out] == [t for t, _ in cold]
+    assert max(mx.abs(x - y).max().item() for (_, x), (_, y) in zip(out, cold)) < 1e-4
+
+
+def test_idle_writes_wait_for_idle_unless_too_many_or_too_old():
+    w = IdleWrites(limit=3, max_age=3600)
+    assert not w.changed() and not w.changed()
+    assert w.changed()  # the third: due now, busy or not
+    w.taken()
+    assert w.pending == 0 and not w.changed()
+    old = IdleWrites(limit=100, max_age=0.0)
+    assert old.changed()
+
+
+def test_disk_captures_wait_for_idle_and_the_profile_times_each_phase(tmp_path):
+    m = build("llama")
+    prof = Profile(timing=True)
+    pc = TriePromptCache(provider(m), max_bytes=1 << 30, cache_dir=str(tmp_path),
+                         profile=prof)
+    prompt = [(7 * i + 3) % V for i in range(30)]
+    pc.fetch_nearest_cache(KEY, prompt)
+    pc.insert_cache(KEY, prompt, prefilled(m, prompt))
+    pc.flush(timeout=60)
+    assert not list(tmp_path.rglob("*.safetensors"))  # nothing captured while busy
+    pc.idle()  # the generation loop has no request in flight
+    assert pc.flush(timeout=60)
+    assert list(tmp_path.rglob("*.safetensors"))
+    got, rest = pc.fetch_nearest_cache(KEY, prompt + [1, 2])
+    assert rest == [1, 2]
+    seconds = prof.snapshot()["seconds"]
+    for phase in ("restore", "record", "native", "explain", "lock", "persist.capture",
+                  "bg.write", "bg.encode", "bg.file"):
+        assert seconds.get(f"time.{phase}", 0) > 0, phase
+        assert f"cpu.{phase}" in seconds, phase
+    pc.close()
