@@ -15,7 +15,8 @@ from __future__ import annotations
 import inspect
 from typing import List, Optional, Tuple
 
-#: mlx-lm versions whose cache protocol this package was written and tested against.
+#: mlx-lm versions this package (its cache protocol and the server seam) was written and
+#: tested against.
 SUPPORTED = ((0, 32, 0), (0, 33, 0))  # >= first, < second
 
 
@@ -92,9 +93,17 @@ def check() -> Optional[str]:
     if diffs:
         raise ProtocolError(f"mlx_lm {mlx_lm.__version__}: its cache protocol is not the one "
                             f"mlx_kvcache's caches implement (mlx-lm 0.32's): " + "; ".join(diffs))
+    return untested_note("its cache protocol")
+
+
+def untested_note(what: str) -> Optional[str]:
+    """A note when the installed mlx-lm is outside `SUPPORTED` though ``what`` (the part of
+    it we checked) looks intact; None inside the range."""
+    import mlx_lm
+
     lo, hi = SUPPORTED
-    if not lo <= _version(mlx_lm.__version__) < hi:
-        return (f"mlx_lm {mlx_lm.__version__} is outside the tested range "
-                f"{'.'.join(map(str, lo))} <= v < {'.'.join(map(str, hi))}; its cache protocol "
-                f"looks intact, going on")
-    return None
+    if lo <= _version(mlx_lm.__version__) < hi:
+        return None
+    return (f"mlx_lm {mlx_lm.__version__} is outside the tested range "
+            f"{'.'.join(map(str, lo))} <= v < {'.'.join(map(str, hi))}; {what} "
+            f"looks intact, going on")
