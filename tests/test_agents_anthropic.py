@@ -7,6 +7,7 @@ while the server keeps serving."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -98,9 +99,10 @@ def test_usage_is_honest_and_agrees_with_the_cache(server, client):
     assert n == _chat(server, max_tokens=1)["usage"]["prompt_tokens"]  # the prompt's tokens
     first = client.messages.create(model="m", max_tokens=4, system=SYSTEM, messages=CONVO,
                                    extra_body=GREEDY).usage
+    sent = time.time()
     again = client.messages.create(model="m", max_tokens=4, system=SYSTEM, messages=CONVO,
                                    extra_body=GREEDY).usage
-    recent = server.cache()["recent"][-1]
+    recent = server.entry_since(sent)
     assert again.input_tokens + again.cache_read_input_tokens == n
     assert again.cache_read_input_tokens == recent["cached_tokens"] == n - 1  # full hit
     assert again.input_tokens == recent["prompt_tokens"] - recent["cached_tokens"]
@@ -117,9 +119,10 @@ def test_volatile_lines_do_not_break_the_prefix(server, client):
                                       extra_body=GREEDY).usage
     server.request("DELETE", "/v1/cache")
     ask(1)
+    sent = time.time()
     u = ask(2)
     assert u.input_tokens == 1  # everything but the last token, which is always computed
-    assert server.cache()["recent"][-1]["reuse"]["kind"] == "hit"
+    assert server.entry_since(sent)["reuse"]["kind"] == "hit"
 
 
 def test_stop_sequences(server, client):
@@ -214,6 +217,7 @@ def test_tool_round_trip(tool_server):
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
                                            "content": [{"type": "text", "text": "sunny, 21 C"}],
                                            "cache_control": {"type": "ephemeral"}}]}]
+    sent = time.time()
     with c.messages.stream(model="claude-sonnet-5", max_tokens=16, messages=msgs,
                            tools=TOOLS) as st:
         kinds = [e.type for e in st]
@@ -224,7 +228,7 @@ def test_tool_round_trip(tool_server):
     assert again.usage.cache_read_input_tokens >= first_prompt
     n = c.messages.count_tokens(model="m", messages=msgs, tools=TOOLS).input_tokens
     assert n == again.usage.input_tokens + again.usage.cache_read_input_tokens
-    rendered = tool_server.cache()["recent"][-1]
+    rendered = tool_server.entry_since(sent)
     assert rendered["prompt_tokens"] == n
 
 

@@ -5,6 +5,7 @@ exactly, and the miss explanation names the message a request diverged in."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -105,9 +106,10 @@ def test_miss_explanation_names_the_message(dirs):
                 {"role": "user", "content": "And then?"}]
         c.messages.create(model="m", max_tokens=2, system=LONG_SYSTEM, messages=msgs)
         msgs[1] = {"role": "assistant", "content": "It says: remember the eggs tomorrow."}
+        sent = time.time()
         r = c.messages.create(model="m", max_tokens=2, system=LONG_SYSTEM, messages=msgs,
                               metadata={"user_id": "session-7"})
-        recent = s.cache()["recent"][-1]
+        recent = s.entry_since(sent)
         reuse = recent["reuse"]
         log = s.tail(100_000)
     assert recent["session"] == "session-7" and "| session session-7" in log

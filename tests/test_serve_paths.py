@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -337,8 +338,9 @@ def test_seeded_hybrid_requests_checkpoint_and_misses_are_explained(dirs, tmp_pa
         assert recent[-len(REQUESTS) + REPEAT]["reuse"]["kind"] == "hit"
         # A client that rewrites a line at the top of its system prompt every turn.
         for tag in ("1a2b3c", "9f8e7d"):
+            sent = time.time()
             s.chat(chat(LONG, system=f"Session {tag}.\n" + SYSTEM), max_tokens=2, seed=0)
-        last = s.cache()["recent"][-1]
+        last = s.entry_since(sent)
     reuse = last["reuse"]
     at = 1 + len("Session ")  # <|system|> is one token
     assert reuse["kind"] == "diverged" and reuse["diverged_at"] == at, reuse

@@ -241,6 +241,15 @@ class Server(Client):
         except ProcessLookupError:
             pass
 
+    def entry_since(self, sent: float) -> Dict[str, Any]:
+        """The newest ``GET /v1/cache`` `recent` entry of a request fetched at or after
+        ``sent`` (``time.time()`` before sending it). A request is listed at its final
+        insert, which mlx-lm makes just after the answer's end reaches the client: wait for
+        it, bounded by the server's progress."""
+        return self.watch.wait("a request's entry in GET /v1/cache").until(
+            lambda: next((e for e in reversed(self.cache()["recent"])
+                          if e["time"] >= sent - 0.001), None))
+
     def wait_exit(self, cap: Optional[float] = None) -> int:
         """The exit status, once the server has exited (while it makes progress)."""
         self.watch.wait("the server to exit", cap=cap, need_alive=False).until(
