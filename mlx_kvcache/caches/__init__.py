@@ -4,24 +4,23 @@ Pure MLX arrays and the mlx-lm cache protocol; nothing here knows of tries, mode
 beyond that protocol, or disk. The restore table (docs/design.md) is enforced by each
 class's ``restore``; ``checks`` holds the input validation they share. ``merge`` means
 mlx-lm's batch constructor with one argument and the snapshot merge with two (`merging`);
-the batch caches are in `batch`; `protocol` checks the installed mlx-lm's protocol.
+each kind's batch cache lives with it (`kv.BatchKVCache`, ...); `protocol` checks the installed mlx-lm's protocol.
 """
 
 import warnings
 
 from .snapshot import CacheError, Snapshot, compact
-from .kv import KVCache, KVSnapshot
-from .quantized import QuantizedKVCache, QuantizedSnapshot
+from .kv import BatchKVCache, KVCache, KVSnapshot
+from .quantized import BatchQuantizedKVCache, QuantizedKVCache, QuantizedSnapshot
 from .schedule import KVQuantization
-from .rotating import RotatingKVCache, RotatingSnapshot
-from .recurrent import RecurrentCache, RecurrentSnapshot
+from .rotating import BatchRotatingKVCache, RotatingKVCache, RotatingSnapshot
+from .recurrent import BatchRecurrentCache, RecurrentCache, RecurrentSnapshot
 from .chunked import ChunkedKVCache, ChunkedSnapshot
 from .generic import GenericCache, GenericSnapshot
 from .factory import (
     LEAF_TYPES, cache_arrays, convert, layer_signature, leaf_caches, load_prompt_cache,
     make_prompt_cache, settle,
 )
-from .batch import BatchKVCache, BatchQuantizedKVCache, BatchRecurrentCache, BatchRotatingKVCache
 from .merging import MergeDispatch
 from .protocol import ProtocolError, check as check_protocol
 

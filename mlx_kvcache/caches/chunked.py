@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+from mlx_lm.models import cache as mlc
 
 from .buffers import KVBuffers, SnapshotKV
 from .checks import check_kv, check_offset, check_snapshot, check_target
@@ -282,6 +283,18 @@ class ChunkedKVCache(KVBuffers):
     def state(self, v) -> None:
         self.keys, self.values, offset, chunk_size, start = v
         self.offset, self.chunk_size, self.start_position = int(offset), int(chunk_size), int(start)
+
+    #: The mlx-lm class this one stands for (`factory.convert` turns one into the other).
+    mlx_class = mlc.ChunkedKVCache
+
+    @classmethod
+    def from_mlx(cls, c: Any) -> "ChunkedKVCache":
+        """Ours holding what mlx-lm's ``ChunkedKVCache`` ``c`` holds, sharing its arrays (no copy)."""
+        out = cls(int(c.chunk_size))
+        if c.keys is not None:
+            out.keys, out.values = c.keys, c.values
+        out.offset, out.start_position = int(c.offset), int(c.start_position)
+        return out
 
     @classmethod
     def merge_batch(cls, caches: Sequence[Any]) -> Any:

@@ -20,8 +20,7 @@ from .snapshot import CacheError
 #: `GenericCache`).
 LEAF_TYPES = (KVCache, RotatingKVCache, RecurrentCache, QuantizedKVCache, ChunkedKVCache)
 #: mlx-lm's classes that `convert` turns into one of those.
-_CONVERTIBLE = (mlc.KVCache, mlc.RotatingKVCache, mlc.ArraysCache, mlc.QuantizedKVCache,
-                mlc.ChunkedKVCache)
+_CONVERTIBLE = tuple(c.mlx_class for c in LEAF_TYPES)
 
 
 def convert(c: Any) -> Any:
@@ -33,34 +32,9 @@ def convert(c: Any) -> Any:
     if isinstance(c, LEAF_TYPES):
         return c
     t = type(c)
-    if t is mlc.KVCache:
-        out = KVCache()
-        if c.keys is not None:
-            out.keys, out.values = c.keys, c.values
-        out.offset = int(c.offset)
-        return out
-    if t is mlc.RotatingKVCache:
-        out = RotatingKVCache(c.max_size, keep=c.keep)
-        if c.keys is not None:
-            out.state = c.state
-        return out
-    if t is mlc.ArraysCache:
-        out = RecurrentCache(len(c.cache))
-        out.cache = list(c.cache)
-        out.left_padding, out.lengths = c.left_padding, c.lengths
-        return out
-    if t is mlc.QuantizedKVCache:
-        out = QuantizedKVCache(c.group_size, c.bits)
-        if c.keys is not None:
-            out.keys, out.values = tuple(c.keys), tuple(c.values)
-        out.offset = int(c.offset)
-        return out
-    if t is mlc.ChunkedKVCache:
-        out = ChunkedKVCache(int(c.chunk_size))
-        if c.keys is not None:
-            out.keys, out.values = c.keys, c.values
-        out.offset, out.start_position = int(c.offset), int(c.start_position)
-        return out
+    for cls in LEAF_TYPES:
+        if t is cls.mlx_class:
+            return cls.from_mlx(c)
     if t is mlc.CacheList:
         return mlc.CacheList(*(convert(x) for x in c.caches))
     return c

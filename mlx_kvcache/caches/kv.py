@@ -1,40 +1,24 @@
-"""`KVCache`: a full-attention KV cache with snapshot / restore / merge / split."""
+"""`KVCache`: a full-attention KV cache with snapshot / restore / merge / split, and
+`BatchKVCache`, the batch ``KVCache.merge(caches)`` builds: mlx-lm's own (left padding),
+except that ``extract`` gives back our `KVCache`. Its snapshots (`KVSnapshot`) are rows
+(`rows`)."""
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Tuple
 
 import mlx.core as mx
+from mlx_lm.models import cache as mlc
 from mlx_lm.models.cache import create_attention_mask
 
-from .buffers import KVBuffers, SnapshotKV, concat_rows
+from .buffers import KVBuffers, concat_rows
 from .checks import check_kv, check_offset, check_snapshot, check_target
-from .merging import MergeDispatch
-from .quantized import QuantizedKVCache, QuantizedSnapshot, merge_rows, quantize_rows, split_rows
-from .snapshot import CacheError, Snapshot, compact
+from .merging import MergeDispatch, as_class
+from .quantized import QuantizedKVCache
+from .rows import KVSnapshot, QuantizedSnapshot, merge_rows, quantize_rows, split_rows
+from .snapshot import CacheError, compact
 
-
-class KVSnapshot(SnapshotKV, Snapshot):
-    """Keys/values of the tokens ``[from_offset, to_offset)``, in their own compact buffers.
-
-    A delta: restoring it needs the cache to already hold everything below ``from_offset``.
-    """
-
-    kind = "kv"
-    needs_base = True
-
-    @classmethod
-    def _from_arrays(cls, arrays, meta):
-        try:
-            k, v = arrays["keys"], arrays["values"]
-            a, b = int(meta["from_offset"]), int(meta["to_offset"])
-        except KeyError as e:
-            raise CacheError(f"kv snapshot is missing {e}") from None
-        if k.ndim != 4 or v.ndim != 4 or k.shape[2] != b - a or v.shape[2] != b - a:
-            raise CacheError(
-                f"kv snapshot arrays {tuple(k.shape)} / {tuple(v.shape)} do not cover [{a}, {b})"
-            )
-        return cls(a, b, {"keys": k, "values": v})
+__all__ = ["KVCache", "KVSnapshot", "BatchKVCache"]
 
 
 class KVCache(KVBuffers):
@@ -239,12 +223,22 @@ class KVCache(KVBuffers):
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
 
+    #: The mlx-lm class this one stands for (`factory.convert` turns one into the other).
+    mlx_class = mlc.KVCache
+
+    @classmethod
+    def from_mlx(cls, c: Any) -> "KVCache":
+        """Ours holding what mlx-lm's ``KVCache`` ``c`` holds, sharing its arrays (no copy)."""
+        out = cls()
+        if c.keys is not None:
+            out.keys, out.values = c.keys, c.values
+        out.offset = int(c.offset)
+        return out
+
     @classmethod
     def merge_batch(cls, caches: Sequence[Any]) -> Any:
         """mlx-lm's ``KVCache.merge``: the caches stacked into a left-padded batch cache
-        (`batch.BatchKVCache`, whose ``extract`` gives back this class)."""
-        from .batch import BatchKVCache  # batch extracts into this module's class
-
+        (`BatchKVCache`, whose ``extract`` gives back this class)."""
         return BatchKVCache.merge(caches)
 
     @property
@@ -281,8 +275,19 @@ class KVCache(KVBuffers):
         q = QuantizedKVCache(group_size=group_size, bits=bits)
         if self.keys is not None and self.offset:
             k, v = self.keys_and_values()
-            q._write(quantize_rows(k, group_size, bits), quantize_rows(v, group_size, bits))
+            q.write_rows(quantize_rows(k, group_size, bits), quantize_rows(v, group_size, bits))
         return q
 
     def __repr__(self) -> str:
         return f"KVCache(offset={self.offset})"
+
+
+class BatchKVCache(mlc.BatchKVCache):
+    """mlx-lm's ``BatchKVCache``; ``extract`` gives our `KVCache`."""
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> "BatchKVCache":
+        return as_class(cls, super().merge(caches))
+
+    def extract(self, idx: int) -> Any:
+        return KVCache.from_mlx(super().extract(idx))

@@ -8,6 +8,14 @@
   layer, adjacent ``[a, b)`` + ``[b, c)``, into ``[a, c)``. Only meaningful on an instance
   (the layer that owns them). Our classes implement it as ``merge_snapshots``.
 
+The batch cache ``merge(caches)`` returns lives with its kind (`kv.BatchKVCache`,
+`rotating.BatchRotatingKVCache`, `recurrent.BatchRecurrentCache`,
+`quantized.BatchQuantizedKVCache`): mlx-lm's ``BatchGenerator`` / ``batch_generate`` stack
+per-sequence caches into one (``merge``), ``prepare`` / ``finalize`` / ``filter`` /
+``extend`` it and hand each finished sequence's cache back with ``extract(i)``, which
+gives back *our* class (a cache that can snapshot) holding exactly what mlx-lm's would.
+A kind and its batch form build each other, so they share a module.
+
 The two never overlap (one positional argument or two), so a caller of either API gets
 what it asked for; the unambiguous names ``merge_batch`` / ``merge_snapshots`` are there
 for code that wants to say which. Anything else — a snapshot merge called on the class,
@@ -53,6 +61,16 @@ class MergeDispatch:
         merge.__doc__ = f"{_USAGE}."
         merge.__qualname__ = f"{owner.__name__}.merge"
         return merge
+
+
+def as_class(cls: type, obj: Any) -> Any:
+    """``obj`` as an instance of ``cls`` (a subclass adding no state): mlx-lm's merge builds
+    its own class by name where every cache is empty."""
+    if type(obj) is cls:
+        return obj
+    out = cls.__new__(cls)
+    out.__dict__.update(vars(obj))
+    return out
 
 
 def _shape(args: tuple, kwargs: dict) -> str:

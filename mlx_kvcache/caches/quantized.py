@@ -10,6 +10,12 @@ any token and merges by concatenation.
 Which rows a *request* may reuse is a separate question, decided by the quantization
 schedule (`KVQuantization`, see `schedule`): rows computed after the switch to quantized
 attention are valid only for requests with the same ``(bits, group_size, start)``.
+
+`BatchQuantizedKVCache` is the batch ``QuantizedKVCache.merge(caches)`` builds (mlx-lm's
+own quantized cache does not batch): three mlx-lm ``BatchKVCache`` side by side, one per
+part of the quantized triple (packed data, scales, biases). Each holds its part's rows
+exactly as mlx-lm's batch holds plain rows (padding, rolls, filter, extend), so the parts
+stay aligned and every row is the row a `QuantizedKVCache` would hold.
 """
 
 from __future__ import annotations
@@ -17,13 +23,14 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Tuple
 
 import mlx.core as mx
+from mlx_lm.models import cache as mlc
 from mlx_lm.models.cache import create_attention_mask
 
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .merging import MergeDispatch
-from .quantized_rows import (  # noqa: F401  (re-exported)
-    BITS, GROUP_SIZES, QuantizedSnapshot, Triple, _kv_snapshot_type, _pack, check_quant,
-    merge_rows, quantize_rows, split_rows,
+from .rows import (
+    KVSnapshot, QuantizedSnapshot, Triple, check_quant, merge_rows,
+    pack_rows, quantize_rows, split_rows,
 )
 from .snapshot import CacheError, Snapshot, compact
 
@@ -67,8 +74,9 @@ class QuantizedKVCache:
                              f"{dims[4]}] do not match the cache's [B={held[0]}, H={held[1]}, "
                              f"dk={held[2]}, dv={held[3]}, {held[4]}]")
 
-    def _write(self, kq: Triple, vq: Triple) -> None:
-        """Append quantized rows at ``offset`` (grown in 256-row steps, written in place)."""
+    def write_rows(self, kq: Triple, vq: Triple) -> None:
+        """Append rows quantized with this cache's ``bits`` / ``group_size`` (`quantize_rows`)
+        at ``offset`` (grown in 256-row steps, written in place)."""
         prev, n = self.offset, kq[0].shape[2]
         if self.keys is None or prev + n > self.keys[0].shape[2]:
             grow = ((n + self.step - 1) // self.step) * self.step
@@ -92,7 +100,7 @@ class QuantizedKVCache:
     def update(self, keys: mx.array, values: mx.array) -> Tuple[Triple, Triple]:
         """Quantize and append ``[B, H, L, D]`` keys/values; return every row to attend to."""
         self._check_input(keys, values)
-        self._write(quantize_rows(keys, self.group_size, self.bits),
+        self.write_rows(quantize_rows(keys, self.group_size, self.bits),
                     quantize_rows(values, self.group_size, self.bits))
         return self.keys_and_values()
 
@@ -121,7 +129,7 @@ class QuantizedKVCache:
             return None
         parts = [compact(x[..., from_offset : self.offset, :]) for x in self.keys + self.values]
         mx.eval(parts)
-        return QuantizedSnapshot(from_offset, self.offset, _pack(tuple(parts[:3]), tuple(parts[3:])),
+        return QuantizedSnapshot(from_offset, self.offset, pack_rows(tuple(parts[:3]), tuple(parts[3:])),
                                  self.bits, self.group_size, self.quantized_kv_start)
 
     def snapshot_nbytes(self, from_offset: int = 0) -> int:
@@ -148,7 +156,7 @@ class QuantizedKVCache:
     def _usable(self, s: Snapshot) -> bool:
         """The schedule rule: quantized rows of another start, or unquantized rows at or past
         this cache's start, were computed under another attention and are not these rows."""
-        check_snapshot(s, (QuantizedSnapshot, _kv_snapshot_type()), "QuantizedKVCache.restore")
+        check_snapshot(s, (QuantizedSnapshot, KVSnapshot), "QuantizedKVCache.restore")
         start = self.quantized_kv_start
         if isinstance(s, QuantizedSnapshot):
             return s.start == start
@@ -248,12 +256,22 @@ class QuantizedKVCache:
         obj.state = state
         return obj
 
+    #: The mlx-lm class this one stands for (`factory.convert` turns one into the other).
+    mlx_class = mlc.QuantizedKVCache
+
+    @classmethod
+    def from_mlx(cls, c: Any) -> "QuantizedKVCache":
+        """Ours holding what mlx-lm's ``QuantizedKVCache`` ``c`` holds, sharing its arrays (no copy)."""
+        out = cls(c.group_size, c.bits)
+        if c.keys is not None:
+            out.keys, out.values = tuple(c.keys), tuple(c.values)
+        out.offset = int(c.offset)
+        return out
+
     @classmethod
     def merge_batch(cls, caches: Sequence[Any]) -> Any:
         """The caches stacked into a left-padded quantized batch cache
-        (`batch.BatchQuantizedKVCache`; mlx-lm's own quantized cache does not batch)."""
-        from .batch import BatchQuantizedKVCache  # batch extracts into this module's class
-
+        (`BatchQuantizedKVCache`; mlx-lm's own quantized cache does not batch)."""
         return BatchQuantizedKVCache.merge(caches)
 
     def is_trimmable(self) -> bool:
@@ -277,3 +295,134 @@ class QuantizedKVCache:
 
     def __repr__(self) -> str:
         return f"QuantizedKVCache(bits={self.bits}, group_size={self.group_size}, offset={self.offset})"
+
+
+class BatchQuantizedKVCache:
+    """A left-padded batch of quantized KV rows (see the module docstring): three mlx-lm
+    ``BatchKVCache`` in ``parts``, and mlx-lm's quantized-attention attributes ``bits`` /
+    ``group_size``."""
+
+    def __init__(self, group_size: int, bits: int, parts: Sequence[mlc.BatchKVCache]) -> None:
+        self.group_size, self.bits = int(group_size), int(bits)
+        self.parts = list(parts)
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> "BatchQuantizedKVCache":
+        """Stack quantized per-sequence caches (ours or mlx-lm's) with one setting."""
+        settings = {(int(c.group_size), int(c.bits)) for c in caches}
+        if len(settings) != 1:
+            raise ValueError(f"quantized caches with different (group_size, bits) {sorted(settings)} "
+                             f"cannot share a batch")
+        (group_size, bits), = settings
+        parts = []
+        for j in range(3):
+            views = []
+            for c in caches:
+                v = mlc.KVCache()  # part j of c's rows, sharing its arrays
+                if c.keys is not None and c.offset:
+                    v.keys, v.values, v.offset = c.keys[j], c.values[j], int(c.offset)
+                views.append(v)
+            parts.append(mlc.BatchKVCache.merge(views))
+        return cls(group_size, bits, parts)
+
+    # -- what the model sees ------------------------------------------------------------
+    @property
+    def offset(self) -> mx.array:
+        return self.parts[0].offset
+
+    @property
+    def left_padding(self) -> mx.array:
+        return self.parts[0].left_padding
+
+    @property
+    def keys(self) -> Optional[Triple]:
+        return None if self.parts[0].keys is None else tuple(p.keys for p in self.parts)
+
+    @property
+    def values(self) -> Optional[Triple]:
+        return None if self.parts[0].values is None else tuple(p.values for p in self.parts)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[Triple, Triple]:
+        kq = quantize_rows(keys, self.group_size, self.bits)
+        vq = quantize_rows(values, self.group_size, self.bits)
+        out = [p.update_and_fetch(k, v) for p, k, v in zip(self.parts, kq, vq)]
+        return tuple(o[0] for o in out), tuple(o[1] for o in out)  # type: ignore[return-value]
+
+    def keys_and_values(self) -> Tuple[Triple, Triple]:
+        out = [p.keys_and_values() for p in self.parts]
+        return tuple(o[0] for o in out), tuple(o[1] for o in out)  # type: ignore[return-value]
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any):
+        return self.parts[0].make_mask(N, return_array=return_array, **kwargs)
+
+    # -- the batch path -----------------------------------------------------------------
+    def prepare(self, **kwargs: Any) -> None:
+        for p in self.parts:
+            p.prepare(**kwargs)
+
+    def finalize(self) -> None:
+        for p in self.parts:
+            p.finalize()
+
+    def filter(self, batch_indices: Any) -> None:
+        for p in self.parts:
+            p.filter(batch_indices)
+
+    def extend(self, other: "BatchQuantizedKVCache") -> None:
+        if not isinstance(other, BatchQuantizedKVCache) or (other.group_size, other.bits) != (
+                self.group_size, self.bits):
+            raise ValueError(f"cannot extend a quantized batch (group_size={self.group_size}, "
+                             f"bits={self.bits}) with {other!r}")
+        for p, o in zip(self.parts, other.parts):
+            p.extend(o)
+
+    def extract(self, idx: int) -> QuantizedKVCache:
+        rows = [p.extract(idx) for p in self.parts]
+        out = QuantizedKVCache(self.group_size, self.bits)
+        if rows[0].offset:
+            out.keys = tuple(r.keys for r in rows)  # type: ignore[assignment]
+            out.values = tuple(r.values for r in rows)  # type: ignore[assignment]
+            out.offset = int(rows[0].offset)
+        return out
+
+    # -- the rest of mlx-lm's protocol ----------------------------------------------------
+    @property
+    def state(self):
+        """``(part states, group_size, bits)``."""
+        return tuple(p.state for p in self.parts), self.group_size, self.bits
+
+    @state.setter
+    def state(self, v) -> None:
+        states, group_size, bits = v
+        self.group_size, self.bits = int(group_size), int(bits)
+        self.parts = []
+        for s in states:
+            p = mlc.BatchKVCache([])  # (mlx-lm's from_state skips __init__'s attributes)
+            p.state = s
+            self.parts.append(p)
+
+    @classmethod
+    def from_state(cls, state) -> "BatchQuantizedKVCache":
+        obj = cls.__new__(cls)
+        obj.state = state
+        return obj
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        return [p.trim(n) for p in self.parts][0]
+
+    def size(self) -> int:
+        return self.parts[0].size()
+
+    def empty(self) -> bool:
+        return self.parts[0].empty()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __repr__(self) -> str:
+        return (f"BatchQuantizedKVCache(bits={self.bits}, group_size={self.group_size}, "
+                f"batch={self.parts[0].left_padding.size})")

@@ -3,11 +3,19 @@
 A recurrent state has no positions: it summarises every token seen so far. The only
 way back to an earlier prefix is a snapshot taken exactly there, so snapshots are
 whole states and restore only to their own offset.
+
+`BatchRecurrentCache` is the batch ``RecurrentCache.merge(caches)`` builds: mlx-lm's
+``ArraysCache.merge`` / ``filter`` / ``extend`` on ours, plus each row's token count
+(``offsets``), so that ``extract`` gives a `RecurrentCache` with its exact ``offset``. A
+row whose count is unknown — merged from a cache without an offset (mlx-lm's
+``ArraysCache``, not empty), or a model that writes its state without calling ``advance``
+(Mamba-1) — is extracted as mlx-lm's ``ArraysCache``, as mlx-lm would, never as ours with
+a wrong offset.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import mlx.core as mx
 import mlx_lm.models.cache as _mlx_cache
@@ -218,13 +226,22 @@ class RecurrentCache(ArraysCache):
         obj.state = state
         return obj
 
+    #: The mlx-lm class this one stands for (`factory.convert` turns one into the other).
+    mlx_class = ArraysCache
+
+    @classmethod
+    def from_mlx(cls, c: Any) -> "RecurrentCache":
+        """Ours holding what mlx-lm's ``ArraysCache`` ``c`` holds, sharing its arrays (no copy)."""
+        out = cls(len(c.cache))
+        out.cache = list(c.cache)
+        out.left_padding, out.lengths = c.left_padding, c.lengths
+        return out
+
     @classmethod
     def merge_batch(cls, caches: Sequence[Any]) -> Any:
         """mlx-lm's ``ArraysCache.merge``: the states stacked into a batch cache
-        (`batch.BatchRecurrentCache`, which counts each row's tokens so that ``extract``
+        (`BatchRecurrentCache`, which counts each row's tokens so that ``extract``
         gives back this class with its offset)."""
-        from .batch import BatchRecurrentCache  # batch extracts into this module's class
-
         return BatchRecurrentCache.merge(caches)
 
     def is_trimmable(self) -> bool:
@@ -244,3 +261,103 @@ class RecurrentCache(ArraysCache):
 # mlx-lm's load_prompt_cache (and CacheList) rebuild classes by name from its own module.
 if not hasattr(_mlx_cache, "RecurrentCache"):
     _mlx_cache.RecurrentCache = RecurrentCache
+
+
+class BatchRecurrentCache(RecurrentCache):
+    """Recurrent state of a batch (mlx-lm's ``ArraysCache`` batch path) with each row's
+    token count: ``offsets`` (an ``int32`` array, one per row) and ``known`` (whether the
+    count of that row is exact)."""
+
+    def __init__(self, size: int = 2, left_padding: Optional[List[int]] = None) -> None:
+        super().__init__(size, left_padding)
+        n = len(left_padding) if left_padding else 1
+        self.offsets = mx.zeros((n,), mx.int32)
+        self.known: List[bool] = [True] * n
+        self._written: Set[int] = set()  # slots written since the last advance
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> "BatchRecurrentCache":
+        out = _mlx_cache.ArraysCache.merge.__func__(cls, caches)
+        out.offsets = mx.array([_row_offset(c) or 0 for c in caches], mx.int32)
+        out.known = [_row_offset(c) is not None for c in caches]
+        out._written = set()
+        return out
+
+    def __setitem__(self, idx: int, value: Optional[mx.array]) -> None:
+        if idx in self._written:
+            # Written twice without `advance`: the model does not count its tokens
+            # (Mamba-1), so no row's count can be trusted from here on.
+            self.known = [False] * len(self.known)
+        self._written.add(idx)
+        super().__setitem__(idx, value)
+
+    def advance(self, n: int) -> None:
+        # The tokens of this pass a row really absorbed: those neither left padding nor
+        # past its length (the positions `make_mask` lets through).
+        lo = 0 if self.left_padding is None else mx.clip(self.left_padding, 0, n)
+        hi = n if self.lengths is None else mx.clip(self.lengths, 0, n)
+        self.offsets = self.offsets + mx.maximum(hi - lo, 0).astype(mx.int32)
+        _mlx_cache.ArraysCache.advance(self, n)
+        self._written.clear()
+
+    def filter(self, batch_indices: Any) -> None:
+        keep = _indices(batch_indices)
+        super().filter(batch_indices)
+        self.offsets = self.offsets[mx.array(keep, mx.int32)] if keep else mx.zeros((0,), mx.int32)
+        self.known = [self.known[i] for i in keep]
+
+    def extend(self, other: Any) -> None:
+        theirs = other.offsets if isinstance(other, BatchRecurrentCache) else mx.zeros(
+            (other.batch_size,), mx.int32)
+        known = other.known if isinstance(other, BatchRecurrentCache) else [
+            other.empty()] * other.batch_size
+        _mlx_cache.ArraysCache.extend(self, other)
+        self.offsets = mx.concatenate([self.offsets, theirs])
+        self.known = self.known + list(known)
+        self._written |= getattr(other, "_written", set())
+
+    def extract(self, idx: int) -> Any:
+        if not self.known[idx] or self._written:
+            return _mlx_cache.ArraysCache.extract(self, idx)
+        out = RecurrentCache(len(self.cache))
+        out.cache = [None if c is None else c[idx : idx + 1] for c in self.cache]
+        out.offset = int(self.offsets[idx].item())
+        return out
+
+    @property
+    def state(self):
+        """``(slots, left_padding, lengths, offsets)``."""
+        return self.cache, self.left_padding, self.lengths, self.offsets
+
+    @state.setter
+    def state(self, v) -> None:
+        self.cache, self.left_padding, self.lengths, self.offsets = v
+        self.cache = list(self.cache)
+        self.known = [True] * int(self.offsets.size)
+        self._written = set()
+
+    @classmethod
+    def from_state(cls, state) -> "BatchRecurrentCache":
+        obj = cls(len(state[0]))
+        obj.state = state
+        return obj
+
+    def snapshot(self, from_offset: int = 0):
+        raise CacheError("a batch cache has no single offset to snapshot: extract(i) a row first")
+
+    def restore(self, snapshot, target: int) -> bool:
+        raise CacheError("a batch cache cannot be restored: restore each row's cache, then merge")
+
+    def __repr__(self) -> str:
+        return f"BatchRecurrentCache(size={len(self.cache)}, batch={len(self.known)})"
+
+
+def _row_offset(c: Any) -> Optional[int]:
+    """Tokens a per-sequence recurrent cache absorbed (None: it does not say)."""
+    if isinstance(c, RecurrentCache) and not isinstance(c, BatchRecurrentCache):
+        return int(c.offset)
+    return 0 if c.empty() else None
+
+
+def _indices(ix: Any) -> List[int]:
+    return [int(i) for i in (ix.tolist() if isinstance(ix, mx.array) else ix)]

@@ -4,6 +4,10 @@ It follows mlx-lm's ``RotatingKVCache`` exactly (same buffer layout, same masks)
 models produce identical logits on either. A window that has wrapped has lost the
 tokens it overwrote; the only way back to an earlier point is a snapshot taken
 there, and a snapshot is therefore the whole window plus the write cursor.
+
+`BatchRotatingKVCache` is the batch ``RotatingKVCache.merge(caches)`` builds: mlx-lm's own
+(the window wrapping inside the batch), except that ``extract`` gives back ours. Like
+mlx-lm's, the batched window ignores ``keep`` (the extracted window has ``keep=0``).
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Tuple
 
 import mlx.core as mx
+from mlx_lm.models import cache as mlc
 from mlx_lm.models.base import create_causal_mask
 
 from .buffers import KVBuffers, SnapshotKV
 from .checks import check_kv, check_offset, check_snapshot, check_target
-from .merging import MergeDispatch
+from .merging import MergeDispatch, as_class
 from .snapshot import CacheError, Snapshot, compact
 
 
@@ -269,12 +274,21 @@ class RotatingKVCache(KVBuffers):
         obj.state = state
         return obj
 
+    #: The mlx-lm class this one stands for (`factory.convert` turns one into the other).
+    mlx_class = mlc.RotatingKVCache
+
+    @classmethod
+    def from_mlx(cls, c: Any) -> "RotatingKVCache":
+        """Ours holding what mlx-lm's ``RotatingKVCache`` ``c`` holds, sharing its arrays (no copy)."""
+        out = cls(c.max_size, keep=c.keep)
+        if c.keys is not None:
+            out.state = c.state
+        return out
+
     @classmethod
     def merge_batch(cls, caches: Sequence[Any]) -> Any:
         """mlx-lm's ``RotatingKVCache.merge``: the windows stacked into a left-padded batch
-        cache (`batch.BatchRotatingKVCache`, whose ``extract`` gives back this class)."""
-        from .batch import BatchRotatingKVCache  # batch extracts into this module's class
-
+        cache (`BatchRotatingKVCache`, whose ``extract`` gives back this class)."""
         return BatchRotatingKVCache.merge(caches)
 
     def is_trimmable(self) -> bool:
@@ -295,3 +309,14 @@ class RotatingKVCache(KVBuffers):
 
     def __repr__(self) -> str:
         return f"RotatingKVCache(max_size={self.max_size}, keep={self.keep}, offset={self.offset})"
+
+
+class BatchRotatingKVCache(mlc.BatchRotatingKVCache):
+    """mlx-lm's ``BatchRotatingKVCache``; ``extract`` gives our `RotatingKVCache`."""
+
+    @classmethod
+    def merge(cls, caches: Sequence[Any]) -> "BatchRotatingKVCache":
+        return as_class(cls, super().merge(caches))
+
+    def extract(self, idx: int) -> Any:
+        return RotatingKVCache.from_mlx(super().extract(idx))

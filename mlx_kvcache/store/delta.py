@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
 
-from ..caches.quantized_rows import quantize_rows
+from ..caches.rows import quantize_rows
 from ..caches.snapshot import Snapshot
 from ..prefix.journal import TOUCH
 from .format import DTYPE_NAME, RawTensor, new_file_name, to_raw, token_bytes

@@ -1,7 +1,13 @@
-"""Quantized rows of a full-attention layer: the settings `mx.quantize` accepts, row-wise
-quantization, and `QuantizedSnapshot` — a delta of rows ``[a, b)`` that splits at any token
-and merges by concatenation (quantization groups run along the head dimension, so every
-token's row is quantized on its own)."""
+"""The rows of a full-attention layer, as snapshots hold them: `KVSnapshot` (plain rows)
+and `QuantizedSnapshot` (quantized rows), the settings `mx.quantize` accepts, row-wise
+quantization, and the split and merges of row deltas. A quantized snapshot, like a plain
+one, is a delta of rows ``[a, b)`` that splits at any token and merges by concatenation
+(quantization groups run along the head dimension, so every token's row is quantized on
+its own).
+
+Both cache classes of such a layer (`kv.KVCache`, `quantized.QuantizedKVCache`) restore,
+merge and split both kinds of rows — a layer's nodes hold plain rows below the schedule's
+switch and quantized rows above it — so the two snapshot kinds live here, below both."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from typing import Any, Optional, Tuple
 
 import mlx.core as mx
 
+from .buffers import SnapshotKV
 from .checks import check_offset, check_snapshot
 from .snapshot import CacheError, Snapshot, compact
 
@@ -27,6 +34,29 @@ def check_quant(bits: Any, group_size: Any) -> Tuple[int, int]:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in GROUP_SIZES:
         raise CacheError(f"kv group size must be one of {GROUP_SIZES}, got {group_size!r}")
     return bits, group_size
+
+
+class KVSnapshot(SnapshotKV, Snapshot):
+    """Keys/values of the tokens ``[from_offset, to_offset)``, in their own compact buffers.
+
+    A delta: restoring it needs the cache to already hold everything below ``from_offset``.
+    """
+
+    kind = "kv"
+    needs_base = True
+
+    @classmethod
+    def _from_arrays(cls, arrays, meta):
+        try:
+            k, v = arrays["keys"], arrays["values"]
+            a, b = int(meta["from_offset"]), int(meta["to_offset"])
+        except KeyError as e:
+            raise CacheError(f"kv snapshot is missing {e}") from None
+        if k.ndim != 4 or v.ndim != 4 or k.shape[2] != b - a or v.shape[2] != b - a:
+            raise CacheError(
+                f"kv snapshot arrays {tuple(k.shape)} / {tuple(v.shape)} do not cover [{a}, {b})"
+            )
+        return cls(a, b, {"keys": k, "values": v})
 
 
 def quantize_rows(x: mx.array, group_size: int, bits: int) -> Triple:
@@ -79,14 +109,9 @@ class QuantizedSnapshot(Snapshot):
         return cls(a, b, parts, bits, group, start)
 
 
-def _pack(kq: Triple, vq: Triple) -> dict:
+def pack_rows(kq: Triple, vq: Triple) -> dict:
+    """The arrays of a `QuantizedSnapshot` holding the quantized keys ``kq`` and values ``vq``."""
     return {**{"k." + p: x for p, x in zip(_PARTS, kq)}, **{"v." + p: x for p, x in zip(_PARTS, vq)}}
-
-
-def _kv_snapshot_type():
-    from .kv import KVSnapshot  # kv imports this module (to_quantized)
-
-    return KVSnapshot
 
 
 def split_rows(snapshot: QuantizedSnapshot, at: int):
@@ -105,8 +130,8 @@ def split_rows(snapshot: QuantizedSnapshot, at: int):
     mx.eval(head, tail)
     snapshot.close()
     q = (snapshot.bits, snapshot.group_size, snapshot.start)
-    return (QuantizedSnapshot(a, at, _pack(tuple(head[:3]), tuple(head[3:])), *q),
-            QuantizedSnapshot(at, c, _pack(tuple(tail[:3]), tuple(tail[3:])), *q))
+    return (QuantizedSnapshot(a, at, pack_rows(tuple(head[:3]), tuple(head[3:])), *q),
+            QuantizedSnapshot(at, c, pack_rows(tuple(tail[:3]), tuple(tail[3:])), *q))
 
 
 def merge_rows(parent: Snapshot, child: Snapshot) -> Optional[Snapshot]:
@@ -118,9 +143,8 @@ def merge_rows(parent: Snapshot, child: Snapshot) -> Optional[Snapshot]:
     conversion makes of them. Anything else (quantized rows followed by unquantized ones,
     other settings, unquantized rows past ``start``) has no valid merged form: None.
     """
-    kv = _kv_snapshot_type()
     for s in (parent, child):
-        check_snapshot(s, (QuantizedSnapshot, kv), "QuantizedKVCache.merge")
+        check_snapshot(s, (QuantizedSnapshot, KVSnapshot), "QuantizedKVCache.merge")
     if parent.to_offset != child.from_offset:
         raise CacheError(f"cannot merge non-adjacent snapshots [{parent.from_offset}, "
                          f"{parent.to_offset}) and [{child.from_offset}, {child.to_offset})")
@@ -140,7 +164,7 @@ def merge_rows(parent: Snapshot, child: Snapshot) -> Optional[Snapshot]:
             xs = [mx.concatenate([h, t], axis=2) for h, t in zip(head, child.keys + child.values)]
             mx.eval(xs)
             out = QuantizedSnapshot(parent.from_offset, child.to_offset,
-                                    _pack(tuple(xs[:3]), tuple(xs[3:])), *q)
+                                    pack_rows(tuple(xs[:3]), tuple(xs[3:])), *q)
     parent.close()
     child.close()
     return out
