@@ -1,6 +1,6 @@
 """Layers 2 and 3: the prefix trie of snapshots and the manager that decides what to
 restore, where to snapshot and what to evict. No generation and no mlx-lm model code:
-the trie (``trie``, ``node``, ``eviction``, ``diagnostics``) knows only `Snapshot`; the
+the trie (``trie`` with its counters and invariants, ``node``, ``journal``, ``eviction``) knows only `Snapshot`; the
 manager knows the cache classes.
 """
 

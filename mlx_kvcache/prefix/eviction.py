@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import heapq
 import weakref
-from typing import TYPE_CHECKING, Callable, List, Optional, Protocol, Tuple
+from typing import Callable, Iterator, List, Optional, Protocol, Tuple
 
 from .node import TrieNode
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .trie import PrefixTrie
 
 
 class Tier(Protocol):
@@ -42,7 +39,28 @@ class Tier(Protocol):
         ...
 
 
-def evictable(trie: "PrefixTrie", node: TrieNode) -> bool:
+class Evictable(Protocol):
+    """What eviction reads and calls of a trie (`PrefixTrie` is one): the trie holds its
+    `Candidates`, so this module names the trie's face instead of importing it."""
+
+    root: TrieNode
+    tier: Optional[Tier]
+    candidates: "Candidates"
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def node_count(self) -> int: ...
+
+    def nodes(self) -> Iterator[TrieNode]: ...
+
+    def merge_with_child(self, node: TrieNode) -> TrieNode: ...
+
+    def remove(self, leaf: TrieNode) -> None: ...
+
+
+def evictable(trie: Evictable, node: TrieNode) -> bool:
     """Unpinned, still attached, not the root, and at most one child — with a tier, any
     node holding memory (not parked): the step parks it where the tier has a copy."""
     if node.detached or node is trie.root or node.in_use != 0:
@@ -55,13 +73,13 @@ def evictable(trie: "PrefixTrie", node: TrieNode) -> bool:
 def _key(node: TrieNode) -> Tuple[int, int, int]:
     # Oldest first; on a tie the deeper node (so a chain is eaten from its tip), then
     # the bigger one (frees the most).
-    return (node._last_used, -node.end, -node._acct)
+    return (node.last_used, -node.end, -node.counted)
 
 
 def _invariant_key(node: TrieNode) -> Tuple[int, int, int, int]:
     # Only what every rank of a sharded model agrees on (never bytes, which differ).
     t = node.tokens
-    return (node._last_used, -node.end, -len(t), t[0] if len(t) else -1)
+    return (node.last_used, -node.end, -len(t), t[0] if len(t) else -1)
 
 
 # (key, creation serial, push order, the node — weakly: a dropped node's tokens must
@@ -81,7 +99,7 @@ class Candidates:
     Entries hold nodes weakly, so a node the trie dropped is freed at once.
     """
 
-    def __init__(self, trie: "PrefixTrie") -> None:
+    def __init__(self, trie: Evictable) -> None:
         self.trie = trie
         self._lru: List[_Entry] = []
         self._inv: List[_Entry] = []
@@ -139,7 +157,7 @@ class Candidates:
                                          f"{name} order")
 
 
-def _step(trie: "PrefixTrie", victim: TrieNode, demote: bool) -> bool:
+def _step(trie: Evictable, victim: TrieNode, demote: bool) -> bool:
     """Park ``victim`` or drop it; False when neither can be done (a branch point the
     tier has no copy of: it stays a candidate for later)."""
     if demote:
@@ -153,7 +171,7 @@ def _step(trie: "PrefixTrie", victim: TrieNode, demote: bool) -> bool:
     return True
 
 
-def evict(trie: "PrefixTrie", max_bytes: int) -> int:
+def evict(trie: Evictable, max_bytes: int) -> int:
     """Free snapshots until ``trie.nbytes <= max_bytes`` or no candidate is left.
 
     Candidates: unpinned non-root nodes with at most one child, so branch points
@@ -178,7 +196,7 @@ def evict(trie: "PrefixTrie", max_bytes: int) -> int:
     return before - trie.nbytes
 
 
-def evict_one(trie: "PrefixTrie",
+def evict_one(trie: Evictable,
               demote: Optional[Callable[[TrieNode], bool]] = None) -> Optional[int]:
     """One eviction step on the least recently used candidate, chosen from structure and
     use alone (the same node on every rank of a sharded model); the bytes it freed, or

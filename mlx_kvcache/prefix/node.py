@@ -8,13 +8,10 @@ whole-state snapshot (rotating window, recurrent) is the state at ``end``.
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, List, Optional, Protocol, Sequence, Tuple
+from typing import List, Optional, Protocol, Sequence, Tuple
 
 from ..caches.snapshot import Snapshot
 from .tokens import Tokens
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .trie import PrefixTrie
 
 # Node ids are random 63-bit numbers, not a per-trie counter: two processes saving into
 # one directory, or a trie loaded into a live one, never hand out the same id.
@@ -33,7 +30,15 @@ class LayerOps(Protocol):
         ...
 
 
-def _live_bytes(snapshots: Sequence[Optional[Snapshot]]) -> int:
+class Order(Protocol):
+    """An eviction order a node tells when its key may have changed (`eviction.Candidates`)."""
+
+    def push(self, node: "TrieNode") -> None:
+        ...
+
+
+def live_bytes(snapshots: Sequence[Optional[Snapshot]]) -> int:
+    """Bytes the snapshots in ``snapshots`` (None where a layer holds none) hold now."""
     return sum(s.nbytes for s in snapshots if s is not None)
 
 
@@ -41,8 +46,8 @@ class TrieNode:
     """One compressed edge of the trie and the per-layer snapshots at it.
 
     Nodes are created and rearranged only by `PrefixTrie`; read their fields freely, but
-    change ``tokens``, ``end``, ``parent``, ``children`` or ``snapshots`` only through the
-    trie, or its counters and invariants break. ``last_used`` and ``in_use`` may be set
+    change ``tokens``, ``end``, ``parent``, ``children``, ``snapshots``, ``counted`` or
+    ``order`` only through the trie, or its counters and invariants break. ``last_used`` and ``in_use`` may be set
     directly (a loader restoring LRU order, a caller pinning a node): the trie's eviction
     order follows.
 
@@ -52,7 +57,7 @@ class TrieNode:
 
     __slots__ = (
         "tokens", "end", "parent", "children", "_last_used", "snapshots", "_in_use",
-        "detached", "_acct", "uid", "parked", "_owner", "serial", "label", "__weakref__",
+        "detached", "counted", "uid", "parked", "order", "serial", "label", "__weakref__",
     )
 
     def __init__(
@@ -74,18 +79,19 @@ class TrieNode:
         self._in_use: int = 0
         #: True once the trie dropped this object (removed, merged away, cleared).
         self.detached: bool = False
-        # Bytes this node contributed to the trie's counter when its snapshots were last
-        # set; the counter subtracts exactly this, even if a snapshot was closed behind the
-        # trie's back (check_invariants reports that case).
-        self._acct: int = 0
+        #: Bytes this node contributed to the trie's counter when its snapshots were last
+        #: set (the trie's to change); the counter subtracts exactly this, even if a
+        #: snapshot was closed behind the trie's back (check_invariants reports that case).
+        self.counted: int = 0
         #: Identity that outlives a save and a restart (the disk store keys rows by it);
         #: nonzero, the same object keeps it through splits and merges.
         self.uid: int = _UIDS.getrandbits(63) or 1
         #: Its snapshots are parked (`PrefixTrie.recount`): their data lives in another tier
         #: (the disk) and the node holds no memory until they are filled again.
         self.parked: bool = False
-        # The trie whose eviction order must hear of changes to last_used / in_use.
-        self._owner: Optional["PrefixTrie"] = None
+        #: The eviction order of the trie holding this node, told of changes to
+        #: ``last_used`` / ``in_use`` (the trie's to set; None once detached).
+        self.order: Optional[Order] = None
         #: Creation order within the trie: the last tie-break of the eviction order (the
         #: same on every rank, which creates nodes in the same order).
         self.serial: int = serial
@@ -101,8 +107,8 @@ class TrieNode:
     @last_used.setter
     def last_used(self, value: int) -> None:
         self._last_used = int(value)
-        if self._owner is not None:
-            self._owner._reindex(self)
+        if self.order is not None:
+            self.order.push(self)
 
     @property
     def in_use(self) -> int:
@@ -112,8 +118,8 @@ class TrieNode:
     @in_use.setter
     def in_use(self, value: int) -> None:
         self._in_use = int(value)
-        if self._owner is not None:
-            self._owner._reindex(self)
+        if self.order is not None:
+            self.order.push(self)
 
     @property
     def start(self) -> int:
@@ -123,7 +129,7 @@ class TrieNode:
     @property
     def nbytes(self) -> int:
         """Bytes the node's snapshots hold now."""
-        return _live_bytes(self.snapshots)
+        return live_bytes(self.snapshots)
 
     def has_state(self, layer: int) -> bool:
         """Whether ``layer`` has a (live) snapshot at this node."""

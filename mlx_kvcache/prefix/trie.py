@@ -23,16 +23,15 @@ from __future__ import annotations
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..caches.snapshot import Snapshot
-from . import diagnostics, eviction
-from .accounting import TrieAccounting
-from .journal import Journal
-from .node import LayerOps, TrieNode
+from . import eviction
+from .journal import STRUCT, TOUCH, Journal
+from .node import LayerOps, TrieNode, live_bytes
 from .tokens import Tokens, as_tokens, common_prefix
 
 __all__ = ["LayerOps", "TrieNode", "PrefixTrie"]
 
 
-class PrefixTrie(TrieAccounting):
+class PrefixTrie:
     """Compressed token trie of per-layer snapshots, with exact byte accounting and LRU eviction.
 
     ``ops[i]`` splits and merges the snapshots of layer ``i``. Not thread-safe: the
@@ -58,6 +57,125 @@ class PrefixTrie(TrieAccounting):
         #: A second tier that keeps copies of snapshots (`eviction.Tier`, the disk): with
         #: one, eviction parks nodes it holds a copy of instead of dropping them.
         self.tier: Optional["eviction.Tier"] = None
+
+    # -- counters ----------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every snapshot in the trie (running counter, exact)."""
+        return self._nbytes
+
+    @property
+    def node_count(self) -> int:
+        """Nodes in the trie, the root excluded (running counter, exact)."""
+        return self._count
+
+    @property
+    def parked_count(self) -> int:
+        """Parked nodes (their data in another tier: `recount`), a running counter."""
+        return self._parked
+
+    def label_stats(self) -> Dict[Optional[str], Tuple[int, int]]:
+        """``{label: (nodes, bytes)}`` over every node (running counters, O(labels))."""
+        return {k: (v[0], v[1]) for k, v in self._labels.items() if v[0]}
+
+    def set_label(self, node: TrieNode, label: Optional[str]) -> None:
+        """Tag ``node`` (counted per label by `label_stats`). A node made by a split starts
+        unlabelled; a merge keeps the surviving child's label."""
+        self._require_attached(node)
+        self._count_label(node, -1)
+        node.label = label
+        self._count_label(node, +1)
+
+    @property
+    def clock(self) -> int:
+        """Current value of the logical clock (last value `tick` returned)."""
+        return self._clock
+
+    def tick(self) -> int:
+        """Advance and return the logical clock.
+
+        A counter rather than wall time: LRU order stays total and tests stay deterministic.
+        """
+        self._clock += 1
+        return self._clock
+
+    def set_clock(self, value: int) -> None:
+        """Move the logical clock forward to ``value`` (ranks of a sharded model align
+        theirs after loading)."""
+        self._clock = max(self._clock, int(value))
+
+    def touch(self, node: TrieNode) -> None:
+        """Mark ``node`` as used now."""
+        node.last_used = self.tick()
+        self._changed(node, TOUCH)
+
+    def _changed(self, node: TrieNode, flag: int = STRUCT) -> None:
+        if self.journal is not None:
+            self.journal.note(node, flag)
+
+    # -- bookkeeping: every change of a node goes through these ------------------------
+    def _reindex(self, node: TrieNode) -> None:
+        """``node``'s eviction key or eligibility may have changed."""
+        self.candidates.push(node)
+
+    def _count_label(self, node: TrieNode, sign: int) -> None:
+        row = self._labels.setdefault(node.label, [0, 0])
+        row[0] += sign
+        row[1] += sign * node.counted
+
+    def _new(self, tokens: Tokens, end: int, parent: TrieNode, last_used: int) -> TrieNode:
+        """A node linked into the counters (its caller links it into the tree)."""
+        self._serial += 1
+        node = TrieNode(tokens, end, parent, [None] * self.num_layers, last_used, self._serial)
+        node.order = self.candidates
+        self._count += 1
+        self._count_label(node, +1)
+        return node
+
+    def _set(self, node: TrieNode, snapshots: List[Optional[Snapshot]]) -> None:
+        """Install ``snapshots`` on ``node`` and fix the counters (no closing)."""
+        self._count_label(node, -1)
+        self._nbytes -= node.counted
+        node.snapshots = snapshots
+        self._parked -= node.parked
+        node.parked = False
+        node.counted = live_bytes(snapshots)
+        self._nbytes += node.counted
+        self._count_label(node, +1)
+        self._reindex(node)
+        self._changed(node)
+
+    def recount(self, node: TrieNode, parked: Optional[bool] = None) -> int:
+        """Count ``node``'s bytes again after its snapshots were parked or filled behind
+        the trie's back (``parked``: set its flag too; no journal entry: nothing about it
+        changed). Returns the change in bytes."""
+        if node.detached:
+            return 0
+        before = node.counted
+        self._count_label(node, -1)
+        if parked is not None:
+            self._parked += int(parked) - int(node.parked)
+            node.parked = parked
+        node.counted = live_bytes(node.snapshots)
+        self._nbytes += node.counted - before
+        self._count_label(node, +1)
+        self._reindex(node)
+        return node.counted - before
+
+    def _detach(self, node: TrieNode) -> None:
+        """Drop ``node`` from accounting and mark it dead; its snapshots must already be gone."""
+        self._count_label(node, -1)
+        self._nbytes -= node.counted
+        self._count -= 1
+        self._parked -= node.parked
+        node.parked = False
+        node.counted = 0
+        node.snapshots = [None] * self.num_layers
+        node.parent = None
+        node.children = {}
+        node.detached = True
+        node.order = None
+        self._changed(node)
 
     def _close_all(self, snapshots: Sequence[Optional[Snapshot]]) -> None:
         for s in snapshots:
@@ -261,8 +379,8 @@ class PrefixTrie(TrieAccounting):
         child.tokens = node.tokens + child.tokens
         child.parent = grand
         grand.children[child.tokens[0]] = child
-        child._last_used = max(child.last_used, node.last_used)
-        child._in_use = max(child.in_use, node.in_use)
+        child.last_used = max(child.last_used, node.last_used)
+        child.in_use = max(child.in_use, node.in_use)
         self._detach(node)
         self._set(child, merged)  # re-indexes the child under its new key
         return child
@@ -312,15 +430,108 @@ class PrefixTrie(TrieAccounting):
         if self.journal is not None:
             self.journal.cleared()
 
-    # -- eviction and diagnostics (their own modules) -------------------------------------
+    # -- eviction (its own module) and diagnostics ---------------------------------------
     def evict(self, max_bytes: int) -> int:
         """Free snapshots until ``nbytes <= max_bytes``; see `eviction.evict`."""
         return eviction.evict(self, max_bytes)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first broken invariant."""
-        diagnostics.check_invariants(self)
+        root = self.root
+        L = self.num_layers
+        if root.tokens or root.end != 0 or root.parent is not None:
+            raise AssertionError(f"root must have an empty edge at 0 and no parent: {root!r}")
+        if len(root.snapshots) != L or any(s is not None for s in root.snapshots):
+            raise AssertionError("root must hold no snapshots")
+        total = 0
+        labels: dict = {}
+        stack = [root]
+        seen = set()
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                raise AssertionError(f"{node!r} reached twice (cycle or shared child)")
+            seen.add(id(node))
+            if node.detached:
+                raise AssertionError(f"detached {node!r} still linked in the trie")
+            if node.in_use < 0:
+                raise AssertionError(f"{node!r} has negative in_use")
+            if node.last_used > self.clock:
+                raise AssertionError(f"{node!r} last_used {node.last_used} > clock {self.clock}")
+            if len(node.snapshots) != L:
+                raise AssertionError(f"{node!r} has {len(node.snapshots)} snapshots for {L} layers")
+            for key, child in node.children.items():
+                where = f"child {child!r} of {node!r}"
+                if child.parent is not node:
+                    raise AssertionError(f"{where}: parent pointer is {child.parent!r}")
+                if not child.tokens:
+                    raise AssertionError(f"{where}: empty edge on a non-root node")
+                if child.tokens[0] != key:
+                    raise AssertionError(
+                        f"{where}: keyed under {key} but its edge starts with {child.tokens[0]}"
+                    )
+                if child.start != node.end:
+                    raise AssertionError(f"{where}: starts at {child.start}, parent ends at {node.end}")
+                stack.append(child)
+            if node is not root and len(node.tokens) != node.end - node.start:
+                raise AssertionError(f"{node!r}: edge length does not match its offsets")
+            node_bytes = 0
+            for i, s in enumerate(node.snapshots):
+                if s is None:
+                    continue
+                if s.closed:
+                    raise AssertionError(f"{node!r} layer {i}: holds closed snapshot {s!r}")
+                if s.needs_base:
+                    if (s.from_offset, s.to_offset) != (node.start, node.end):
+                        raise AssertionError(
+                            f"{node!r} layer {i}: {s!r} does not span [{node.start}, {node.end})"
+                        )
+                elif s.to_offset != node.end:
+                    raise AssertionError(
+                        f"{node!r} layer {i}: whole-state {s!r} does not end at {node.end}"
+                    )
+                if node.parked and not s.parked:
+                    raise AssertionError(f"{node!r} layer {i}: parked node holds resident {s!r}")
+                node_bytes += s.nbytes
+            if node.counted != node_bytes:
+                raise AssertionError(
+                    f"{node!r}: accounted {node.counted} B but its snapshots hold {node_bytes} B"
+                )
+            total += node_bytes
+            if node is not root:
+                if node.order is not self.candidates:
+                    raise AssertionError(f"{node!r} does not report its changes to this trie")
+                row = labels.setdefault(node.label, [0, 0])
+                row[0] += 1
+                row[1] += node_bytes
+        if total != self.nbytes:
+            raise AssertionError(f"nbytes counter {self.nbytes} != {total} held by snapshots")
+        if self.node_count != len(seen) - 1:
+            raise AssertionError(f"node counter {self.node_count} != {len(seen) - 1} nodes")
+        counted = self.label_stats()
+        recount = {k: (v[0], v[1]) for k, v in labels.items()}
+        if counted != recount:
+            raise AssertionError(f"label counters {counted} != {recount} recounted")
+        self.candidates.check()
 
     def dump(self) -> str:
-        """One line per node; see `diagnostics.dump`."""
-        return diagnostics.dump(self)
+        """One line per node: ``[start,end) Nt bytes age in_use layers``.
+
+        ``layers`` has one character per layer: ``K`` a KV (delta) snapshot, ``S`` a
+        whole-state snapshot, ``.`` none.
+        """
+        lines = [f"root: {self.nbytes} B, clock {self.clock}"]
+
+        # Iterative: a long-lived trie can be deeper than Python's recursion limit.
+        stack = [(self.root.children[k], 1) for k in sorted(self.root.children, reverse=True)]
+        while stack:
+            c, depth = stack.pop()
+            layers = "".join(
+                "." if s is None else ("K" if s.needs_base else "S") for s in c.snapshots
+            )
+            lines.append(
+                f"{'  ' * depth}[{c.start},{c.end}) {len(c.tokens)}t {c.nbytes}B "
+                f"age={self.clock - c.last_used} in_use={c.in_use} {layers}"
+            )
+            stack.extend((c.children[k], depth + 1) for k in sorted(c.children, reverse=True))
+        return "\n".join(lines)
