@@ -40,7 +40,7 @@ def agree_loaded(store, agree: Agreement, saved: Dict[int, int]) -> int:
         if n.detached:
             continue
         if not all(store.verifier.ensure_all(n.snapshots)):
-            store._drop_subtree(n)
+            store.tier.drop_subtree(n)
         elif n.parked:  # checked: parked again, to be filled (and checked) when needed
             store.tier.demote(n)
     nodes = list(trie.nodes())
@@ -53,7 +53,7 @@ def agree_loaded(store, agree: Agreement, saved: Dict[int, int]) -> int:
     common = set(views[0]).intersection(*views[1:])
     for n in nodes:  # parents first: a dropped parent takes its subtree along
         if not n.detached and names[id(n)] not in common:
-            store._drop_subtree(n)
+            store.tier.drop_subtree(n)
     kept = [n for n in trie.nodes()]
     stamp = {d: max(v[d][0] for v in views) for d in common}
     keep = {d for d in common if any(v[d][1] for v in views)}

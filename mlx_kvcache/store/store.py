@@ -95,15 +95,16 @@ class PersistentStore:
         inner = [o.inner if isinstance(o, GuardedOps) else o for o in trie.ops]
         self.verifier = Verifier(inner)
         trie.ops = [GuardedOps(o, self.verifier, i) for i, o in enumerate(inner)]
-        self.tier = DiskTier(self)
+        #: Placeholder snapshot -> its node (a bad file drops the node).
+        self.holders = new_holders()
         self.capturer = Capturer(trie, self.keep, self.verifier,
-                                 None if cold_bits is None else (int(cold_bits), 64),
-                                 on_row=self.tier.note_row)
+                                 None if cold_bits is None else (int(cold_bits), 64))
+        self.tier = DiskTier(trie, self.verifier, self.capturer, self.agree, self.keep,
+                             self.holders, self.directory)
+        self.capturer.on_row = self.tier.note_row
         if tier:
             trie.tier = self.tier
             trie.candidates.rebuild()  # branch points are candidates too now (to park)
-        #: Placeholder snapshot -> its node (a bad file drops the node).
-        self.holders = new_holders()
         self.journal = Journal()
         for n in trie.nodes():  # what the trie held before it had a journal
             self.journal.note(n, STRUCT)
@@ -158,9 +159,6 @@ class PersistentStore:
         except Exception:  # noqa: BLE001 - an early read is only a head start
             return 0
 
-    def _drop_subtree(self, node: TrieNode) -> None:
-        self.tier.drop_subtree(node)
-
     def purge_bad(self) -> None:
         """Drop nodes (with subtrees) whose files turned out bad or whose state was closed
         (walks the trie: call after a load, not per request)."""
@@ -168,7 +166,7 @@ class PersistentStore:
         for n in list(self.trie.nodes()):
             if not n.detached and any(s is not None and (s.closed or self.verifier.is_bad(s))
                                       for s in n.snapshots):
-                self._drop_subtree(n)
+                self.tier.drop_subtree(n)
 
     def _drop_found_bad(self) -> None:
         if self.agree.size > 1:
@@ -178,7 +176,7 @@ class PersistentStore:
         for s in self.verifier.found_bad():
             n = self.holders.get(s)
             if n is not None and not n.detached:
-                self._drop_subtree(n)
+                self.tier.drop_subtree(n)
 
     # -- load ---------------------------------------------------------------------
     def load(self, root=None) -> int:

@@ -29,21 +29,28 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Dict, Iterable, List, Set, Tuple
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Set, Tuple
 
-from ..prefix.agreement import any_rank
+from ..prefix.agreement import Agreement, any_rank
+from ..prefix.journal import STRUCT
 from ..prefix.node import TrieNode
-from .lazy import warn
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .store import PersistentStore
+from ..prefix.trie import PrefixTrie
+from .delta import Capturer
+from .lazy import Verifier, warn
 
 
 class DiskTier:
-    """The disk tier of one `PersistentStore` (its `trie.tier`)."""
+    """The disk tier of one `PersistentStore` (its `trie.tier`), built from the parts of
+    the store it works with: the trie, the file checker, the capturer (a node's prefix
+    digest), the ranks' agreement, the manager's restore points (``keep``), the
+    placeholder holders and the store's directory."""
 
-    def __init__(self, store: "PersistentStore") -> None:
-        self.store = store
+    def __init__(self, trie: PrefixTrie, verifier: Verifier, capturer: Capturer,
+                 agree: Agreement, keep: set, holders: "weakref.WeakKeyDictionary",
+                 directory: Callable[[], Path]) -> None:
+        self.trie, self.verifier, self.capturer = trie, verifier, capturer
+        self.agree, self.keep, self.holders, self.directory = agree, keep, holders, directory
         #: Persistent node id -> node, for nodes that have (had) a row.
         self.by_uid: "weakref.WeakValueDictionary[int, TrieNode]" = weakref.WeakValueDictionary()
         #: Prefix digest -> node (sharded models only: ranks name nodes by their tokens).
@@ -59,20 +66,18 @@ class DiskTier:
     # -- the memory budget's side (prefix.eviction.Tier) ----------------------------------
     def demotable(self, node: TrieNode) -> bool:
         """Every snapshot of ``node`` is in a committed file of this store's directory."""
-        st = self.store
-        d = st.directory()
-        v = st.verifier
+        d = self.directory()
+        v = self.verifier
         return all(s is None or s.closed or v.written(s, d) for s in node.snapshots)
 
     def demote(self, node: TrieNode) -> int:
         """Park ``node``: free its arrays, register its files to be checked when filled."""
-        st = self.store
-        prefix = st.capturer.prefix_state(node)
+        prefix = self.capturer.prefix_state(node)
         for s in node.snapshots:
             if s is not None and not s.closed and not s.parked:
-                st.verifier.park(s, prefix)
-                st.holders[s] = node
-        freed = -st.trie.recount(node, parked=True)
+                self.verifier.park(s, prefix)
+                self.holders[s] = node
+        freed = -self.trie.recount(node, parked=True)
         self.demoted_bytes += freed
         return freed
 
@@ -81,22 +86,21 @@ class DiskTier:
         """Fill the parked nodes a restore for ``tokens`` may read (checked); drop the
         first bad node with its subtree. Returns the ``(start, end)`` of each node that
         came from disk. Call with the trie's lock held, right before restoring."""
-        st = self.store
-        trie = st.trie
+        trie = self.trie
         path: List[TrieNode] = []
         bad = 0
         try:
             path, _ = trie.find(tokens)
             cold = [n for n in path if n.parked]
-            st.verifier.prefetch(s for n in cold for s in n.snapshots)
+            self.verifier.prefetch(s for n in cold for s in n.snapshots)
             L = trie.num_layers
-            ok = st.verifier.ensure_all([s for n in path for s in n.snapshots])
+            ok = self.verifier.ensure_all([s for n in path for s in n.snapshots])
             bad = next((i for i in range(len(path)) if not all(ok[i * L:(i + 1) * L])), len(path))
         except Exception as e:  # never break a request
             warn(f"prefix cache check failed ({type(e).__name__}: {e}); continuing")
             bad, cold = 0, []
-        if st.agree.size > 1:  # a file bad on any rank is bad on all of them
-            bad = st.agree.all_min([bad])[0]
+        if self.agree.size > 1:  # a file bad on any rank is bad on all of them
+            bad = self.agree.all_min([bad])[0]
         spans = []
         for i, n in enumerate(path):
             if n.detached:
@@ -112,9 +116,10 @@ class DiskTier:
         return spans
 
     def drop_subtree(self, node: TrieNode) -> None:
+        """Remove ``node`` and everything below it from the trie (a bad file, a row the
+        disk let go of); a pinned node only loses its state. Call with the trie's lock held."""
         if node.detached:
             return
-        st = self.store
         order = [node]
         i = 0
         while i < len(order):
@@ -123,18 +128,18 @@ class DiskTier:
         for n in reversed(order):
             if n.in_use:
                 # Pinned by a critical section in progress: drop its state, keep the node.
-                st.trie.set_snapshots(n, [None] * st.trie.num_layers)
+                self.trie.set_snapshots(n, [None] * self.trie.num_layers)
                 continue
-            st.trie.remove(n)
-            st.keep.discard(n)
+            self.trie.remove(n)
+            self.keep.discard(n)
 
     # -- rows and the disk budget ------------------------------------------------------
     def note_row(self, node: TrieNode) -> None:
         """``node`` is getting a row (captured)."""
         self.by_uid[node.uid] = node
         self.rowless.discard(node)
-        if self.store.agree.size > 1:
-            self.by_digest[self.store.capturer.prefix_state(node).digest()] = node
+        if self.agree.size > 1:
+            self.by_digest[self.capturer.prefix_state(node).digest()] = node
 
     def evicted(self, uids: Iterable[int]) -> None:
         """The writer deleted these rows for the disk budget (any thread)."""
@@ -145,11 +150,10 @@ class DiskTier:
         """At a capture (trie lock held): remove the nodes the disk let go that are
         parked, keep the others (in RAM, no longer on disk), and have every ancestor of a
         changed node that lost its row captured again (``changed`` gets it)."""
-        st = self.store
         with self._mu:
             uids, self._evicted = self._evicted, set()
         gone = [n for n in (self.by_uid.get(u) for u in uids) if n is not None and not n.detached]
-        if st.agree.size > 1 and any_rank(st.agree, bool(gone)):
+        if self.agree.size > 1 and any_rank(self.agree, bool(gone)):
             gone = self._agreed(gone)
         for n in gone:
             if n.detached:
@@ -159,8 +163,6 @@ class DiskTier:
             else:
                 self.rowless.add(n)
         if self.rowless:
-            from ..prefix.journal import STRUCT
-
             for n in list(changed):
                 p = n.parent
                 while p is not None and p in self.rowless and not p.detached:
@@ -171,10 +173,10 @@ class DiskTier:
     def _agreed(self, mine: List[TrieNode]) -> List[TrieNode]:
         # Parked nodes any rank's disk let go of: their shard is gone there, so the node
         # is useless to every rank. Named by token-prefix digest (ids differ by rank).
-        cap = self.store.capturer
+        cap = self.capturer
         blob = b"".join(cap.prefix_state(n).digest() for n in mine if n.parked)
         out: Dict[int, TrieNode] = {id(n): n for n in mine}
-        for b in self.store.agree.all_gather(blob):
+        for b in self.agree.all_gather(blob):
             for i in range(0, len(b), 32):
                 n = self.by_digest.get(b[i:i + 32])
                 if n is not None and not n.detached:
