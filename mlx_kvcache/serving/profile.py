@@ -266,7 +266,7 @@ def probe_request_path(prof: Profile, state: Any, explainer: Any) -> None:
 def _probe_modules(prof: Profile) -> None:
     """Module-level functions of the request path and the writer, wrapped once per process."""
     from ..store import save
-    from . import prompt_cache
+    from . import native
 
     def wrap(mod: Any, name: str, phase: str) -> None:
         orig = getattr(mod, name)
@@ -278,8 +278,8 @@ def _probe_modules(prof: Profile) -> None:
                 return orig(*a, **k)
         probe._mlx_kvcache_probe = True
         setattr(mod, name, probe)
-    wrap(prompt_cache, "to_native", "native")
-    wrap(prompt_cache, "from_native", "native")
+    wrap(native, "to_native", "native")  # (the prompt cache calls them through the module)
+    wrap(native, "from_native", "native")
     wrap(save, "encode_file", "bg.encode")
     wrap(save, "write_atomic", "bg.file")
     wrap(save, "fsync_dir", "bg.fsync_dir")

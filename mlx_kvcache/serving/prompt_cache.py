@@ -46,7 +46,7 @@ from .endpoints import CacheEndpoints
 from .extract import release
 from .idle_writes import IdleWrites
 from .model_state import ModelState, open_model
-from .native import from_native, to_native
+from . import native  # called through the module: a profile probes it (`profile`)
 from .padding import was_padded
 from .profile import Profile, probe_request_path
 from .rank_turn import RankTurn
@@ -239,7 +239,7 @@ class TriePromptCache(CacheEndpoints):
             if plan.restored == 0 and not st.track_padding:
                 return None, rest
             # Tracking batch padding needs our recurrent class in every row, a miss included.
-            return to_native(live.caches, st.track_padding), rest
+            return native.to_native(live.caches, st.track_padding), rest
         try:
             handed = self._sequential(st, live, plan, ids, seq)
         except Exception:
@@ -247,7 +247,7 @@ class TriePromptCache(CacheEndpoints):
             raise
         finally:
             mgr.forget(live)
-        return to_native(live.caches), list(tokens[handed:])
+        return native.to_native(live.caches), list(tokens[handed:])
 
     def _fetched(self, st: ModelState, tokens: np.ndarray, plan, restored: int, path: str) -> None:
         self.cached_tokens += restored
@@ -296,7 +296,7 @@ class TriePromptCache(CacheEndpoints):
             if seq.stats.drafted_tokens:
                 note = (f" | drafted {seq.stats.drafted_tokens} accepted "
                         f"{seq.stats.accepted_tokens}")
-        caches = (from_native(prompt_cache, len(tokens), st.manager.kv_quant)
+        caches = (native.from_native(prompt_cache, len(tokens), st.manager.kv_quant)
                   if len(tokens) else None)
         if caches is not None and st.track_padding and was_padded(prompt_cache):
             caches = None  # mlx-lm computed this row's recurrent state over its padding
