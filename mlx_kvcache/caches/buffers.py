@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -28,6 +28,15 @@ class KVBuffers:
 
     def empty(self) -> bool:
         return self.keys is None
+
+    def adopt_length(self, length: int, quant: Any = None) -> bool:
+        """Made from mlx-lm's class (`from_mlx`): whether it holds exactly ``length``
+        tokens (it counts its own)."""
+        return self.offset == length and self.keys is not None
+
+    def arrays(self) -> List[mx.array]:
+        """The buffers the cache holds now (to evaluate after a forward pass)."""
+        return [] if self.keys is None else [self.keys, self.values]
 
     @property
     def nbytes(self) -> int:

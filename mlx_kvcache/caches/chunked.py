@@ -32,6 +32,7 @@ from mlx_lm.models import cache as mlc
 from .buffers import KVBuffers, SnapshotKV
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .merging import MergeDispatch
+from .reach import Reach, Runs, Span
 from .snapshot import CacheError, Snapshot, compact
 
 
@@ -272,6 +273,54 @@ class ChunkedKVCache(KVBuffers):
         snapshot.close()
         return head, ChunkedSnapshot(at, c, {"keys": tk, "values": tv}, max(r, at), cs)
 
+    # -- restore along a stored prefix (`reach`) -----------------------------------------
+    #: Kind rules (`reach`): a chunk's rows come back from runs of stored rows.
+    any_offset = False
+    quantizable = False
+
+    @property
+    def interval_cap(self) -> int:
+        """The layer keeps only about one chunk of rows: a snapshot at least once a chunk
+        lets every stored span hold all of its rows (reach at any token)."""
+        return self.chunk_size
+
+    def reach(self, spans: Sequence[Span], live_common: int, top: int, quant: Any = None) -> Reach:
+        """Any chunk boundary, and any offset whose chunk rows lie in one run of the rows
+        the live cache and the spans' snapshots hold."""
+        held = []
+        live = min(live_common, self.offset)
+        if self.keys is not None and self.start_position < live:
+            held.append((self.start_position, live))
+        for start, end, s in spans:
+            if start >= top:
+                break
+            if isinstance(s, ChunkedSnapshot):
+                lo, hi = s.rows_from, min(end, top)
+                if lo < hi:
+                    held.append((lo, hi))
+        runs: List[List[int]] = []
+        for lo, hi in sorted(held):
+            if runs and lo <= runs[-1][1]:
+                runs[-1][1] = max(runs[-1][1], hi)
+            else:
+                runs.append([lo, hi])
+        return Runs(self.chunk_size, runs)
+
+    def restore_along(self, spans: Sequence[Span], t: int, live_common: int, room: int = 0) -> bool:
+        """A chunk boundary (no rows needed), or the chunk's rows from the live cache (below
+        ``live_common``) and the spans' snapshots."""
+        if t % self.chunk_size == 0:
+            return self._assemble([], t)
+        snaps = [s for start, _, s in spans if start < t and isinstance(s, ChunkedSnapshot)]
+        return self.restore_rows(snaps, t, min(live_common, t)) and self.offset == t
+
+    def targets(self, top: int) -> List[int]:
+        """The last chunk boundary at or below ``top``: no rows are needed there."""
+        return [top - top % self.chunk_size]
+
+    def snapshot_rows(self, tokens: int) -> int:
+        return min(tokens, int(self.chunk_size))
+
     # -- mlx-lm face (no make_mask: llama4 builds its own chunk mask) ---------------------
     @property
     def state(self) -> Tuple[Any, ...]:
@@ -283,6 +332,23 @@ class ChunkedKVCache(KVBuffers):
     def state(self, v) -> None:
         self.keys, self.values, offset, chunk_size, start = v
         self.offset, self.chunk_size, self.start_position = int(offset), int(chunk_size), int(start)
+
+    def signature(self, quantization: Any = None) -> List[Any]:
+        """Kind and settings (`factory.layer_signature`)."""
+        return ["chunked", self.chunk_size]
+
+    def to_mlx(self) -> Any:
+        """mlx-lm's ``ChunkedKVCache`` holding these rows, sharing the arrays."""
+        n = mlc.ChunkedKVCache(self.chunk_size)
+        if self.keys is not None:
+            n.keys, n.values = self.keys_and_values()
+        n.offset, n.start_position = self.offset, self.start_position
+        return n
+
+    def adopt_length(self, length: int, quant: Any = None) -> bool:
+        """Made from mlx-lm's class (`from_mlx`): whether it holds exactly ``length``
+        tokens (at a chunk boundary it may hold no rows)."""
+        return self.offset == length
 
     #: The mlx-lm class this one stands for (`factory.convert` turns one into the other).
     mlx_class = mlc.ChunkedKVCache

@@ -128,19 +128,8 @@ def settle(caches: Sequence[Any], n: int) -> None:
 
 
 def cache_arrays(leaves: Sequence[Any]) -> List[mx.array]:
-    """Every array the layer caches hold (to evaluate after a forward pass)."""
-    out: List[mx.array] = []
-    for c in leaves:
-        if isinstance(c, mlc.ArraysCache):
-            out.extend(x for x in c.cache if x is not None)
-        elif isinstance(c, GenericCache):
-            out.extend(c.arrays())
-        elif isinstance(c, QuantizedKVCache):
-            if c.keys is not None:
-                out.extend(c.keys + c.values)
-        elif c.keys is not None:
-            out.extend((c.keys, c.values))
-    return out
+    """Every array the layer caches (`leaf_caches`) hold (to evaluate after a forward pass)."""
+    return [x for c in leaves for x in c.arrays()]
 
 
 def layer_signature(leaves: List[Any], quantization: Any = None) -> List[List[Any]]:
@@ -150,20 +139,5 @@ def layer_signature(leaves: List[Any], quantization: Any = None) -> List[List[An
     ``quantization`` (a `KVQuantization`) marks the full-attention layers whose rows
     switch to quantized ones: their snapshots hold that schedule's rows.
     """
-    sig: List[List[Any]] = []
-    for c in leaves:
-        if isinstance(c, RotatingKVCache):
-            sig.append(["rotating", c.max_size, c.keep])
-        elif isinstance(c, RecurrentCache):
-            sig.append(["recurrent", len(c.cache)])
-        elif isinstance(c, KVCache):
-            sig.append(["kv"] + (quantization.signature() if quantization is not None else []))
-        elif isinstance(c, QuantizedKVCache):
-            sig.append(["quantized", c.bits, c.group_size, c.quantized_kv_start])
-        elif isinstance(c, ChunkedKVCache):
-            sig.append(["chunked", c.chunk_size])
-        elif isinstance(c, GenericCache):
-            sig.append(["generic", c.cls, c.mode])
-        else:
-            sig.append(["generic", class_name(c)])
-    return sig
+    return [c.signature(quantization) if isinstance(c, (*LEAF_TYPES, GenericCache))
+            else ["generic", class_name(c)] for c in leaves]

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from . import tree
 from .checks import check_offset, check_snapshot, check_target
+from .reach import WholeState
 from .snapshot import CacheError, Snapshot, compact
 
 log = logging.getLogger("mlx_kvcache")
@@ -97,7 +98,7 @@ def _attr_names(obj: Any) -> List[str]:
     return names
 
 
-class GenericCache:
+class GenericCache(WholeState):
     """The trie's view of a cache object of a class it does not know (see the module
     docstring). ``obj`` is the object the model uses; it is read and written, never replaced."""
 
@@ -182,6 +183,20 @@ class GenericCache:
         if self.tracked:
             self._fed = int(n)
             self._mark()
+
+    def signature(self, quantization: Any = None) -> List[Any]:
+        """Kind and settings (`factory.layer_signature`): the class and how its state is read."""
+        return ["generic", self.cls, self.mode]
+
+    def to_mlx(self) -> Any:
+        """The model's own object (it goes to mlx-lm as it is)."""
+        return self.obj
+
+    def adopt_length(self, length: int, quant: Any = None) -> bool:
+        """Adapted from an object mlx-lm's server handed back: count ``length`` where it
+        has no offset of its own; whether it holds exactly ``length`` tokens."""
+        self.set_offset(length)
+        return self.offset == length
 
     # -- snapshot face ------------------------------------------------------------------
     def snapshot(self, from_offset: int = 0) -> Optional[GenericSnapshot]:

@@ -5,7 +5,7 @@ except that ``extract`` gives back our `KVCache`. Its snapshots (`KVSnapshot`) a
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlc
@@ -14,6 +14,7 @@ from mlx_lm.models.cache import create_attention_mask
 from .buffers import KVBuffers, concat_rows
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .merging import MergeDispatch, as_class
+from .reach import Reach, Span, UpTo, chain, scheduled_reach
 from .quantized import QuantizedKVCache
 from .rows import KVSnapshot, QuantizedSnapshot, merge_rows, quantize_rows, split_rows
 from .snapshot import CacheError, compact
@@ -219,9 +220,63 @@ class KVCache(KVBuffers):
             KVSnapshot(at, c, {"keys": tk, "values": tv}),
         )
 
+    # -- restore along a stored prefix (`reach`) -----------------------------------------
+    #: Kind rules (`reach`): every offset below a snapshot's end is reachable from the
+    #: rows stored; the ``kv_bits`` switch converts this layer.
+    any_offset = True
+    interval_cap = 0
+    quantizable = True
+
+    def reach(self, spans: Sequence[Span], live_common: int, top: int, quant: Any = None) -> Reach:
+        """Every offset up to where the live rows and the spans' `KVSnapshot` rows run
+        without a gap; under a ``kv_bits`` schedule (``quant``) the schedule's rows."""
+        if quant is not None:
+            live_kv = min(live_common, self.offset)
+            return scheduled_reach(spans, top, quant, live_kv, min(live_kv, quant.start))
+        limit = live_common
+        for start, end, s in spans:  # the rows page in span after span above the live prefix
+            if end <= limit:
+                continue
+            if start > limit or not isinstance(s, KVSnapshot):
+                break
+            limit = min(end, top)
+        return UpTo(max(limit, live_common))
+
+    def restore_along(self, spans: Sequence[Span], t: int, live_common: int, room: int = 0) -> bool:
+        """Rewind the live rows to the shared prefix, then the spans' rows up to ``t`` in
+        one copy (``room``: tokens the request adds next, made room for at once)."""
+        if t <= live_common and self.restore(None, t):
+            return True
+        if not self.restore(None, min(live_common, t, self.offset)):
+            return False
+        return self.restore_chain(chain(spans, self.offset, t, KVSnapshot), t, room=room) \
+            and self.offset == t
+
+    def targets(self, top: int) -> List[int]:
+        return []
+
+    def snapshot_rows(self, tokens: int) -> int:
+        """A snapshot at ``tokens`` holds that many rows (deltas add up)."""
+        return tokens
+
     # -- mlx-lm face ------------------------------------------------------------------
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
+
+    def signature(self, quantization: Any = None) -> List[Any]:
+        """Kind and settings (`factory.layer_signature`); ``quantization``: the
+        `KVQuantization` whose rows this layer's snapshots hold past its switch."""
+        return ["kv"] + (quantization.signature() if quantization is not None else [])
+
+    def to_mlx(self) -> Any:
+        """mlx-lm's ``KVCache`` holding these rows, sharing the arrays: the whole buffer,
+        room to grow included (mlx-lm's own layout: rows past ``offset`` are free space),
+        so the prompt's rest is written in place instead of copying every row first."""
+        n = mlc.KVCache()
+        if self.keys is not None and self.offset:
+            n.keys, n.values = self.keys, self.values
+            n.offset = self.offset
+        return n
 
     #: The mlx-lm class this one stands for (`factory.convert` turns one into the other).
     mlx_class = mlc.KVCache

@@ -20,7 +20,7 @@ stay aligned and every row is the row a `QuantizedKVCache` would hold.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlc
@@ -28,6 +28,7 @@ from mlx_lm.models.cache import create_attention_mask
 
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .merging import MergeDispatch
+from .reach import Reach, Span, UpTo, chain, scheduled_reach, walk
 from .rows import (
     KVSnapshot, QuantizedSnapshot, Triple, check_quant, merge_rows,
     pack_rows, quantize_rows, split_rows,
@@ -232,6 +233,37 @@ class QuantizedKVCache:
         """Cut ``[a, c)`` into ``[a, at)`` and ``[at, c)``; takes ownership of the input."""
         return split_rows(snapshot, at)
 
+    # -- restore along a stored prefix (`reach`) -----------------------------------------
+    #: Kind rules (`reach`). Rows reach any offset, but only within the schedule they
+    #: were made for, so prefill keeps its periodic snapshots.
+    any_offset = False
+    interval_cap = 0
+    quantizable = True
+
+    def reach(self, spans: Sequence[Span], live_common: int, top: int, quant: Any = None) -> Reach:
+        """Under ``quant`` (a `KVQuantization`): the rows valid for it; without one, only
+        unquantized rows stored in the spans."""
+        if quant is None:
+            return UpTo(max(walk(spans, 0, top,
+                                 lambda s: s.to_offset if isinstance(s, KVSnapshot) else -1), 0))
+        return scheduled_reach(spans, top, quant, 0,
+                               min(live_common, self.offset) if quant.owns(self) else 0)
+
+    def restore_along(self, spans: Sequence[Span], t: int, live_common: int, room: int = 0) -> bool:
+        """The live rows below the shared prefix, then the spans' KV-family rows up to ``t``
+        (unquantized rows are quantized as they are copied; rows the schedule does not
+        allow are refused)."""
+        base = min(live_common, self.offset, t)
+        if not self.restore(None, base):
+            return False
+        return self.restore_chain(chain(spans, base, t), t) and self.offset == t
+
+    def targets(self, top: int) -> List[int]:
+        return []
+
+    def snapshot_rows(self, tokens: int) -> int:
+        return tokens
+
     # -- mlx-lm face ------------------------------------------------------------------
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         return create_attention_mask(N, offset=self.offset, return_array=return_array,
@@ -255,6 +287,31 @@ class QuantizedKVCache:
         obj = cls(int(state[3]), int(state[4]))
         obj.state = state
         return obj
+
+    def signature(self, quantization: Any = None) -> List[Any]:
+        """Kind and settings (`factory.layer_signature`)."""
+        return ["quantized", self.bits, self.group_size, self.quantized_kv_start]
+
+    def arrays(self) -> List[mx.array]:
+        """The arrays the cache holds now (to evaluate after a forward pass)."""
+        return [] if self.keys is None else list(self.keys + self.values)
+
+    def to_mlx(self) -> Any:
+        """mlx-lm's ``QuantizedKVCache`` holding these rows, sharing the arrays."""
+        n = mlc.QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        if self.keys is not None and self.offset:
+            n.keys, n.values = self.keys_and_values()
+            n.offset = self.offset
+        return n
+
+    def adopt_length(self, length: int, quant: Any = None) -> bool:
+        """Made from mlx-lm's class (`from_mlx`), which does not record the schedule its
+        rows follow: take ``quant``'s (a `KVQuantization`) when the settings match. Whether
+        it holds exactly ``length`` tokens."""
+        if (quant is not None and self.quantized_kv_start < 0
+                and (self.bits, self.group_size) == (quant.bits, quant.group_size)):
+            self.quantized_kv_start = quant.start
+        return self.offset == length and self.keys is not None
 
     #: The mlx-lm class this one stands for (`factory.convert` turns one into the other).
     mlx_class = mlc.QuantizedKVCache

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from .checks import check_offset, check_snapshot, check_target
 from .merging import MergeDispatch
+from .reach import WholeState
 from .snapshot import CacheError, Snapshot, compact
 
 
@@ -52,7 +53,7 @@ class RecurrentSnapshot(Snapshot):
             raise CacheError(f"recurrent snapshot is missing {e}") from None
 
 
-class RecurrentCache(ArraysCache):
+class RecurrentCache(WholeState, ArraysCache):
     """Slots of recurrent state (``cache[0]`` conv state, ``cache[1]`` recurrent state),
     drop-in for mlx-lm's ``ArraysCache`` (it subclasses it, which Mamba-1 requires).
 
@@ -220,11 +221,41 @@ class RecurrentCache(ArraysCache):
         self.offset = int(offset)
         self._dirty = False
 
+    @property
+    def dirty(self) -> bool:
+        """Written since the last `advance` / `settle`: a forward pass was interrupted
+        half-way (or has not been counted yet), so the state is at no token offset."""
+        return self._dirty
+
     @classmethod
     def from_state(cls, state) -> "RecurrentCache":
         obj = cls(len(state[0]))
         obj.state = state
         return obj
+
+    def signature(self, quantization: Any = None) -> List[Any]:
+        """Kind and settings (`factory.layer_signature`)."""
+        return ["recurrent", len(self.cache)]
+
+    def arrays(self) -> List[mx.array]:
+        """The arrays the cache holds now (to evaluate after a forward pass)."""
+        return [x for x in self.cache if x is not None]
+
+    def to_mlx(self, cls: type = ArraysCache) -> Any:
+        """mlx-lm's ``ArraysCache`` (or its subclass ``cls``) holding this state, sharing
+        the arrays."""
+        n = cls(len(self.cache))
+        n.cache = list(self.cache)
+        return n
+
+    def adopt_length(self, length: int, quant: Any = None) -> bool:
+        """Made from mlx-lm's class (`from_mlx`), which records no token count: take
+        ``length`` from the caller. False for a batch row's padding bookkeeping (not a
+        single sequence) or an empty state."""
+        if self.empty() or self.lengths is not None or self.left_padding is not None:
+            return False
+        self.offset = length  # recurrent state has no positions: the caller's count
+        return True
 
     #: The mlx-lm class this one stands for (`factory.convert` turns one into the other).
     mlx_class = ArraysCache

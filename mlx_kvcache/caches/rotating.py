@@ -12,7 +12,7 @@ mlx-lm's, the batched window ignores ``keep`` (the extracted window has ``keep=0
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlc
@@ -21,6 +21,7 @@ from mlx_lm.models.base import create_causal_mask
 from .buffers import KVBuffers, SnapshotKV
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .merging import MergeDispatch, as_class
+from .reach import Reach, Span, WholeState, whole_state_reach
 from .snapshot import CacheError, Snapshot, compact
 
 
@@ -56,7 +57,7 @@ class RotatingSnapshot(SnapshotKV, Snapshot):
             raise CacheError(f"rotating snapshot is missing {e}") from None
 
 
-class RotatingKVCache(KVBuffers):
+class RotatingKVCache(WholeState, KVBuffers):
     """Sliding-window KV cache holding at most ``max_size`` positions (plus ``keep``
     attention-sink rows that are never evicted), drop-in for mlx-lm's class.
 
@@ -240,6 +241,19 @@ class RotatingKVCache(KVBuffers):
         check_offset("at", at)
         return None, snapshot
 
+    # -- restore along a stored prefix (`reach`) -----------------------------------------
+    # (Kind rules: `WholeState`'s — a window comes back whole, from a snapshot at a span's
+    # end — and, while it never wrapped, any offset below.)
+    def reach(self, spans: Sequence[Span], live_common: int, top: int, quant: Any = None) -> Reach:
+        """The span ends holding a window, the live offset, and any offset below a window
+        that never wrapped."""
+        return whole_state_reach(self.offset, spans, live_common, top, live_any=not self.wrapped,
+                                 unwrapped=lambda s: isinstance(s, RotatingSnapshot) and not s.wrapped)
+
+    def snapshot_rows(self, tokens: int) -> int:
+        """A snapshot holds the window: at most ``max_size`` rows."""
+        return min(tokens, int(self.max_size))
+
     # -- mlx-lm face ------------------------------------------------------------------
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         if N > 1:
@@ -273,6 +287,17 @@ class RotatingKVCache(KVBuffers):
         obj = cls.__new__(cls)
         obj.state = state
         return obj
+
+    def signature(self, quantization: Any = None) -> List[Any]:
+        """Kind and settings (`factory.layer_signature`)."""
+        return ["rotating", self.max_size, self.keep]
+
+    def to_mlx(self) -> Any:
+        """mlx-lm's ``RotatingKVCache`` holding this window, sharing the arrays."""
+        n = mlc.RotatingKVCache(self.max_size, keep=self.keep)
+        if self.keys is not None and self.offset:
+            n.state = self.state  # (mlx-lm's layout, the write cursor included)
+        return n
 
     #: The mlx-lm class this one stands for (`factory.convert` turns one into the other).
     mlx_class = mlc.RotatingKVCache

@@ -22,8 +22,6 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..caches import leaf_caches, settle
-from ..caches.chunked import ChunkedKVCache
-from ..caches.rotating import RotatingKVCache
 from ..prefix.stats import human_bytes
 from ..store.format import disk_usage, model_dir
 
@@ -73,14 +71,7 @@ def checkpoint_bytes(model: Any, make_caches: Callable[[], List[Any]], tokens: i
     total = 0
     for c in leaves:
         one = int(c.snapshot_nbytes(0)) if hasattr(c, "snapshot_nbytes") else 0
-        if isinstance(c, RotatingKVCache):
-            total += one * min(tokens, int(c.max_size))
-        elif isinstance(c, ChunkedKVCache):
-            total += one * min(tokens, int(c.chunk_size))
-        elif getattr(c, "delta_snapshots", False):
-            total += one * tokens
-        else:  # a whole state: the same size at any offset
-            total += one
+        total += one * c.snapshot_rows(tokens)  # (a window, a chunk, deltas, a whole state)
     return total
 
 

@@ -35,11 +35,11 @@ def export_gguf(gguf, root, *, dequantize: Optional[bool] = None) -> Path:
     """The mlx-lm model directory for ``gguf`` under ``root`` (written if missing)."""
     from ..store import model_fingerprint, record_identity
     from .gguf import load_gguf
-    from .gguf_model import _default_dequantize
+    from .gguf_model import default_dequantize
 
     gguf = Path(gguf).expanduser()
     if dequantize is None:
-        dequantize = _default_dequantize()
+        dequantize = default_dequantize()
     out = Path(root).expanduser() / f"{gguf.stem}-{_key(gguf, bool(dequantize))}"
     if (out / "config.json").exists():
         return out
@@ -78,4 +78,4 @@ def _write(model, tokenizer, d: Path, source: Path) -> None:
     mx.save_safetensors(str(d / "model.safetensors"), dict(tree_flatten(model.parameters())),
                         metadata={"format": "mlx"})
     (d / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer._tokenizer.save_pretrained(str(d))
+    tokenizer.save_pretrained(str(d))  # (mlx-lm's wrapper hands it to the HF tokenizer)

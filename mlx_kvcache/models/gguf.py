@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .errors import ModelLoadError
 from .gguf_header import SUPPORTED_TYPES, read_gguf_header
-from .gguf_model import _build_model, _default_dequantize
+from .gguf_model import build_model, default_dequantize
 from .gguf_tokenizer import build_tokenizer
 
 __all__ = ["ModelLoadError", "read_gguf_header", "load_gguf", "build_tokenizer"]
@@ -67,7 +67,7 @@ def load_gguf(path: str | os.PathLike, *, dequantize: bool | None = None):
     except Exception as e:  # MLX raises RuntimeError/ValueError with terse messages
         raise ModelLoadError(f"{path}: MLX could not read the GGUF file: {e}") from e
     if dequantize is None:
-        dequantize = _default_dequantize()
-    model = _build_model(weights, meta, path, bool(dequantize))
+        dequantize = default_dequantize()
+    model = build_model(weights, meta, path, bool(dequantize))
     tokenizer = build_tokenizer(meta, path)
     return model, tokenizer

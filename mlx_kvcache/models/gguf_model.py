@@ -115,7 +115,9 @@ def _make_freqs_rope(dims, base, scale, freq_factors):
     return GGUFFreqRoPE()
 
 
-def _default_dequantize() -> bool:
+def default_dequantize() -> bool:
+    """Whether quantized GGUF weights load dequantized by default: yes without a GPU
+    (MLX's CPU quantized matmuls are slow), no with Metal or CUDA."""
     import mlx.core as mx
 
     gpu = False
@@ -131,7 +133,9 @@ def _default_dequantize() -> bool:
     return not gpu
 
 
-def _build_model(weights: dict, meta: dict, path: str, dequantize: bool):
+def build_model(weights: dict, meta: dict, path: str, dequantize: bool):
+    """mlx-lm's llama ``Model`` for a GGUF file's ``weights`` and ``meta`` (read from
+    ``path``), its quantized weights kept or dequantized."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.models.llama import Model

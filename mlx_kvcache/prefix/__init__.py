@@ -1,7 +1,8 @@
 """Layers 2 and 3: the prefix trie of snapshots and the manager that decides what to
 restore, where to snapshot and what to evict. No generation and no mlx-lm model code:
-the trie (``trie`` with its counters and invariants, ``node``, ``journal``, ``eviction``) knows only `Snapshot`; the
-manager knows the cache classes.
+the trie (``trie`` with its counters and invariants, ``node``, ``journal``,
+``eviction``) knows only `Snapshot`; the planner and the manager ask each layer's cache
+class for its kind rules (`caches.reach`).
 """
 
 from .node import TrieNode

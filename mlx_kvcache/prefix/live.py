@@ -12,10 +12,8 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from ..caches.factory import leaf_caches
+from ..caches.factory import LEAF_TYPES, leaf_caches
 from ..caches.generic import GenericCache
-from ..caches.kv import KVCache
-from ..caches.quantized import QuantizedKVCache
 from ..caches.recurrent import RecurrentCache
 from ..caches.schedule import KVQuantization
 from .tokens import as_tokens
@@ -49,7 +47,7 @@ class LiveSet:
         out: List[Optional[KVQuantization]] = []
         for c in self.caches:
             n = len(leaf_caches([c]))
-            top = isinstance(c, (KVCache, QuantizedKVCache))
+            top = isinstance(c, LEAF_TYPES) and c.quantizable
             out.extend([self.quant if top else None] * n)
         return out
 
@@ -75,9 +73,7 @@ class LiveSet:
         for c in self.leaves:
             if c.offset != length:
                 return False
-            if isinstance(c, RecurrentCache) and c._dirty:
-                return False
-            if isinstance(c, GenericCache) and c.dirty:
+            if isinstance(c, (RecurrentCache, GenericCache)) and c.dirty:
                 return False
         return True
 

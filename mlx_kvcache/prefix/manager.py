@@ -25,8 +25,6 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 
-from ..caches.chunked import ChunkedKVCache
-from ..caches.kv import KVCache
 from ..caches.schedule import KVQuantization
 from . import planner
 from .agreement import SOLO, Agreement, every
@@ -82,7 +80,7 @@ class PrefixManager(Budget):
         self.max_bytes = int(max_bytes)
         self.pre_end_margin = int(pre_end_margin)
         self.snapshot_interval = int(snapshot_interval)
-        chunk = min((c.chunk_size for c in self.ops if isinstance(c, ChunkedKVCache)), default=0)
+        chunk = min((c.interval_cap for c in self.ops if c.interval_cap), default=0)
         if chunk and not 0 < self.snapshot_interval <= chunk:
             # A chunked layer keeps only about one chunk of rows: stopping at least once a
             # chunk lets every node's snapshot hold all of its rows (reach at any token).
@@ -90,7 +88,7 @@ class PrefixManager(Budget):
         self.merge_below = int(merge_below)
         self.keep_live = bool(keep_live)
         #: Whether some layer can only come back from a snapshot at a node end.
-        self.whole_state = any(not isinstance(c, KVCache) for c in self.ops)
+        self.whole_state = any(not c.any_offset for c in self.ops)
         #: Nodes that are deliberate restore points (never merged away except by eviction).
         #: Weak: a node the trie drops leaves it by itself (no sweep after an eviction).
         self.keep: "weakref.WeakSet[TrieNode]" = weakref.WeakSet()

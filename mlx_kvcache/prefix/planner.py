@@ -1,14 +1,12 @@
 """Where a request lands and where its prefill stops: the trie-level restore rules.
 
-KV layers reach any token the trie or the live cache holds (node after node, each KV
-snapshot extending the prefix below it); rotating layers reach a node end holding their
-window, or any point while the window never wrapped; recurrent layers reach only a node
-end holding their state, and so do layers of classes the package does not know (their
-`GenericCache` adapters). Full-attention layers under a ``kv_bits`` schedule and chunked
-attention have rules of their own (`reach`). A request lands on the deepest offset every
-layer reaches (`plan_restore`), and schedules a branch-point snapshot where it fell short
-(`stops`). The per-class rules these build on are each cache class's ``restore``
-(docs/design.md).
+What one layer reaches along a trie path is its cache class's rule (`caches.reach`: KV
+layers reach any token the trie or the live cache holds, rotating layers a node end
+holding their window or any point while it never wrapped, recurrent layers and classes
+the package does not know only a node end holding their state, and full attention under
+a ``kv_bits`` schedule and chunked attention rules of their own). This module hands each
+layer its path (`spans`), lands a request on the deepest offset every layer reaches
+(`choose_target`), and schedules a branch-point snapshot where it fell short (`stops`).
 """
 
 from __future__ import annotations
@@ -20,11 +18,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..caches.chunked import ChunkedKVCache
-from ..caches.kv import KVCache, KVSnapshot
-from ..caches.quantized import QuantizedKVCache
-from ..caches.rotating import RotatingKVCache, RotatingSnapshot
-from . import reach
+from ..caches.reach import Reach, Span
 from .agreement import SOLO, Agreement
 from .live import LiveSet
 from .node import TrieNode
@@ -48,57 +42,18 @@ class Plan:
     from_disk: int = 0
 
 
-def reach_table(leaves, path: List[TrieNode], live_common: int, top: int, quants=None):
-    """Per layer, what it can reach at or below ``top`` (computed once per request).
-
-    Returns, per layer, either ``("kv", limit)`` — every offset up to ``limit`` — or
-    ``("points", ends, any_below)`` — exactly the offsets in ``ends``, plus any offset up
-    to ``any_below`` (an unwrapped window) — or one of `reach`'s entries (full attention
-    under a ``kv_bits`` schedule, ``quants[i]``; chunked attention).
-    """
-    table = []
-    for i, c in enumerate(leaves):
-        quant = quants[i] if quants is not None else None
-        if isinstance(c, (KVCache, QuantizedKVCache)) and (quant is not None or not isinstance(c, KVCache)):
-            table.append(reach.kv_entry(c, i, path, live_common, top, quant))
-            continue
-        if isinstance(c, ChunkedKVCache):
-            table.append(reach.chunked_entry(c, i, path, live_common, top))
-            continue
-        if isinstance(c, KVCache):
-            limit = live_common
-            for n in path:  # the trie pages in node after node above the live prefix
-                if n.end <= limit:
-                    continue
-                if n.start > limit or not n.has_state(i) or not isinstance(n.snapshots[i], KVSnapshot):
-                    break
-                limit = min(n.end, top)
-            table.append(("kv", max(limit, live_common)))
-            continue
-        ends = {0}
-        any_below = 0
-        if c.offset <= live_common:
-            ends.add(c.offset)
-            if isinstance(c, RotatingKVCache) and not c.wrapped:
-                any_below = c.offset
-        for n in path:
-            if not n.has_state(i):
-                continue
-            s = n.snapshots[i]
-            ends.add(n.end)
-            if isinstance(s, RotatingSnapshot) and not s.wrapped:
-                any_below = max(any_below, min(n.end, top))
-        table.append(("points", ends, any_below))
-    return table
+def spans(path: List[TrieNode], i: int) -> List[Span]:
+    """Layer ``i``'s view of ``path``: each node's ``(start, end, snapshot)``, the
+    snapshot None where the node holds no live one for that layer."""
+    return [(n.start, n.end, n.snapshots[i] if n.has_state(i) else None) for n in path]
 
 
-def reachable(entry, t: int) -> bool:
-    other = reach.reachable(entry, t)
-    if other is not None:
-        return other
-    if entry[0] == "kv":
-        return t <= entry[1]
-    return t in entry[1] or t <= entry[2]
+def reach_table(leaves, path: List[TrieNode], live_common: int, top: int,
+                quants=None) -> List[Reach]:
+    """Per layer, what it can reach at or below ``top`` (computed once per request; each
+    class's ``reach``; ``quants[i]``: the ``kv_bits`` schedule layer ``i`` follows)."""
+    return [c.reach(spans(path, i), live_common, top, quants[i] if quants is not None else None)
+            for i, c in enumerate(leaves)]
 
 
 def restore_layer(c, i: int, t: int, path: List[TrieNode], live_common: int,
@@ -108,29 +63,7 @@ def restore_layer(c, i: int, t: int, path: List[TrieNode], live_common: int,
     if t == 0:
         c.free()
         return True
-    if isinstance(c, QuantizedKVCache):
-        return reach.restore_quantized(c, i, t, path, live_common)
-    if isinstance(c, ChunkedKVCache):
-        return reach.restore_chunked(c, i, t, path, live_common)
-    if t <= live_common and c.restore(None, t):
-        return True
-    if isinstance(c, KVCache):
-        if not c.restore(None, min(live_common, t, c.offset)):
-            return False
-        chain = []  # the path's KV deltas from the live prefix up to t, restored in one copy
-        for n in path:
-            if n.end <= c.offset:
-                continue
-            if n.start >= t or not n.has_state(i) or not isinstance(n.snapshots[i], KVSnapshot):
-                break
-            chain.append(n.snapshots[i])
-            if n.end >= t:
-                break
-        return c.restore_chain(chain, t, room=room) and c.offset == t
-    for n in reversed(path):
-        if n.has_state(i) and c.restore(n.snapshots[i], t):
-            return True
-    return False
+    return c.restore_along(spans(path, i), t, live_common, room)
 
 
 def choose_target(live: LiveSet, tokens: np.ndarray, path: List[TrieNode], matched: int,
@@ -145,10 +78,10 @@ def choose_target(live: LiveSet, tokens: np.ndarray, path: List[TrieNode], match
     top = max(matched, live_common)
     cands = {top, 0, live_common}
     cands.update(nd.end for nd in path if nd.end <= top)
-    cands.update(reach.candidates(live.leaves, top))
+    cands.update(t for c in live.leaves for t in c.targets(top))
     ordered = sorted(cands, reverse=True)
     table = reach_table(live.leaves, path, live_common, top, live.leaf_quant())
-    blocked = [next((i for i, e in enumerate(table) if not reachable(e, t)), None) for t in ordered]
+    blocked = [next((i for i, e in enumerate(table) if not e.reaches(t)), None) for t in ordered]
     ok = [int(b is None) for b in blocked]
     if agree.size > 1:
         ok = _agreed(agree, ordered, ok)

@@ -16,10 +16,7 @@ from typing import Any, List, Optional
 
 from mlx_lm.models import cache as mlc
 
-from ..caches import (
-    CacheError, ChunkedKVCache, GenericCache, KVCache, QuantizedKVCache, RecurrentCache,
-    RotatingKVCache, convert, leaf_caches,
-)
+from ..caches import LEAF_TYPES, CacheError, GenericCache, RecurrentCache, convert, leaf_caches
 from .padding import TrackedArraysCache
 
 
@@ -32,37 +29,11 @@ def to_native(caches: List[Any], track_padding: bool = False) -> List[Any]:
 def _native(c: Any, track: bool = False) -> Any:
     if isinstance(c, mlc.CacheList):
         return mlc.CacheList(*(_native(x, track) for x in c.caches))
-    if isinstance(c, KVCache):
-        n = mlc.KVCache()
-        if c.keys is not None and c.offset:
-            # The whole buffer, room to grow included (mlx-lm's own layout: rows past
-            # ``offset`` are free space): the prompt's rest is written in place instead
-            # of copying every cached row into a bigger buffer first.
-            n.keys, n.values = c.keys, c.values
-            n.offset = c.offset
-        return n
-    if isinstance(c, RotatingKVCache):
-        n = mlc.RotatingKVCache(c.max_size, keep=c.keep)
-        if c.keys is not None and c.offset:
-            n.keys, n.values, n.offset, n._idx = c.keys, c.values, c.offset, c._idx
-        return n
-    if isinstance(c, RecurrentCache):
-        n = (TrackedArraysCache if track else mlc.ArraysCache)(len(c.cache))
-        n.cache = list(c.cache)
-        return n
-    if isinstance(c, QuantizedKVCache):
-        n = mlc.QuantizedKVCache(group_size=c.group_size, bits=c.bits)
-        if c.keys is not None and c.offset:
-            n.keys, n.values = c.keys_and_values()
-            n.offset = c.offset
-        return n
-    if isinstance(c, ChunkedKVCache):
-        n = mlc.ChunkedKVCache(c.chunk_size)
-        if c.keys is not None:
-            n.keys, n.values = c.keys_and_values()
-        n.offset, n.start_position = c.offset, c.start_position
-        return n
-    return c.obj if isinstance(c, GenericCache) else c  # the model's own object
+    if not isinstance(c, (*LEAF_TYPES, GenericCache)):
+        return c  # the model's own object
+    if track and isinstance(c, RecurrentCache):
+        return c.to_mlx(TrackedArraysCache)
+    return c.to_mlx()
 
 
 def from_native(caches: List[Any], length: int, quant: Any = None) -> Optional[List[Any]]:
@@ -76,18 +47,7 @@ def from_native(caches: List[Any], length: int, quant: Any = None) -> Optional[L
     except CacheError:  # a class whose state cannot be snapshotted
         return None
     for c in leaves:
-        if (isinstance(c, QuantizedKVCache) and quant is not None and c.quantized_kv_start < 0
-                and (c.bits, c.group_size) == (quant.bits, quant.group_size)):
-            c.quantized_kv_start = quant.start
-        if isinstance(c, RecurrentCache):
-            if c.empty() or c.lengths is not None or c.left_padding is not None:
-                return None  # a batch row's padding bookkeeping: not a single sequence
-            c.offset = length  # recurrent state has no positions: the caller's count
-        elif isinstance(c, GenericCache):
-            c.set_offset(length)  # counted by the caller where the object has no offset
-            if c.offset != length:
-                return None
-        elif c.offset != length or (c.keys is None and not isinstance(c, ChunkedKVCache)):
+        if not c.adopt_length(length, quant):
             return None
     return ours
 

@@ -287,10 +287,8 @@ class Verifier:
                 raise FormatError("it holds state for other tokens than the index says")
             swaps.append((s, so, self._layer(so, described, arrays, s)))
         for s, so, new in swaps:
-            if s.parked:
+            if s.parked:  # (placeholders are; a resident one already holds these arrays)
                 s.fill(new)
-            else:  # pragma: no cover - placeholders are always parked
-                s._arrays = new  # noqa: SLF001
             so.verified = True
             so.prefix = None
         left = []
@@ -331,11 +329,11 @@ class Verifier:
                     head.close()
             if full is None:
                 raise FormatError(f"layer {so.layer}: slice [{lo}, {hi}) cannot be cut")
-        new = full._arrays or {}  # noqa: SLF001
+        new, _ = full.to_arrays()
         if full.meta() != s.meta() or full.shapes() != s.shapes():
             raise FormatError(f"layer {so.layer} does not match the index (offsets, shapes "
                               f"or dtypes)")
-        return dict(new)
+        return new
 
 
 class GuardedOps:
