@@ -56,7 +56,7 @@ class Feed:
                  fed: Sequence[int] = ()) -> None:
         self.pair, self.cache_set = pair, caches
         self.fed, self.pending = TokenBuffer(fed), []
-        quant = getattr(caches, "quant", None)
+        quant = caches.quant if isinstance(caches, LiveSet) else None
         #: Where the ``kv_bits`` switch happens (None: no schedule).
         self.quant_start: Optional[int] = None if quant is None else quant.start
 

@@ -147,23 +147,21 @@ class _Side:
         if cut is not None and 0 < cut < ids.size:
             if cut > committed:
                 raise _Lost("a pass with drafts would span the kv_bits switch")
-            self.before()
-            head = self.model(clamp_ids(ids[:cut], self.vocab)[None], cache=self.caches)
-            settle(self.caches, cut)
-            self.before()
-            tail = self.model(clamp_ids(ids[cut:], self.vocab)[None], cache=self.caches)
-            settle(self.caches, ids.size - cut)
-            logits = mx.concatenate([head, tail], axis=1)
+            logits = mx.concatenate([self._pass(ids[:cut]), self._pass(ids[cut:])], axis=1)
         else:
-            self.before()
-            logits = self.model(clamp_ids(ids, self.vocab)[None], cache=self.caches)
-            settle(self.caches, ids.size)
+            logits = self._pass(ids)
         self.busy = False
         self.passes += 1
         self.replayed += max(0, min(self.n + committed, self.high) - self.n)
         self.n += committed
         self.high = max(self.high, self.n)
         self.extra += ids.size - committed
+        return logits
+
+    def _pass(self, ids: mx.array) -> mx.array:
+        self.before()  # the kv_bits switch, when due
+        logits = self.model(clamp_ids(ids, self.vocab)[None], cache=self.caches)
+        settle(self.caches, ids.size)
         return logits
 
     def checkpoint(self, ahead: int) -> None:
