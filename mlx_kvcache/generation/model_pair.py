@@ -9,7 +9,6 @@ forward pass over both models — the draft fed clamped ids, both lists settled.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -26,9 +25,9 @@ _EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", 
 
 #: `vocab_size` of each live model, by id (the entry goes with the model). Finding the
 #: embedding walks every module (about 14 ms on a 32-layer model) and the server asks per
-#: request; a model's vocabulary never changes.
+#: request; a model's vocabulary never changes. No lock: single dict operations are atomic,
+#: and the weakref callback may run inside any allocation, a locked section included.
 _vocabs: Dict[int, Tuple["weakref.ref", Optional[int]]] = {}
-_vocabs_lock = threading.Lock()
 
 
 def vocab_size(model: Any) -> Optional[int]:
@@ -40,22 +39,18 @@ def vocab_size(model: Any) -> Optional[int]:
     if not isinstance(model, nn.Module):
         return _vocab_size(model)
     key = id(model)
-    with _vocabs_lock:
-        hit = _vocabs.get(key)
+    hit = _vocabs.get(key)
     if hit is not None and hit[0]() is model:
         return hit[1]
     v = _vocab_size(model)
-    ref = weakref.ref(model, lambda _, key=key: _forget_vocab(key))
-    with _vocabs_lock:
-        _vocabs[key] = (ref, v)
+    _vocabs[key] = (weakref.ref(model, lambda ref, key=key: _forget_vocab(key, ref)), v)
     return v
 
 
-def _forget_vocab(key: int) -> None:
-    with _vocabs_lock:
-        hit = _vocabs.get(key)
-        if hit is not None and hit[0]() is None:
-            del _vocabs[key]
+def _forget_vocab(key: int, ref: "weakref.ref") -> None:
+    hit = _vocabs.get(key)
+    if hit is not None and hit[0] is ref:  # not a newer model's entry under a reused id
+        _vocabs.pop(key, None)
 
 
 def _vocab_size(model: Any) -> Optional[int]:
