@@ -80,10 +80,10 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
         prefill(feed, tokens, start, n - 1, step=chunk, stops=stops,
                 checkpoint=checkpoint if live is not None else None, progress=prefilled,
                 run=engine.run)
-        dec = decoder(feed, tokens, num_draft=num_draft,
-                      sampler=sampler or (lambda x: mx.argmax(x, axis=-1)),
-                      processors=processors, eos=tokenizer.eos_token_ids,
-                      max_tokens=max_tokens, stats=stats)
+        dec = engine.run(lambda: decoder(
+            feed, tokens, num_draft=num_draft, sampler=sampler or (lambda x: mx.argmax(x, axis=-1)),
+            processors=processors, eos=tokenizer.eos_token_ids, max_tokens=max_tokens,
+            stats=stats))
         stats.prefilled_tokens += 1
         respond = Responses(tokenizer, prompt_tokens=n, computed=n - start, since=t0,
                             stats=stats, cls=CachedGenerationResponse)
