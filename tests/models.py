@@ -1,3 +1,14 @@
-"""Test access to the tiny model builders (they live in the package for scripts too)."""
+"""Test access to the tiny model builders (they live in the package for scripts too), and
+one memoised instance of each (model, arguments) for the tests that only read a model."""
 
 from mlx_kvcache.testing import MODELS, V, build  # noqa: F401
+
+_MODELS = {}
+
+
+def model(name, **over):
+    """``build(name, **over)``, built once per test session."""
+    key = (name, tuple(sorted(over.items())))
+    if key not in _MODELS:
+        _MODELS[key] = build(name, **over)
+    return _MODELS[key]

@@ -16,7 +16,7 @@ from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
 from mlx_lm.models import cache as mlc
 
 import mlx_kvcache.caches as K
-from models import build
+from models import model
 
 TOL = 1e-4
 # Prompts, and the tokens already in each prompt cache (some caches empty). gemma3_text's
@@ -24,16 +24,6 @@ TOL = 1e-4
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], [5]]
 PREFIX = [[10, 11], [], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21], []]
 N = 6
-_MODELS = {}
-
-
-def model(name, **over):
-    key = (name, tuple(sorted(over.items())))
-    if key not in _MODELS:
-        _MODELS[key] = build(name, **over)
-    return _MODELS[key]
-
-
 class Tok:
     """What ``batch_generate`` needs of a tokenizer."""
 

@@ -20,20 +20,10 @@ from mlx_kvcache.caches import protocol
 from mlx_kvcache.generation.speculative import SpeculativeDecoder
 from mlx_kvcache.prefix.stats import RequestStats
 from mlx_kvcache.testing import noisy_copy
-from models import build
+from models import model
 
 TOL = 1e-4
 PREFIX = list(range(3, 23))  # 20 tokens: gemma3_text's window (8) and llama4's chunk (8) wrap
-_MODELS = {}
-
-
-def model(name, **over):
-    key = (name, tuple(sorted(over.items())))
-    if key not in _MODELS:
-        _MODELS[key] = build(name, **over)
-    return _MODELS[key]
-
-
 def filled(m, caches, tokens=PREFIX):
     m(mx.array([tokens[:-3]]), cache=caches)  # a prefill chunk, then decode steps
     K.settle(caches, len(tokens) - 3)

@@ -1,8 +1,10 @@
 """Layer 5: generation that reuses cached prefixes (`PrefixCache`).
 
-Drives an mlx-lm model through the prefix manager: restore, chunked prefill that stops at
-the planned snapshot offsets, decode (speculatively, with a draft model, on any cache kind:
-`speculative`), record; persistence through the store.
+Drives an mlx-lm model (and its draft: `model_pair`) through the prefix manager: restore,
+the chunked prefill that stops at the planned snapshot offsets (`prefill`), decode (one
+step ahead, or speculatively on any cache kind: `decode`, `speculative`), record;
+persistence through the store. The server's sequential path prefills and decodes through
+the same modules.
 """
 
 from .prefix_cache import CachedGenerationResponse, PrefixCache

@@ -9,7 +9,8 @@ forward pass over both models — the draft fed clamped ids, both lists settled.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,12 +23,37 @@ _EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", 
                     "embedding")
 
 
+#: `vocab_size` of each live model, by id (the entry goes with the model). Finding the
+#: embedding walks every module (about 14 ms on a 32-layer model) and the server asks per
+#: request; a model's vocabulary never changes. No lock: single dict operations are atomic,
+#: and the weakref callback may run inside any allocation, a locked section included.
+_vocabs: Dict[int, Tuple["weakref.ref", Optional[int]]] = {}
+
+
 def vocab_size(model: Any) -> Optional[int]:
     """The token ids ``model`` takes: its config's ``vocab_size`` (or its text config's),
     bounded by the rows of its token embedding when it has one; None if neither is known.
 
     The one vocabulary rule of the package: prompts are checked against it, a draft with
     fewer ids is fed clamped ones, and a ``logit_bias`` past it is refused."""
+    if not isinstance(model, nn.Module):
+        return _vocab_size(model)
+    key = id(model)
+    hit = _vocabs.get(key)
+    if hit is not None and hit[0]() is model:
+        return hit[1]
+    v = _vocab_size(model)
+    _vocabs[key] = (weakref.ref(model, lambda ref, key=key: _forget_vocab(key, ref)), v)
+    return v
+
+
+def _forget_vocab(key: int, ref: "weakref.ref") -> None:
+    hit = _vocabs.get(key)
+    if hit is not None and hit[0] is ref:  # not a newer model's entry under a reused id
+        _vocabs.pop(key, None)
+
+
+def _vocab_size(model: Any) -> Optional[int]:
     rows = None
     if isinstance(model, nn.Module):
         for name, m in model.named_modules():
@@ -57,24 +83,31 @@ def clamp_ids(ids: mx.array, vocab: Optional[int]) -> mx.array:
 
 
 class ModelPair:
-    """``model`` and an optional ``draft`` (same tokenizer) sharing one cache list."""
+    """``model`` and an optional ``draft`` (same tokenizer) sharing one cache list.
 
-    def __init__(self, model: nn.Module, draft: Optional[nn.Module] = None) -> None:
+    ``target_entries`` and ``vocabs`` (the target's vocabulary, the draft's): facts the
+    caller already established with this module's rules for these models (a `PrefixCache`
+    does once), used instead of establishing them again."""
+
+    def __init__(self, model: nn.Module, draft: Optional[nn.Module] = None, *,
+                 target_entries: Optional[int] = None,
+                 vocabs: Optional[Tuple[Optional[int], Optional[int]]] = None) -> None:
         if draft is not None and draft is model:
             raise ValueError("draft_model is the target model itself: pass a separate (smaller) "
                              "model, or no draft model")
         self.model, self.draft = model, draft
         #: Top-level cache entries of the target: a cache list holds them, then the draft's.
-        self.target_entries = len(make_prompt_cache(model))
+        self.target_entries = (len(make_prompt_cache(model)) if target_entries is None
+                               else int(target_entries))
+        tv, dv = vocabs if vocabs is not None else (
+            vocab_size(model), None if draft is None else vocab_size(draft))
         #: The target's vocabulary (a wider draft never proposes past it).
-        self.vocab = vocab_size(model)
+        self.vocab = tv
         #: The draft's vocabulary when smaller than the target's (ids it lacks are fed to it
         #: clamped), else None.
         self.draft_vocab: Optional[int] = None
-        if draft is not None:
-            dv = vocab_size(draft)
-            if dv is not None and (self.vocab is None or dv < self.vocab):
-                self.draft_vocab = dv
+        if draft is not None and dv is not None and (tv is None or dv < tv):
+            self.draft_vocab = dv
 
     @property
     def models(self) -> Tuple[nn.Module, ...]:

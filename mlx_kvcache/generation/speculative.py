@@ -18,8 +18,8 @@ forward pass of its own (llama.cpp replays them in a separate pass). A checkpoin
 valid while its model sits on it, so a carry needs no new snapshot. A carry longer than
 ``2 * (k + 1)`` tokens is replayed at once, which bounds the length of a pass.
 
-Every method of `SpeculativeDecoder` runs on the engine thread (`engine`); `request.run`
-sequences the rounds and yields their tokens.
+Every method of `SpeculativeDecoder` runs on the thread that runs the model (the engine
+thread, a stream); `decode.emitted` sequences the rounds and yields their tokens.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from mlx_lm.models import cache as mlc
 
 from ..caches import settle
 from ..prefix.stats import RequestStats
+from .model_pair import clamp_ids
 
-__all__ = ["SpeculativeDecoder", "clamp_ids"]
+__all__ = ["SpeculativeDecoder", "Emitted"]
 
 #: One emitted token: id, the target's log-probs at its position, whether the draft proposed it.
 Emitted = Tuple[int, mx.array, bool]
@@ -146,23 +147,21 @@ class _Side:
         if cut is not None and 0 < cut < ids.size:
             if cut > committed:
                 raise _Lost("a pass with drafts would span the kv_bits switch")
-            self.before()
-            head = self.model(clamp_ids(ids[:cut], self.vocab)[None], cache=self.caches)
-            settle(self.caches, cut)
-            self.before()
-            tail = self.model(clamp_ids(ids[cut:], self.vocab)[None], cache=self.caches)
-            settle(self.caches, ids.size - cut)
-            logits = mx.concatenate([head, tail], axis=1)
+            logits = mx.concatenate([self._pass(ids[:cut]), self._pass(ids[cut:])], axis=1)
         else:
-            self.before()
-            logits = self.model(clamp_ids(ids, self.vocab)[None], cache=self.caches)
-            settle(self.caches, ids.size)
+            logits = self._pass(ids)
         self.busy = False
         self.passes += 1
         self.replayed += max(0, min(self.n + committed, self.high) - self.n)
         self.n += committed
         self.high = max(self.high, self.n)
         self.extra += ids.size - committed
+        return logits
+
+    def _pass(self, ids: mx.array) -> mx.array:
+        self.before()  # the kv_bits switch, when due
+        logits = self.model(clamp_ids(ids, self.vocab)[None], cache=self.caches)
+        settle(self.caches, ids.size)
         return logits
 
     def checkpoint(self, ahead: int) -> None:
@@ -197,14 +196,6 @@ class _Side:
                 close()
         self.snaps.clear()
         self.at = None
-
-
-def clamp_ids(ids: mx.array, vocab: Optional[int]) -> mx.array:
-    """``ids`` with those a model has no embedding for (``>= vocab``) replaced by its last
-    id. Only ever applied to the draft: the target may emit ids a smaller draft vocabulary
-    lacks, and MLX does not bound-check an embedding lookup. The draft only proposes, so
-    this can lower acceptance, never change the output."""
-    return ids if vocab is None else mx.minimum(ids, vocab - 1)
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:

@@ -12,30 +12,13 @@ import numbers
 from typing import Any, Optional
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from ..prefix.tokens import as_tokens
+from .model_pair import vocab_size
 
-_EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embeddings",
-                    "embedding")
-
-
-def model_vocab_size(model: nn.Module) -> Optional[int]:
-    """Rows of the model's token embedding (the ids it can take), or None if unknown."""
-    rows = None
-    for name, m in model.named_modules():
-        w = getattr(m, "weight", None)
-        if name.rsplit(".", 1)[-1] in _EMBEDDING_NAMES and isinstance(w, mx.array) and w.ndim == 2:
-            rows = int(w.shape[0])
-            break
-    args = getattr(model, "args", None)
-    declared = getattr(args, "vocab_size", None)
-    if declared is None and isinstance(getattr(args, "text_config", None), dict):
-        declared = args.text_config.get("vocab_size")
-    if isinstance(declared, int) and declared > 0:
-        return declared if rows is None else min(declared, rows)
-    return rows
+#: Removed at issue 26's merge: `PrefixCache` reads `model_pair.vocab_size` directly.
+model_vocab_size = vocab_size
 
 
 def is_int(x: Any) -> bool:

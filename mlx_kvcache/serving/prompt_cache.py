@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..generation.model_pair import ModelPair
 from ..prefix.agreement import SOLO, Agreement
 from ..prefix.explain import Explainer, Reuse
 from ..prefix.tokens import as_tokens
@@ -276,10 +277,10 @@ class TriePromptCache(CacheEndpoints):
         seq.restored = seq.handed = start
         prompt = seq.prompt if seq.prompt is not None and len(seq.prompt) == len(key) else key
         seq.handed = sequential.prefill(
-            live, self.provider.model, getattr(self.provider, "draft_model", None),
-            st.target_entries, prompt, start, stops, step=seq.prefill_step,
+            live, ModelPair(self.provider.model, getattr(self.provider, "draft_model", None)),
+            prompt, start, stops, step=seq.prefill_step,
             checkpoint=lambda at: mgr.checkpoint(live, key[:at]), progress=seq.progress,
-            draft_vocab=st.draft_vocab, stream=seq.stream)
+            stream=seq.stream)
         return seq.handed
 
     def _insert(self, model_key, tokens: np.ndarray, prompt_cache: List[Any], cache_type: str,

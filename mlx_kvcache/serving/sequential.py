@@ -28,11 +28,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
-import mlx.core as mx
 import numpy as np
 
-from ..caches import cache_arrays, settle
-from ..generation.speculative import clamp_ids
+from ..generation.model_pair import ModelPair
+from ..generation.prefill import Feed, on_stream
+from ..generation.prefill import prefill as run_prefill
 from ..prefix.stats import RequestStats
 
 __all__ = ["SequentialRequest", "current", "serving", "image_runs", "outside_images", "plan_stops",
@@ -124,35 +124,17 @@ def outside_images(live, start: int, runs: Sequence[Tuple[int, int]]) -> int:
     return start
 
 
-def prefill(live, model, draft, target_entries: int, tokens: Sequence[int], start: int,
-            stops: Sequence[int], *, step: int, checkpoint: Callable[[int], bool],
-            progress: Optional[Callable[[int, int], None]] = None,
-            draft_vocab: Optional[int] = None, stream: Any = None) -> int:
+def prefill(live, pair: ModelPair, tokens: Sequence[int], start: int, stops: Sequence[int], *,
+            step: int, checkpoint: Callable[[int], bool],
+            progress: Optional[Callable[[int, int], None]] = None, stream: Any = None) -> int:
     """Feed ``tokens[start:stops[-1]]`` to ``live`` (a live set holding ``tokens[:start]``;
-    with a draft model its caches follow the target's), in chunks of at most ``step``
-    that end exactly at each stop, calling ``checkpoint(offset)`` there. Before every
-    pass the ``kv_bits`` switch is applied (exactly at its start). Returns the offset the
-    caches hold."""
-    pos = start
-    end_all = stops[-1] if stops else start
+    with a draft model its caches follow the target's) on ``stream`` through the one
+    chunked prefill (`generation.prefill`: chunks of at most ``step`` ending exactly at
+    each stop, the ``kv_bits`` switch at its start), calling ``checkpoint(offset)`` at each
+    stop. Returns the offset the caches hold."""
     total = len(tokens) - start
-    with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
-        while pos < end_all:
-            end = min(pos + step, end_all, next(s for s in stops if s > pos))
-            live.quantize_due()
-            caches = live.caches
-            x = mx.array(np.asarray(tokens[pos:end], dtype=np.int32))[None]
-            model(x, cache=caches[:target_entries])
-            settle(caches[:target_entries], end - pos)
-            if draft is not None:
-                draft(clamp_ids(x, draft_vocab), cache=caches[target_entries:])
-                settle(caches[target_entries:], end - pos)
-            mx.eval(cache_arrays(live.leaves))
-            mx.clear_cache()
-            pos = end
-            if pos in stops:
-                checkpoint(pos)
-            if progress is not None:
-                progress(pos - start, total)
-    live.quantize_due()  # a cache at or past the start hands over quantized
-    return pos
+    return run_prefill(
+        Feed(pair, live, tokens[:start]), tokens, start, max(stops, default=start),
+        step=step, stops=stops, checkpoint=checkpoint,
+        progress=None if progress is None else lambda at: progress(at - start, total),
+        run=on_stream(stream))

@@ -26,17 +26,19 @@ With ``--kv-bits`` both models switch to quantized rows exactly at ``quantized_k
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.models import cache as mlc
 
-from ..caches import KVQuantization, cache_arrays, leaf_caches, make_prompt_cache, settle
-from ..generation.speculative import SpeculativeDecoder, clamp_ids
+from ..caches import KVQuantization
+from ..generation.decode import Responses, decoder, emitted
+from ..generation.model_pair import ModelPair
+from ..generation.prefill import Feed, Runner, on_stream, prefill
+from ..prefix.live import LiveSet
 from . import sequential
 from .native import from_native, to_native
-from .validation import vocab_size
 
 __all__ = ["make_stream_generate"]
 
@@ -92,17 +94,13 @@ def _shifted(callback: Callable[[int, int], None], before: int) -> Callable[[int
     return lambda done, total: callback(done + before, total + before)
 
 
-def _target_entries(model) -> int:
-    return len(mlc.make_prompt_cache(model))
-
-
 def _speculative(model, tokenizer, rest: List[int], max_tokens: int, draft, stream,
                  kwargs, req) -> Iterator[GenerationResponse]:
     if kwargs.get("input_embeddings") is not None:
         raise ValueError("Speculative decoding does not support input embeddings.")  # as mlx-lm
     seq = list(req.prompt)
     n, pos = len(seq), len(seq) - len(rest)
-    nt = _target_entries(model)
+    pair = ModelPair(model, draft)
     cache = kwargs.get("prompt_cache")
     if cache is None:  # mlx-lm's layout: the target's caches, then the draft's
         cache = mlc.make_prompt_cache(model) + mlc.make_prompt_cache(draft)
@@ -113,101 +111,50 @@ def _speculative(model, tokenizer, rest: List[int], max_tokens: int, draft, stre
     # sharing the arrays of mlx-lm's objects; they go back into the server's list at the end.
     ours = from_native(cache, pos, quant) if pos else None
     if ours is None:  # fresh caches (or ones that do not hold the prefix): from the start
-        ours, pos = make_prompt_cache(model) + make_prompt_cache(draft), 0
-
-    def lists():
-        if quant is not None:
-            quant.convert(ours)  # the switch, exactly at its start (before every pass)
-        return ours[:nt], ours[nt:]
-    tv, dv = vocab_size(model), vocab_size(draft)
-    draft_vocab = dv if dv is not None and (tv is None or dv < tv) else None
+        ours, pos = pair.make_caches(), 0
+    feed = Feed(pair, LiveSet(ours, quant=quant), seq[:pos])
     stats = req.stats
     stats.prompt_tokens = n
-    step = int(kwargs.get("prefill_step_size") or 2048)
     progress = kwargs.get("prompt_progress_callback")
-    stream = stream if stream is not None else mx.default_stream(mx.default_device())
+    run = on_stream(stream)
     tic = time.perf_counter()
-    with mx.stream(stream):
-        while pos < n - 1:  # both models absorb the prompt but its last token
-            end = min(pos + step, n - 1)
-            if quant is not None and pos < quant.start:
-                end = min(end, quant.start)
-            tc, dc = lists()
-            x = mx.array(seq[pos:end])[None]
-            model(x, cache=tc)
-            settle(tc, end - pos)
-            draft(clamp_ids(x, draft_vocab), cache=dc)
-            settle(dc, end - pos)
-            mx.eval(cache_arrays(leaf_caches(ours)))
-            pos = end
-            if progress is not None:
-                progress(pos - req.restored, n - req.restored)
-        tc, dc = lists()
-        spec = SpeculativeDecoder(
-            model, tc, draft, dc, seq, num_draft=int(kwargs.get("num_draft_tokens") or 0),
-            sampler=kwargs.get("sampler") or (lambda x: mx.argmax(x, axis=-1)),
-            processors=kwargs.get("logits_processors") or [], eos=tokenizer.eos_token_ids,
-            max_tokens=max_tokens, stats=stats, vocab=tv, draft_vocab=draft_vocab,
-            switch=lists if quant is not None else None,
-            quant_start=quant.start if quant is not None else None)
-
-    def hand_back() -> None:
-        cache[:] = to_native(ours)  # the server inserts this very list
-
-    def absorb_last() -> List[int]:
-        # mlx-lm's decoding has absorbed every token it emitted (it runs a step ahead),
-        # and its server stores them all: so do we, for a next turn that reuses as much.
-        tc, dc = lists()
-        x = mx.array(spec.seq[-1:])[None]
-        model(x, cache=tc)
-        settle(tc, 1)
-        draft(clamp_ids(x, draft_vocab), cache=dc)
-        settle(dc, 1)
-        mx.eval(cache_arrays(leaf_caches(ours)))
-        return spec.seq
-    return _responses(spec, tokenizer, len(rest), max_tokens, stream, tic, req, hand_back,
-                      absorb_last)
+    # Both models absorb the prompt but its last token.
+    prefill(feed, seq, pos, n - 1, step=int(kwargs.get("prefill_step_size") or 2048),
+            progress=None if progress is None else
+            lambda at: progress(at - req.restored, n - req.restored), run=run)
+    spec = run(lambda: decoder(
+        feed, seq, num_draft=int(kwargs.get("num_draft_tokens") or 0),
+        sampler=kwargs.get("sampler") or (lambda x: mx.argmax(x, axis=-1)),
+        processors=kwargs.get("logits_processors") or [], eos=tokenizer.eos_token_ids,
+        max_tokens=max_tokens, stats=stats))
+    respond = Responses(tokenizer, prompt_tokens=len(rest), computed=len(rest), since=tic)
+    return _responses(spec, feed, respond, run, req, cache)
 
 
-def _responses(spec, tokenizer, prompt_size: int, max_tokens: int, stream, tic, req,
-               hand_back: Callable[[], None],
-               absorb_last: Callable[[], List[int]]) -> Iterator[GenerationResponse]:
-    detok = tokenizer.detokenizer
-    detok.reset()
-    eos = tokenizer.eos_token_ids
-    complete, ntok, prompt_tps = False, 0, 0.0
+def _responses(spec, feed: Feed, respond: Responses, run: Runner, req,
+               cache: List[Any]) -> Iterator[GenerationResponse]:
+    complete = False
     try:
-        while True:
-            with mx.stream(stream):
-                out, done = spec.step()
-            for i, (tok, logprobs, from_draft) in enumerate(out):
-                if ntok == 0:
-                    prompt_tps = prompt_size / max(time.perf_counter() - tic, 1e-9)
-                    tic = time.perf_counter()
-                ntok += 1
-                last = done and i == len(out) - 1
-                finish: Optional[str] = None
-                if tok not in eos:
-                    detok.add_token(tok)
-                if last:
-                    detok.finalize()
-                    finish = "stop" if tok in eos else "length"
-                    complete = True  # the server stops reading at this response
-                yield GenerationResponse(
-                    text=detok.last_segment, token=tok, logprobs=logprobs,
-                    from_draft=from_draft, prompt_tokens=prompt_size, prompt_tps=prompt_tps,
-                    generation_tokens=ntok,
-                    generation_tps=ntok / max(time.perf_counter() - tic, 1e-9),
-                    peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish)
-            if done:
+        for tok, logprobs, from_draft, last in emitted(spec, run):
+            complete = last  # the server stops reading at the last response
+            yield respond(tok, logprobs, from_draft, last)
+            if last:
                 return
     finally:
         # Both models at one prefix of the emitted tokens, for the server's insert.
         try:
-            with mx.stream(stream):
-                held, ok = spec.finish(complete)
-                if ok and complete and len(held) == len(spec.seq) - 1:
-                    held = absorb_last()
+            held, ok = run(spec.finish, complete)
+            if ok and complete and len(held) == len(spec.seq) - 1:
+                # mlx-lm's decoding has absorbed every token it emitted (it runs a step
+                # ahead), and its server stores them all: so do we, for a next turn that
+                # reuses as much.
+                run(_absorb, feed, spec.seq[-1:])
+                held = spec.seq
             req.absorbed = len(held) if ok else -1
         finally:
-            hand_back()
+            cache[:] = to_native(feed.cache_set.caches)  # the server inserts this very list
+
+
+def _absorb(feed: Feed, toks: List[int]) -> None:
+    feed(toks)
+    feed.evaluate()

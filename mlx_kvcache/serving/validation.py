@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+from ..generation import model_pair
+
 #: ``mx.random.seed`` takes an unsigned 64-bit integer.
 SEED_LIMIT = 1 << 64
 
@@ -28,14 +30,8 @@ def _text(v: Any) -> bool:
     return True
 
 
-def vocab_size(model: Any) -> Optional[int]:
-    """The number of token ids ``model`` scores (its config's ``vocab_size``), or None."""
-    args = getattr(model, "args", None)
-    for holder in (args, getattr(args, "text_config", None)):
-        v = holder.get("vocab_size") if isinstance(holder, dict) else getattr(holder, "vocab_size", None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
+#: Removed at issue 26's merge: `model_state` reads `model_pair.vocab_size` directly.
+vocab_size = model_pair.vocab_size
 
 
 def _logit_bias_problem(bias: Any, vocab: Optional[int]) -> Optional[str]:
@@ -103,4 +99,5 @@ def generation_problem(prompt, args, model) -> Optional[str]:
     if seed is not None and not 0 <= seed < SEED_LIMIT:
         return f"seed must be between 0 and {SEED_LIMIT - 1}"
     logits = getattr(args, "logits", None)
-    return _logit_bias_problem(getattr(logits, "logit_bias", None), vocab_size(model))
+    return _logit_bias_problem(getattr(logits, "logit_bias", None),
+                               model_pair.vocab_size(model))
