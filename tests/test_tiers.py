@@ -58,7 +58,7 @@ def rows(pc):
 def park_all(pc):
     """Let the memory budget go to zero once: every node with its files on disk parks."""
     pc.flush()
-    pc.manager.run(pc.manager._evict, 0)
+    pc.manager.fit_bytes(0)
 
 
 class Sessions:

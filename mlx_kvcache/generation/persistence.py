@@ -87,10 +87,7 @@ class Persistence:
                                           self.fingerprint(), self.max_disk_bytes, keep=mgr.keep,
                                           cold_bits=self.cold_bits,
                                           default_budget=self.disk_budget_note is not None)
-            mgr.verify = self._store.before_request
-            # Every node is written once, when recorded: merging a written node into its
-            # new child would write both again (a chain of nodes costs nothing on disk).
-            mgr.merge_below = 0
+            mgr.attach_disk(self._store.before_request)
         return self._store
 
     def _prefetch(self, tokens) -> None:
@@ -123,7 +120,7 @@ class Persistence:
 
         def load():
             n = store.load(path)
-            self.manager._enforce()
+            self.manager.enforce_budget()
             store.purge_bad()
             return n
         return self.manager.run(load)

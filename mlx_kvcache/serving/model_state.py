@@ -189,12 +189,11 @@ def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes,
         st.store = None  # all ranks persist, or none do
     if st.store is None:
         return
-    mgr.verify = st.store.before_request
-    mgr.merge_below = 0  # every node is written once, when recorded: never merge it away
+    mgr.attach_disk(st.store.before_request)
 
     def load():
         n = st.store.load()
-        mgr._enforce()
+        mgr.enforce_budget()
         st.store.purge_bad()
         return n
     n = mgr.run(load)

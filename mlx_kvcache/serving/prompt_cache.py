@@ -365,9 +365,9 @@ class TriePromptCache(CacheEndpoints):
                 if mgr.defer_budget:  # this rank's ceiling, fitted at the turn's settle
                     self._turn.limit = max(int(n_bytes), 0)
                 else:
-                    mgr._evict(max(int(n_bytes), 0))
+                    mgr.fit_bytes(max(int(n_bytes), 0))
             if n_sequences is not None:
-                mgr._evict_to_count(int(n_sequences))  # the node count: the same on every rank
+                mgr.fit_count(int(n_sequences))  # the node count: the same on every rank
         self._guard("trimming the prompt cache", lambda: mgr.run(trim), None, "trim")
 
     # -- once per turn of a sharded server's generation loop ----------------------------
