@@ -97,7 +97,7 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
         stats.matched_tokens, stats.restored_tokens = plan.matched, plan.restored
         stats.disk_tokens = plan.from_disk
         stats.reason = plan.reason
-        stats.reuse = pc._explain(tokenizer, tokens, plan)
+        stats.reuse = pc.explain(tokenizer, tokens, plan)
         start, stops = plan.restored, plan.stops
     sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
 
@@ -236,6 +236,6 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
         if live is not None:
             fed = feed.fed
             mgr.checkin(live, fed, feed.pending,
-                        on_done=lambda recorded: pc._account(stats, fed if recorded else None))
+                        on_done=lambda recorded: pc.account(stats, fed if recorded else None))
         else:
-            pc._account(stats)
+            pc.account(stats)
