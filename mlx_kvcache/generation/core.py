@@ -93,6 +93,9 @@ class CacheCore:
         #: The disk tier (`attach_store`), and its background writer.
         self.store: Optional[PersistentStore] = None
         self.autosaver: Optional[Autosaver] = None
+        #: The disk budget in force, and how its default was chosen (None: given).
+        self.max_disk_bytes: Optional[int] = None
+        self.disk_budget_note: Optional[str] = None
         if off is None:
             try:  # a layer that cannot be snapshotted, found before any collective
                 LiveSet(pair.make_caches(), quant=kv_quant)
@@ -145,11 +148,14 @@ class CacheCore:
                 kv_quant=None if self.kv_quant is None else self.kv_quant.signature())
         return self._fingerprint
 
-    def open_store(self, root: Any, max_disk_bytes: Optional[int],
-                   default_budget: bool = False) -> PersistentStore:
+    def open_store(self, root: Any, max_disk_bytes: Optional[int] = None, *,
+                   default: bool = False) -> PersistentStore:
         """The disk store under ``root`` (made the trie's second tier and hooked into every
-        restore the first time; later calls return it). On a sharded model every rank
-        opens its own or none does (raises where any rank could not)."""
+        restore the first time; later calls return it). ``max_disk_bytes`` None: no disk
+        budget, or with ``default`` the default one (`sizing.disk_budget_for`, said in
+        ``disk_budget_note``; a budget already recorded for the directory wins). On a
+        sharded model every rank opens its own or none does (raises where any rank
+        could not)."""
         if self.store is not None:
             return self.store
         mgr = self.manager
@@ -157,10 +163,14 @@ class CacheCore:
             raise RuntimeError(f"caching is off for this model: {self.why_not}")
         store, error = None, None
         try:
+            if default and max_disk_bytes is None:
+                max_disk_bytes, self.disk_budget_note = sizing.disk_budget_for(
+                    root, self.fingerprint())
+            self.max_disk_bytes = max_disk_bytes
             store = PersistentStore(mgr.trie, layer_signature(mgr.ops, self.kv_quant), root,
                                     self.fingerprint(), max_disk_bytes, keep=mgr.keep,
                                     agree=self.agree, cold_bits=self.cold_bits,
-                                    default_budget=default_budget)
+                                    default_budget=self.disk_budget_note is not None)
         except Exception as e:  # noqa: BLE001 - agreed first, raised after
             error = e
         if not every(self.agree, store is not None):  # all ranks persist, or none do
@@ -186,11 +196,11 @@ class CacheCore:
             return n
         return mgr.run(load)
 
-    def attach_store(self, root: Any, max_disk_bytes: Optional[int],
-                     default_budget: bool = False) -> int:
-        """Open the store under ``root``, load it (`load`) and start the background writer;
-        returns the tokens loaded."""
-        store = self.open_store(root, max_disk_bytes, default_budget)
+    def attach_store(self, root: Any, max_disk_bytes: Optional[int] = None, *,
+                     default: bool = False) -> int:
+        """Open the store under ``root`` (`open_store`), load it (`load`) and start the
+        background writer; returns the tokens loaded."""
+        store = self.open_store(root, max_disk_bytes, default=default)
         n = self.load()
         self.autosaver = Autosaver(store.write)
         return n

@@ -35,7 +35,6 @@ from .core import CacheCore, check_cold_bits
 from .engine import default_engine, materialize
 from .model_pair import ModelPair
 from .request import CachedGenerationResponse
-from .sizing import disk_budget_for
 
 __all__ = ["PrefixCache", "CachedGenerationResponse", "default_prefill_step"]
 
@@ -199,20 +198,21 @@ class PrefixCache:
             _OPEN.add(self)
 
     def _open_disk(self, cache_dir: Optional[str], max_disk_bytes: Optional[int]) -> None:
+        #: How the default disk budget was chosen (None when given, or no ``cache_dir``).
         self.disk_budget_note: Optional[str] = None
         self.max_disk_bytes = max_disk_bytes
         self.cache_dir = None if cache_dir is None else str(cache_dir)
         if self.cache_dir is None or self.manager is None:
             return
         try:
-            if self.max_disk_bytes is None:
-                self.max_disk_bytes, self.disk_budget_note = disk_budget_for(
-                    self.cache_dir, self.fingerprint())
-            self.core.attach_store(self.cache_dir, self.max_disk_bytes,
-                                   default_budget=self.disk_budget_note is not None)
+            self.core.attach_store(self.cache_dir, max_disk_bytes, default=True)
         except Exception as e:  # fail-open: a cache problem never stops the model
             warnings.warn(f"mlx_kvcache: could not load the prefix cache from "
                           f"{self.cache_dir}: {e}", RuntimeWarning, stacklevel=3)
+        finally:
+            self.disk_budget_note = self.core.disk_budget_note
+            if self.core.disk_budget_note is not None:
+                self.max_disk_bytes = self.core.max_disk_bytes
 
     # -- what it holds ------------------------------------------------------------------
     @property
@@ -376,8 +376,7 @@ class PrefixCache:
     def _store_at(self, path) -> PersistentStore:
         if self.store is None and path is None:
             raise ValueError("no cache directory: pass a path or construct with cache_dir")
-        return self.core.open_store(path, self.max_disk_bytes,
-                                    default_budget=self.disk_budget_note is not None)
+        return self.core.open_store(path, self.max_disk_bytes)
 
     def _prefetch(self, tokens) -> None:
         """Start reading the files of parked nodes ``tokens`` will restore (any thread)."""
