@@ -45,18 +45,6 @@ FOREIGN_PRIVATE = {
     "_rank",  # mlx_lm.server.ResponseGenerator._rank (serving/app.py)
 }
 
-#: Private calls that other helpers of issue 26 remove on their branches.
-#: removed at merge (issue 26: helpers A/B)
-PENDING: Set[Tuple[str, str]] = {
-    ("serving/prompt_cache.py", "_evict"),
-    ("serving/prompt_cache.py", "_evict_to_count"),
-    ("serving/model_state.py", "_enforce"),
-    ("generation/persistence.py", "_enforce"),
-    ("generation/request.py", "_explain"),
-    ("generation/request.py", "_account"),
-    ("generation/request.py", "_engine"),
-}
-
 
 def _modules() -> Dict[str, Path]:
     out = {}
@@ -228,11 +216,5 @@ def _private_reaches() -> List[Tuple[str, int, str]]:
 
 def test_no_module_reaches_into_another_modules_private_names():
     found = _private_reaches()
-    bad = [f"{p}:{line}: ._{name[1:]}" for p, line, name in found if (p, name) not in PENDING]
+    bad = [f"{p}:{line}: ._{name[1:]}" for p, line, name in found]
     assert not bad, "private names of another module:\n" + "\n".join(bad)
-
-
-def test_pending_entries_are_still_needed():
-    # Each PENDING entry names a reach that still exists; a stale one is removed.
-    found = {(p, name) for p, _, name in _private_reaches()}
-    assert PENDING <= found, f"no longer needed: {sorted(PENDING - found)}"

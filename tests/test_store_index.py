@@ -89,7 +89,7 @@ def _changes_per_request(pc, ps):
     for p in ps:
         run_lp(pc, p)
         pc.flush()
-        db = pc._store._index.db
+        db = pc.store._index.db
         before = db.total_changes
         run_lp(pc, p[:-1] + [(p[-1] + 1) % 128])  # a sibling leaf under the same head
         pc.flush()
@@ -148,7 +148,7 @@ def test_node_ids_and_files_survive_a_restart(tmp_path):
     files = referenced_files(d)
     fresh = PrefixCache(build_model("llama"), cache_dir=str(tmp_path))
     assert {n.uid for n in fresh.manager.trie.nodes()} == uids
-    db = fresh._store._index.db
+    db = fresh.store._index.db
     before = db.total_changes
     run_lp(fresh, ps[3])
     fresh.flush()

@@ -139,7 +139,7 @@ def test_clear_disk_drops_writes_still_queued(tmp_path, monkeypatch):
     for p in prompts(4, length=40, seed=31):
         run_lp(pc, p)
     pc.manager.clear()
-    pc._store.clear_disk()
+    pc.store.clear_disk()
     pc.close()
     fresh = PrefixCache(build_model("llama"), cache_dir=str(tmp_path))
     assert sum(1 for _ in fresh.manager.trie.nodes()) == 0
@@ -157,7 +157,7 @@ def test_clear_disk_is_durable_when_it_returns(tmp_path):
             run(pc, p, 2)
         pc.flush()
         print(sum(1 for _ in pc.manager.trie.nodes()), flush=True)
-        pc._store.clear_disk()
+        pc.store.clear_disk()
         os._exit(0)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -200,7 +200,7 @@ def test_clear_disk_on_a_read_only_directory_names_it(tmp_path):
         pytest.skip("cannot make a read-only directory here")
     try:
         with pytest.raises(OSError) as err:
-            pc._store.clear_disk()
+            pc.store.clear_disk()
     finally:
         undo()
     msg = str(err.value)

@@ -58,7 +58,7 @@ def rows(pc):
 def park_all(pc):
     """Let the memory budget go to zero once: every node with its files on disk parks."""
     pc.flush()
-    pc.manager.run(pc.manager._evict, 0)
+    pc.manager.fit_bytes(0)
 
 
 class Sessions:
@@ -237,10 +237,10 @@ def test_disk_eviction_removes_parked_nodes_and_keeps_resident_ones(tmp_path):
     trie = pc.manager.trie
     nodes = {tuple(trie.tokens_to(n)[:40]): n for n in trie.nodes()}
     a, b, c = (nodes[tuple(p)] for p in ps)
-    pc.manager.run(lambda: pc._store.tier.demote(a))  # a parked, b and c in memory
+    pc.manager.run(lambda: pc.store.tier.demote(a))  # a parked, b and c in memory
     assert a.parked and not b.parked
     # The disk budget shrinks to one node's files: the writer evicts the oldest rows.
-    store = pc._store
+    store = pc.store
     store.max_disk_bytes = store.disk_bytes - 2 * sum(f.stat().st_size for f in files(pc)[:1])
     pc.manager.run(lambda: trie.touch(c))
     pc.save()

@@ -4,7 +4,8 @@ Drives an mlx-lm model (and its draft: `model_pair`) through the prefix manager:
 the chunked prefill that stops at the planned snapshot offsets (`prefill`), decode (one
 step ahead, or speculatively on any cache kind: `decode`, `speculative`), record;
 persistence through the store. The server's sequential path prefills and decodes through
-the same modules.
+the same modules. `core.CacheCore` is the one composition root (manager, store, writer,
+fingerprint) that `PrefixCache` and the server's prompt cache both hold.
 """
 
 from .prefix_cache import CachedGenerationResponse, PrefixCache

@@ -1,8 +1,9 @@
 """`PrefixCache`: generation on an mlx-lm model that reuses every earlier request's work.
 
-Layer 5 (docs/design.md): drives the model through the manager — restore, chunked
-prefill that stops exactly at the planned snapshot offsets, decode, record — and keeps
-the trie on disk through the store.
+Layer 5 (docs/design.md): an adapter over the composition root (`core.CacheCore`: the
+manager, the disk store, the background writer) that drives the model through the
+manager — restore, chunked prefill that stops exactly at the planned snapshot offsets,
+decode, record (`request`).
 
 Concurrency: any number of requests may be open at once, started, advanced, closed or
 abandoned from any threads or event loops, in any order. Each request runs on a live set
@@ -24,13 +25,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..caches import CacheError, KVQuantization, make_prompt_cache
-from ..prefix.explain import Explainer
-from ..prefix.manager import PrefixManager
+from ..caches import KVQuantization
+from ..prefix.explain import Explainer, Reuse
+from ..prefix.manager import Plan, PrefixManager
 from ..prefix.stats import CacheStats, RequestStats
+from ..store import PersistentStore
 from . import request, sizing, validation
+from .core import CacheCore, check_cold_bits
 from .engine import default_engine, materialize
-from .persistence import Persistence, check_cold_bits
+from .model_pair import ModelPair
 from .request import CachedGenerationResponse
 
 __all__ = ["PrefixCache", "CachedGenerationResponse", "default_prefill_step"]
@@ -64,7 +67,7 @@ def _flush_all() -> None:  # pragma: no cover - runs at interpreter exit
         pc.flush(timeout=30)
 
 
-class PrefixCache(Persistence):
+class PrefixCache:
     """A model and a trie of snapshots reused across requests.
 
     Args:
@@ -142,7 +145,9 @@ class PrefixCache(Persistence):
             if max_disk_bytes < 0:
                 raise ValueError(f"max_disk_bytes must be >= 0 (or None for the default), "
                                  f"got {max_disk_bytes}")
-        self.model = model
+        #: The target and the draft model (`ModelPair`): one cache list holds both.
+        self.pair = ModelPair(model, draft_model)
+        self.model, self.draft_model = model, draft_model
         #: The ``kv_bits`` schedule (None: full precision); raises ValueError when invalid.
         self.kv_quant = KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start)
         self.prefill_step_size = validation.check_positive(
@@ -155,10 +160,6 @@ class PrefixCache(Persistence):
                 sizing.model_bytes(model, draft_model))
         else:
             budget = int(max_bytes)
-        if draft_model is not None and draft_model is model:
-            raise ValueError("draft_model is the target model itself: pass a separate (smaller) "
-                             "model, or no draft model")
-        self.draft_model = draft_model
         self.num_draft_tokens = _check_num_draft(num_draft_tokens)
         materialize(model)  # the engine thread cannot evaluate arrays left lazy here
         if draft_model is not None:
@@ -169,55 +170,61 @@ class PrefixCache(Persistence):
         self.last_request: Optional[RequestStats] = None
         self._explainer = Explainer()
         self._clears = 0
-        self.vocab_size = validation.model_vocab_size(model)
         #: The target's vocabulary (a wider draft never proposes past it), and the draft's
-        #: when it is smaller: ids the draft lacks are fed to it clamped (it only proposes;
-        #: MLX does not bound-check an embedding lookup).
-        self.target_vocab, self.draft_vocab = self.vocab_size, None
-        if draft_model is not None:
-            dv = validation.model_vocab_size(draft_model)
-            if dv is not None and (self.vocab_size is None or dv < self.vocab_size):
-                self.draft_vocab = dv
-        try:
-            #: Top-level cache entries of the target: a live set holds them, then the draft's.
-            self.target_entries = len(make_prompt_cache(model))
-
-            def make_caches():
-                caches = make_prompt_cache(model)
-                return caches if draft_model is None else caches + make_prompt_cache(draft_model)
-            make_caches()
-            self.manager: Optional[PrefixManager] = PrefixManager(
-                make_caches, max_bytes=budget, pre_end_margin=pre_end_margin,
-                snapshot_interval=snapshot_interval, keep_live=keep_live,
-                executor=self._engine.run, kv_quant=self.kv_quant)
-            self.unsupported: Optional[str] = None
-        except CacheError as e:
-            self.manager = None
-            self.unsupported = str(e)
-            warnings.warn(f"mlx_kvcache: this model's caches cannot be reused ({e}); every "
-                          f"request will recompute its whole prompt", RuntimeWarning, stacklevel=2)
-        self._tokenizer_for_fp = tokenizer
+        #: when it is smaller (`ModelPair`).
+        self.vocab_size = self.target_vocab = self.pair.vocab
+        self.draft_vocab = self.pair.draft_vocab
+        #: Top-level cache entries of the target: a live set holds them, then the draft's.
+        self.target_entries = self.pair.target_entries
+        #: The composition root: manager, disk store, background writer, fingerprint.
+        self.core = CacheCore(self.pair, max_bytes=budget, kv_quant=self.kv_quant,
+                              pre_end_margin=pre_end_margin, snapshot_interval=snapshot_interval,
+                              keep_live=keep_live, executor=self._engine.run,
+                              cold_bits=self.cold_bits, tokenizer=tokenizer)
+        #: Why this model's caches cannot be reused (None: they can).
+        self.unsupported: Optional[str] = self.core.why_not
+        if self.unsupported is not None:
+            warnings.warn(f"mlx_kvcache: this model's caches cannot be reused ({self.unsupported}); "
+                          f"every request will recompute its whole prompt", RuntimeWarning,
+                          stacklevel=2)
         #: The warning about a budget below one checkpoint of the model (None: it fits).
         self.budget_warning: Optional[str] = None
         if self.manager is not None:
-            self._check_budget(budget, snapshot_interval)
+            self.budget_warning = self.core.budget_problem(snapshot_interval)
+            if self.budget_warning:
+                warnings.warn(f"mlx_kvcache: {self.budget_warning}", RuntimeWarning, stacklevel=2)
         self._open_disk(cache_dir, max_disk_bytes)
-        if self._autosaver is not None:
+        if self.core.autosaver is not None:
             _OPEN.add(self)
 
-    def _check_budget(self, budget: int, interval: int) -> None:
-        tokens = max(1, min(int(interval), 2048) if interval > 0 else 2048)
-        try:
-            one = self._engine.run(lambda: sum(
-                sizing.checkpoint_bytes(m, lambda m=m: make_prompt_cache(m), tokens)
-                for m in (self.model, self.draft_model) if m is not None))
-        except Exception:  # noqa: BLE001 - a model that cannot take one token: no advice
+    def _open_disk(self, cache_dir: Optional[str], max_disk_bytes: Optional[int]) -> None:
+        #: How the default disk budget was chosen (None when given, or no ``cache_dir``).
+        self.disk_budget_note: Optional[str] = None
+        self.max_disk_bytes = max_disk_bytes
+        self.cache_dir = None if cache_dir is None else str(cache_dir)
+        if self.cache_dir is None or self.manager is None:
             return
-        self.budget_warning = sizing.budget_problem(budget, one, tokens, live_counted=True)
-        if self.budget_warning:
-            warnings.warn(f"mlx_kvcache: {self.budget_warning}", RuntimeWarning, stacklevel=3)
+        try:
+            self.core.attach_store(self.cache_dir, max_disk_bytes, default=True)
+        except Exception as e:  # fail-open: a cache problem never stops the model
+            warnings.warn(f"mlx_kvcache: could not load the prefix cache from "
+                          f"{self.cache_dir}: {e}", RuntimeWarning, stacklevel=3)
+        finally:
+            self.disk_budget_note = self.core.disk_budget_note
+            if self.core.disk_budget_note is not None:
+                self.max_disk_bytes = self.core.max_disk_bytes
 
     # -- what it holds ------------------------------------------------------------------
+    @property
+    def manager(self) -> Optional[PrefixManager]:
+        """The trie and live sets (None when this model's caches cannot be reused)."""
+        return self.core.manager
+
+    @property
+    def store(self) -> Optional[PersistentStore]:
+        """The disk tier (None without ``cache_dir``, `save` or `load`)."""
+        return self.core.store
+
     @property
     def nbytes(self) -> int:
         """Everything the cache holds: snapshots plus live caches (what ``max_bytes`` bounds)."""
@@ -235,7 +242,7 @@ class PrefixCache(Persistence):
                 s.nodes, s.disk_nodes = mgr.trie.node_count, mgr.trie.parked_count
                 s.evicted_bytes = mgr.evicted_bytes
             mgr.peek(read)
-        st = self._store
+        st = self.store
         if st is not None:
             # the directory's budget in force (one per directory, shared by every process)
             s.disk_bytes, s.max_disk_bytes = st.disk_bytes, st.max_disk_bytes
@@ -243,8 +250,9 @@ class PrefixCache(Persistence):
         s.bytes_held = s.snapshot_bytes + s.live_bytes
         return s
 
-    def _explain(self, tokenizer, tokens, plan):
-        """Where a request's reuse stops and why (`RequestStats.reuse`)."""
+    def explain(self, tokenizer: Any, tokens: Sequence[int], plan: Plan) -> Optional[Reuse]:
+        """Where a request's reuse stops and why (`RequestStats.reuse`); None when it
+        cannot be told (an explanation never fails a request)."""
         mgr = self.manager
         decode = getattr(tokenizer, "decode", None)
         try:
@@ -254,20 +262,17 @@ class PrefixCache(Persistence):
         except Exception:  # an explanation never fails a request
             return None
 
-    def _account(self, st: RequestStats, stored: Optional[Sequence[int]] = None) -> None:
-        # Called once per request when it ends (inside the manager's critical section).
+    def account(self, st: RequestStats, stored: Optional[Sequence[int]] = None) -> None:
+        """A request ended: add its stats to the totals, remember what it ``stored`` (the
+        tokens recorded, for later miss explanations) and hand the trie's changes to the
+        background writer. Inside the manager's critical section (its ``on_done``), or
+        anywhere without a manager."""
         if stored is not None and self.manager is not None:
             self._explainer.remember(stored, self.manager.evicted_bytes, self._clears)
         st.cache_bytes = self.manager.nbytes if self.manager else 0
         with self._stats_lock:
             self._stats.add(st)
-        if self._autosaver is not None:
-            try:
-                plan = self._store.capture()
-            except Exception as e:  # never break the request that just ended
-                self._autosaver.failed(e)
-            else:
-                self._autosaver.submit(plan)
+        self.core.autosave()
 
     # -- generation -----------------------------------------------------------------------
     def stream_generate(
@@ -351,16 +356,70 @@ class PrefixCache(Persistence):
         """The whole generated text of `stream_generate`."""
         return "".join(r.text for r in self.stream_generate(tokenizer, prompt, max_tokens, **kwargs))
 
+    @property
+    def engine(self):
+        """The thread every MLX step of this cache's requests runs on (`engine.Engine`)."""
+        return self._engine
+
     def seed(self, value: int) -> None:
         """Seed the random sampling of requests (MLX keys are per thread, and requests
         sample on the engine thread, so ``mx.random.seed`` in the caller has no effect)."""
         self._engine.run(mx.random.seed, int(value))
 
-    # -- persistence: `Persistence` (fingerprint, save, load, flush, close) ----------------
+    # -- persistence -------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """`mlx_kvcache.store.model_fingerprint` of the model (computed once); with a draft
+        model, a hash of both models' fingerprints; with ``cold_bits`` or ``kv_bits``, of
+        those too (`mlx_kvcache.store.cache_key`)."""
+        return self.core.fingerprint()
+
+    @property
+    def cache_path(self):
+        """The directory this model's persisted cache lives in (None without ``cache_dir``)."""
+        return None if self.store is None else self.store.directory()
+
+    def _store_at(self, path) -> PersistentStore:
+        if self.store is None and path is None:
+            raise ValueError("no cache directory: pass a path or construct with cache_dir")
+        return self.core.open_store(path, self.max_disk_bytes)
+
+    def _prefetch(self, tokens) -> None:
+        """Start reading the files of parked nodes ``tokens`` will restore (any thread)."""
+        store, mgr = self.store, self.manager
+        if store is not None and mgr is not None:
+            mgr.peek(store.prefetch, tokens)
+
+    def save(self, path: Optional[str] = None) -> int:
+        """Write the cache under ``path`` (default: ``cache_dir``) now; returns bytes on disk.
+
+        Incremental: snapshots already on disk are not rewritten. Raises ``OSError``
+        when the directory cannot be written.
+        """
+        if self.manager is None:
+            return 0
+        store = self._store_at(path)
+        return store.write(*self.manager.run(store.capture, path))
+
+    def load(self, path: Optional[str] = None) -> int:
+        """Merge the cache saved under ``path`` (default: ``cache_dir``) into the trie.
+
+        Returns the number of cached tokens loaded (on disk; read when first needed).
+        Fail-open: a missing, damaged, other-model or other-version cache gives one
+        warning and loads nothing.
+        """
+        if self.manager is None:
+            return 0
+        self._store_at(path)
+        return self.core.load(path)
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the background saves asked for so far are on disk (False on timeout)."""
+        return self.core.flush(timeout)
+
     def close(self, timeout: Optional[float] = None) -> None:
         """Finish the background saves (every request asks for one), retrying once if the
         last failed; later requests are no longer saved. Idempotent."""
-        Persistence.close(self, timeout)
+        self.core.close(timeout)
         _OPEN.discard(self)
 
     def clear(self) -> None:

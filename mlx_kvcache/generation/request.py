@@ -43,8 +43,8 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
     t0 = time.perf_counter()
     stats = RequestStats(prompt_tokens=len(tokens))
     pc.last_request = stats
-    mgr, engine = pc.manager, pc._engine
-    # (The PrefixCache's own pair after issue 26's merge: its models, as it last set them.)
+    mgr, engine = pc.manager, pc.engine
+    # The PrefixCache's models as they are now (a caller may have wrapped them since).
     pair = ModelPair(pc.model, pc.draft_model, target_entries=pc.target_entries,
                      vocabs=(pc.target_vocab, pc.draft_vocab))
     live = None
@@ -58,7 +58,7 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
         stats.matched_tokens, stats.restored_tokens = plan.matched, plan.restored
         stats.disk_tokens = plan.from_disk
         stats.reason = plan.reason
-        stats.reuse = pc._explain(tokenizer, tokens, plan)
+        stats.reuse = pc.explain(tokenizer, tokens, plan)
         start, stops = plan.restored, plan.stops
         feed = Feed(pair, live, tokens[:start])
     n = len(tokens)
@@ -98,6 +98,6 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
         if live is not None:
             fed, pending = feed.fed, feed.pending
             mgr.checkin(live, fed, pending,
-                        on_done=lambda recorded: pc._account(stats, fed if recorded else None))
+                        on_done=lambda recorded: pc.account(stats, fed if recorded else None))
         else:
-            pc._account(stats)
+            pc.account(stats)

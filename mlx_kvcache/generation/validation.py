@@ -15,10 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..prefix.tokens import as_tokens
-from .model_pair import vocab_size
 
-#: Removed at issue 26's merge: `PrefixCache` reads `model_pair.vocab_size` directly.
-model_vocab_size = vocab_size
 
 
 def is_int(x: Any) -> bool:

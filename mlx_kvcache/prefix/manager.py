@@ -8,11 +8,22 @@ live sets, so any number may run at once, from any threads or event loops; the t
 the budget and the pool of live sets change only inside critical sections (`run`), which never
 span a generator step (docs/design.md, "Concurrency").
 
-The restore rules are in `planner`, the budget in `budget`. The byte budget counts
-everything the manager holds:
-the trie's snapshots and every live set (lent or idle). It is enforced whenever that
-grows: after a restore, before each snapshot (a snapshot that cannot fit is skipped and
-counted) and at a request's end.
+The restore rules are in `planner`. The byte budget (``max_bytes``) counts everything
+the manager holds: the trie's snapshots and every live set, lent to a request or idle.
+It is enforced whenever that grows: after a restore, before each snapshot (a snapshot
+that cannot fit is skipped and counted) and at a request's end. The idle live set goes
+first (the trie holds its tokens too), then the least recently used snapshots. Its
+public verbs — `fit_bytes`, `fit_count`, `enforce_budget`, `settle` — may be called from
+anywhere, inside a critical section (`run`) too.
+
+On the ranks of a sharded model every eviction step takes the same node everywhere (the
+victim is chosen from structure and use alone, `eviction.evict_one`), so "evict until
+every rank fits" needs no collective per step: each rank evicts until it fits on its own,
+then all catch up with the rank that needed the most steps (one ``all_max``). The result
+is the step-by-step agreement's, at the cost of one collective. With a disk tier a step
+may park its node instead (its data stays on disk), and whether this rank's copy is
+written yet is rank-local: there each step agrees on it (park only where every rank
+can), one collective per step, so the tries keep one shape.
 """
 
 from __future__ import annotations
@@ -27,8 +38,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from ..caches.schedule import KVQuantization
 from . import planner
-from .agreement import SOLO, Agreement, every
-from .budget import Budget
+from .agreement import SOLO, Agreement, any_rank, every
+from .eviction import evict_one
 from .live import LiveSet
 from .planner import Plan
 from .tokens import as_tokens, join
@@ -39,7 +50,7 @@ __all__ = ["PrefixManager", "Plan"]
 log = logging.getLogger("mlx_kvcache")
 
 
-class PrefixManager(Budget):
+class PrefixManager:
     """Trie + live sets for one model.
 
     Args:
@@ -61,13 +72,20 @@ class PrefixManager(Budget):
             callers that are that thread already, like mlx-lm's server thread).
         kv_quant: the ``kv_bits`` schedule every live set's full-attention layers follow
             (`KVQuantization`); prefill also stops, and snapshots, at its start.
+        agree: how the ranks of a sharded model decide together (`agreement`; one process
+            decides alone). The constructor agrees once: checkpoints are planned where any
+            rank has a layer that needs them, so every rank must construct at one point.
+        defer_budget: the budget is fitted by the caller once in a while (`settle`, agreed
+            in one collective), not at every record and restore: records then store on
+            every rank without agreement (a sharded server settles once per turn).
     """
 
     def __init__(self, make_caches: Callable[[], List[Any]], *, max_bytes: int,
                  pre_end_margin: int = 4, snapshot_interval: int = 2048,
                  merge_below: int = 256, keep_live: bool = False,
                  executor: Optional[Callable[..., Any]] = None,
-                 kv_quant: Optional[KVQuantization] = None) -> None:
+                 kv_quant: Optional[KVQuantization] = None, agree: Agreement = SOLO,
+                 defer_budget: bool = False) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.make_caches = make_caches
@@ -87,23 +105,18 @@ class PrefixManager(Budget):
             self.snapshot_interval = chunk
         self.merge_below = int(merge_below)
         self.keep_live = bool(keep_live)
-        #: Whether some layer can only come back from a snapshot at a node end.
-        self.whole_state = any(not c.any_offset for c in self.ops)
+        self.agree: Agreement = agree
+        #: Whether some layer (on some rank) can only come back from a snapshot at a node end.
+        self.whole_state = any_rank(agree, any(not c.any_offset for c in self.ops))
         #: Nodes that are deliberate restore points (never merged away except by eviction).
         #: Weak: a node the trie drops leaves it by itself (no sweep after an eviction).
         self.keep: "weakref.WeakSet[TrieNode]" = weakref.WeakSet()
-        #: Called with a prompt's tokens inside `checkout`, before anything is restored:
-        #: the disk store fills the parked nodes of its path there (checked) and returns
-        #: their ``(start, end)`` spans (counted in `Plan.from_disk`).
+        #: Called with a prompt's tokens inside `checkout`, before anything is restored
+        #: (`attach_disk`): the disk store fills the parked nodes of its path there
+        #: (checked) and returns their ``(start, end)`` spans (counted in `Plan.from_disk`).
         self.verify: Optional[Callable[[Sequence[int]], Any]] = None
         self.evicted_bytes = 0
-        #: The ranks of a sharded model decide together (see `agreement`); one process
-        #: decides alone.
-        self.agree: Agreement = SOLO
-        #: The budget is fitted by the caller once in a while (`settle`, agreed in one
-        #: collective), not at every record and restore: records then store on every rank
-        #: without agreement (a sharded server settles once per turn of its loop).
-        self.defer_budget = False
+        self.defer_budget = bool(defer_budget)
         self._lock = threading.Lock()
         self._exec = executor or (lambda fn, *a: fn(*a))
         self._inside = threading.local()  # per thread: critical sections entered, not left
@@ -128,6 +141,10 @@ class PrefixManager(Budget):
 
     def _busy_here(self) -> bool:
         return bool(getattr(self._inside, "depth", 0))
+
+    def _section(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a critical section: this one when the caller is inside one."""
+        return fn(*args) if self._busy_here() else self.run(fn, *args)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` inside a critical section on the MLX thread (see ``executor``):
@@ -369,6 +386,162 @@ class PrefixManager(Budget):
     def forget(self, live: LiveSet) -> None:
         """Stop counting a lent live set whose caches were handed to someone else."""
         self.run(self._lent.discard, live)
+
+    # -- the disk tier ------------------------------------------------------------------------
+    def attach_disk(self, verify: Callable[[Sequence[int]], Any]) -> None:
+        """A disk store now keeps this trie's nodes: ``verify`` (its ``before_request``)
+        runs in every `checkout` before anything is restored. Every node is written once,
+        when recorded, so plain nodes are no longer merged into their new child (a merge
+        would write both again; a chain of nodes costs nothing on disk)."""
+        def attach() -> None:
+            self.verify = verify
+            self.merge_below = 0
+        self._section(attach)
+
+    # -- the byte budget ----------------------------------------------------------------------
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of the trie's snapshots."""
+        return self.trie.nbytes
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of every live set, lent to a request or idle."""
+        sets = set(self._lent)
+        if self._idle is not None:
+            sets.add(self._idle)
+        return sum(s.nbytes for s in sets)
+
+    @property
+    def nbytes(self) -> int:
+        """Everything the manager holds: snapshots and live caches."""
+        return self.snapshot_bytes + self.live_bytes
+
+    def _evict(self, target: int) -> None:
+        target = max(target, 0)
+        if self.agree.size == 1:
+            freed = self.trie.evict(target)
+        elif self.trie.tier is not None:
+            # Parking is agreed node by node ("still over" then needs every rank too).
+            freed = 0
+            while any_rank(self.agree, self.trie.nbytes > target):
+                step = evict_one(self.trie, self._demote())
+                if not every(self.agree, step is not None):
+                    break
+                freed += step
+        else:
+            # Ranks hold different bytes (pipeline shards are uneven): evict until every
+            # rank fits, agreed in one collective (see the module doc).
+            steps, freed = self._evict_steps(target)
+            freed += self._evict_steps(None, self.agree.all_max([steps])[0] - steps)[1]
+        self._evicted(freed)
+
+    def _demote(self) -> Optional[Callable[[TrieNode], bool]]:
+        """Whether an eviction step parks its node (a disk tier holds its copy)."""
+        tier = self.trie.tier
+        if tier is None:
+            return None
+        if self.agree.size == 1:
+            return tier.demotable
+        # Whether a file is on disk is rank-local (each rank writes its own shard when
+        # it gets to it): park only where every rank can, so the tries stay alike.
+        return lambda node: every(self.agree, tier.demotable(node))
+
+    def _evict_steps(self, target: Optional[int], limit: Optional[int] = None) -> Tuple[int, int]:
+        """Eviction steps here until the snapshots fit ``target`` (None: no target), at
+        most ``limit`` steps or until nothing is evictable: ``(steps, bytes freed)``."""
+        steps = freed = 0
+        while (target is None or self.trie.nbytes > target) and (limit is None or steps < limit):
+            step = evict_one(self.trie)  # no tier here (see `_evict`)
+            if step is None:  # at the same step on every rank: the tries have one shape
+                break
+            steps += 1
+            freed += step
+        return steps, freed
+
+    def _evicted(self, freed: int) -> None:
+        if freed:
+            self.evicted_bytes += freed
+
+    def fit_bytes(self, target: int) -> None:
+        """Evict (or park) least recently used snapshots until they hold at most
+        ``target`` bytes; agreed between ranks."""
+        self._section(self._evict, int(target))
+
+    def fit_count(self, n: int) -> None:
+        """Evict (or park) least recently used nodes until at most ``n`` hold memory."""
+        self._section(self._evict_to_count, int(n))
+
+    def _evict_to_count(self, n: int) -> None:
+        """Evict, one least-recently-used node at a time, until at most ``n`` nodes hold
+        memory (parked nodes hold none; O(log n) per node evicted). The counts are the
+        same on every rank: no agreement beyond a tier's parking."""
+        demote = self._demote()
+        while self.trie.node_count - self.trie.parked_count > max(n, 0):
+            step = evict_one(self.trie, demote)
+            if step is None:
+                break
+            self.evicted_bytes += step
+
+    def enforce_budget(self) -> None:
+        """Fit ``max_bytes``: drop the idle live set first (the trie holds its tokens too),
+        then evict least recently used snapshots. Lent live sets cannot be dropped."""
+        self._section(self._enforce)
+
+    def _enforce(self) -> None:
+        if not any_rank(self.agree, self.nbytes > self.max_bytes):
+            return
+        if self._idle is not None:
+            self._idle.reset()
+            self._idle = None
+        self._evict(self.max_bytes - self.live_bytes)
+
+    def _make_room(self, need: int) -> bool:
+        """Evict so ``need`` more bytes fit; False when they cannot (on some rank)."""
+        budget = self.max_bytes - self.live_bytes
+        if self.trie.nbytes + need > budget and self._idle is not None:
+            self._idle.reset()
+            self._idle = None
+            budget = self.max_bytes - self.live_bytes
+        if self.agree.size == 1 or self.trie.tier is not None:
+            if any_rank(self.agree, self.trie.nbytes + need > budget):
+                self._evict(budget - need)
+            return every(self.agree, self.trie.nbytes + need <= budget)
+        # One collective: the most steps any rank needed, and whether some rank cannot
+        # fit even with nothing evictable left (then it cannot after more steps either).
+        steps, freed = self._evict_steps(budget - need)
+        most, short = self.agree.all_max([steps, int(self.trie.nbytes + need > budget)])
+        freed += self._evict_steps(None, most - steps)[1]
+        self._evicted(freed)
+        return not short
+
+    def over_budget(self, limit: Optional[int] = None) -> bool:
+        """Whether this rank holds more than the budget (or its snapshots more than
+        ``limit``): read-only, no agreement (see `settle`)."""
+        return self.nbytes > self.max_bytes or (limit is not None and self.trie.nbytes > limit)
+
+    def settle(self, limit: Optional[int] = None) -> None:
+        """Fit the budget — and ``limit``, this rank's own ceiling for the snapshots —
+        now, agreed with the other ranks in one collective (with ``defer_budget``, the
+        caller's once-a-turn enforcement; every rank must call it at the same point)."""
+        def fit() -> None:
+            target = self.max_bytes - self.live_bytes
+            self._evict(target if limit is None else min(target, limit))
+        self._section(fit)
+
+    def _need(self, live: LiveSet, path: List[TrieNode], m: int, o: int) -> int:
+        """Bytes the snapshots of a record at ``o`` (trie match ``m``) will add."""
+        if m < o:
+            return sum(c.snapshot_nbytes(m) for c in live.leaves)
+        node = path[-1]  # holds ``o`` inside or at the end of its edge
+        need = 0
+        for i, c in enumerate(live.leaves):
+            kv = getattr(c, "delta_snapshots", False)
+            if not node.has_state(i):
+                need += c.snapshot_nbytes(node.start if kv else 0)
+            elif node.end != o and not kv:  # the split's upper half needs a whole state
+                need += c.snapshot_nbytes(0)
+        return need
 
     # -- reset --------------------------------------------------------------------------------
     def reset_live(self) -> None:

@@ -1,4 +1,4 @@
-"""The trie (and disk store) of the model mlx-lm's server has loaded.
+"""The trie (and disk store) of the model mlx-lm's server has loaded: its `CacheCore`.
 
 Made in the generation thread when the model loads. On the ranks of a sharded model every
 choice here is agreed (`mlx_kvcache.prefix.agreement`): whether caching is on at all,
@@ -13,41 +13,57 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
-from ..caches import CacheError, KVQuantization, layer_signature, make_prompt_cache
+from ..caches import CacheError, KVQuantization
 from ..generation import sizing
+from ..generation.core import CacheCore
+from ..generation.model_pair import ModelPair, vocab_size
 from ..prefix.agreement import Agreement, any_rank, every
 from ..prefix.manager import PrefixManager
 from ..prefix.stats import human_bytes
-from ..store import (PersistentStore, cache_key, directory_fingerprint, directory_identity,
-                     model_fingerprint)
+from ..store import PersistentStore, directory_fingerprint, directory_identity, model_fingerprint
 from ..store.autosave import Autosaver
 from .padding import padded_rows_exact, recurrent_kinds
-from .validation import vocab_size
 
 log = logging.getLogger("mlx_kvcache")
 
 
 @dataclass
 class ModelState:
+    """The server's view of one loaded model: its `CacheCore` and what only the server
+    needs beside it."""
+
     key: Any
-    manager: Optional[PrefixManager]
-    store: Optional[PersistentStore] = None
-    writer: Optional[Autosaver] = None
-    why_not: Optional[str] = None
+    core: CacheCore
     #: mlx-lm's batch path is not exact for this model's padded recurrent rows: hand out
     #: `TrackedArraysCache` and store no padded row (`serving.padding`).
     track_padding: bool = False
-    #: The memory and disk budgets in force (defaults follow the model and the disk).
-    max_bytes: int = 0
-    max_disk_bytes: Optional[int] = None
-    #: Top-level cache entries of the target model: a cache list holds them, then the
-    #: draft model's (mlx-lm's layout for speculative decoding).
-    target_entries: int = 0
-    #: The draft model's vocabulary when smaller than the target's (ids it lacks are fed
-    #: to it clamped), else None.
-    draft_vocab: Optional[int] = None
+
+    @property
+    def manager(self) -> Optional[PrefixManager]:
+        return self.core.manager
+
+    @property
+    def store(self) -> Optional[PersistentStore]:
+        return self.core.store
+
+    @property
+    def writer(self) -> Optional[Autosaver]:
+        return self.core.autosaver
+
+    @property
+    def why_not(self) -> Optional[str]:
+        return self.core.why_not
+
+    @property
+    def max_bytes(self) -> int:
+        """The memory budget in force (its default follows the model)."""
+        return self.core.max_bytes
+
+    @property
+    def pair(self) -> ModelPair:
+        return self.core.pair
 
 
 def open_model(provider, key, agree: Agreement, *, max_bytes: Optional[int],
@@ -57,69 +73,55 @@ def open_model(provider, key, agree: Agreement, *, max_bytes: Optional[int],
     """The state for the model ``provider`` just loaded under ``key``. ``max_bytes`` /
     ``max_disk_bytes`` None: the defaults (`generation.sizing`), said in the log."""
     model = provider.model
-    draft = getattr(provider, "draft_model", None)
-    manager, why_not, quant, entries = None, None, None, 0
+    pair = ModelPair(model, getattr(provider, "draft_model", None))
     if max_bytes is None:
-        max_bytes, why = sizing.default_ram_budget(sizing.model_bytes(model, draft))
+        max_bytes, why = sizing.default_ram_budget(sizing.model_bytes(model, pair.draft))
         log.info("mlx_kvcache: prompt cache memory budget %s (--prompt-cache-bytes)", why)
-
-    def make_caches():
-        # With a draft model one node holds both models' layers (as `PrefixCache` does):
-        # a hit skips prefill on both, the budget counts both.
-        caches = make_prompt_cache(model)
-        return caches if draft is None else caches + make_prompt_cache(draft)
+    _share_budget(provider, max_bytes)
+    quant, off = None, None
     try:
         quant = _quantization(getattr(provider, "cli_args", None))
-        entries = len(make_prompt_cache(model))
-        manager = PrefixManager(make_caches, max_bytes=max_bytes, pre_end_margin=pre_end_margin,
-                                snapshot_interval=checkpoint_interval, kv_quant=quant)
     except CacheError as e:
-        why_not = str(e)
-    if not every(agree, manager is not None):  # a rank that cannot cache turns it off for all
-        manager, why_not = None, why_not or "another rank cannot snapshot its layers"
+        off = str(e)
+    core = CacheCore(pair, max_bytes=max_bytes, kv_quant=quant, pre_end_margin=pre_end_margin,
+                     snapshot_interval=checkpoint_interval, agree=agree,
+                     defer_budget=agree.size > 1, off=off, cold_bits=cold_bits,
+                     identify=lambda: _identity(provider, key, cache_dir), sharding=sharding)
     track = False
     # Only models with recurrent layers are checked (attention masks its padding; that is
     # mlx-lm's batch path for every model). The forward passes involve every rank.
-    if manager is not None and every(agree, bool(getattr(provider, "is_batchable", False))) \
+    if core.manager is not None and every(agree, bool(getattr(provider, "is_batchable", False))) \
             and any_rank(agree, bool(recurrent_kinds(model))):
         attention_ok, recurrent_ok = _padding_exact(model, agree)
         if not every(agree, attention_ok):
-            manager, why_not = None, ("mlx-lm's batch path does not compute exact attention "
-                                      "caches for padded rows of this model")
+            core.turn_off("mlx-lm's batch path does not compute exact attention caches for "
+                          "padded rows of this model")
         track = not every(agree, recurrent_ok)
-    st = ModelState(key, manager, why_not=why_not, track_padding=track, max_bytes=max_bytes,
-                    target_entries=entries)
-    if draft is not None:
-        tv, dv = vocab_size(model), vocab_size(draft)
-        st.draft_vocab = dv if dv is not None and (tv is None or dv < tv) else None
-    if manager is None:
-        log.warning("mlx_kvcache: prompt caching is off for this model: %s", why_not)
+    st = ModelState(key, core, track_padding=track)
+    if core.manager is None:
+        log.warning("mlx_kvcache: prompt caching is off for this model: %s", core.why_not)
         return st
-    _check_budget((model, draft), max_bytes, checkpoint_interval)
+    problem = core.budget_problem(checkpoint_interval)
+    if problem:
+        log.warning("mlx_kvcache: %s (--prompt-cache-bytes)", problem)
     if track:
         log.info("mlx_kvcache: mlx-lm's batch path computes wrong recurrent states for "
                  "padded rows of this model: states of requests batched with longer ones "
                  "are not stored")
-    manager.agree = agree
-    # Checkpoints are planned where any rank has a layer that needs them.
-    manager.whole_state = any_rank(agree, manager.whole_state)
     if cache_dir is not None:
-        _open_store(st, provider, key, agree, cache_dir, max_disk_bytes, sharding, cold_bits)
+        _open_store(st, cache_dir, max_disk_bytes)
     return st
 
 
-def _check_budget(models, max_bytes: int, interval: int) -> None:
-    """One warning when the budget cannot hold one checkpoint of these models (a target
-    and its draft share each node)."""
-    tokens = max(1, min(int(interval), 2048))
-    try:
-        one = sum(sizing.checkpoint_bytes(m, lambda m=m: make_prompt_cache(m), tokens)
-                  for m in models if m is not None)
-    except Exception:  # noqa: BLE001 - a model that cannot take one token: no advice
-        return
-    problem = sizing.budget_problem(max_bytes, one, tokens, live_counted=False)
-    if problem:
-        log.warning("mlx_kvcache: %s (--prompt-cache-bytes)", problem)
+def _share_budget(provider, max_bytes: int) -> None:
+    """Give mlx-lm the budget in force as its ``--prompt-cache-bytes``: its batch loop
+    then asks the cache (`TriePromptCache.trim_to`) to hold at most the budget less the
+    running batch's caches, after every request it adds — so the budget bounds snapshots
+    plus running requests' caches, as in `PrefixCache` (docs/design.md, "The memory
+    budget"). With the default budget mlx-lm would not ask at all."""
+    args = getattr(provider, "cli_args", None)
+    if args is not None:
+        args.prompt_cache_bytes = int(max_bytes)
 
 
 def _quantization(args) -> Optional[KVQuantization]:
@@ -152,52 +154,39 @@ def _padding_exact(model, agree):
             all(ok for k, ok in verdict.items() if k in recurrent))
 
 
-def _open_store(st: ModelState, provider, key, agree, cache_dir, max_disk_bytes, sharding,
-                cold_bits) -> None:
-    mgr = st.manager
+def _identity(provider, key, cache_dir) -> Tuple[str, Optional[str]]:
+    """The identities the persisted cache is keyed by: an export of ours is keyed as the
+    chat keys it, a directory by its files, a hub id by the loaded weights; with a draft
+    model, the draft's too (nodes hold both models' layers)."""
     path = key[0] if isinstance(key, tuple) else key
     adapter = key[1] if isinstance(key, tuple) and len(key) > 1 else None
     draft = key[2] if isinstance(key, tuple) and len(key) > 2 else None
+    if path and os.path.isdir(str(path)):  # an export of ours: the chat's identity
+        fp = directory_identity(path, adapter, cache_root=cache_dir)
+    else:  # a hub id: the loaded weights themselves
+        fp = model_fingerprint(provider.model, provider.tokenizer)
+    dfp = None
+    if getattr(provider, "draft_model", None) is not None:
+        if draft and os.path.isdir(str(draft)):
+            dfp = directory_fingerprint(draft, cache_root=cache_dir)
+        else:
+            dfp = model_fingerprint(provider.draft_model)
+    return fp, dfp
+
+
+def _open_store(st: ModelState, cache_dir, max_disk_bytes) -> None:
+    """Attach the disk tier (fail-open: the server runs without one; on a sharded model
+    all ranks persist, or none do)."""
+    core = st.core
     try:
-        if path and os.path.isdir(str(path)):  # an export of ours: the chat's identity
-            fp = directory_identity(path, adapter, cache_root=cache_dir)
-        else:  # a hub id: the loaded weights themselves
-            fp = model_fingerprint(provider.model, provider.tokenizer)
-        dfp = None
-        if getattr(provider, "draft_model", None) is not None:  # nodes hold both models' layers
-            if draft and os.path.isdir(str(draft)):
-                dfp = directory_fingerprint(draft, cache_root=cache_dir)
-            else:
-                dfp = model_fingerprint(provider.draft_model)
-        # a rank's shard of this plan has its own directory
-        fp = cache_key(fp, draft_fp=dfp, sharding=sharding if agree.size > 1 else None,
-                       cold_bits=cold_bits,
-                       kv_quant=None if mgr.kv_quant is None else mgr.kv_quant.signature())
-        default = max_disk_bytes is None
-        if default:
-            max_disk_bytes, why = sizing.disk_budget_for(cache_dir, fp)
-            log.info("mlx_kvcache: prompt cache disk budget %s (--max-disk-bytes; a budget "
-                     "already set for this directory is followed instead)", why)
-        st.max_disk_bytes = max_disk_bytes
-        st.store = PersistentStore(mgr.trie, layer_signature(mgr.ops, mgr.kv_quant), cache_dir,
-                                   fp, max_disk_bytes, keep=mgr.keep, agree=agree,
-                                   cold_bits=cold_bits, default_budget=default)
+        core.open_store(cache_dir, max_disk_bytes, default=True)
     except Exception as e:  # fail-open: the server runs without a disk tier
         log.warning("mlx_kvcache: the prompt cache will not persist: %s", e)
-        st.store = None
-    if agree.size > 1 and not every(agree, st.store is not None):
-        st.store = None  # all ranks persist, or none do
-    if st.store is None:
         return
-    mgr.verify = st.store.before_request
-    mgr.merge_below = 0  # every node is written once, when recorded: never merge it away
-
-    def load():
-        n = st.store.load()
-        mgr._enforce()
-        st.store.purge_bad()
-        return n
-    n = mgr.run(load)
-    st.writer = Autosaver(st.store.write)
+    finally:
+        if core.disk_budget_note is not None:
+            log.info("mlx_kvcache: prompt cache disk budget %s (--max-disk-bytes; a budget "
+                     "already set for this directory is followed instead)", core.disk_budget_note)
+    n = core.attach_store(cache_dir)
     log.info("mlx_kvcache: %d cached tokens (%s) on disk at %s", n,
-             human_bytes(st.store.disk_bytes), st.store.directory())
+             human_bytes(core.store.disk_bytes), core.store.directory())

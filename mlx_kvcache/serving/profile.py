@@ -259,7 +259,7 @@ def probe_request_path(prof: Profile, state: Any, explainer: Any) -> None:
                     if busy:
                         prof.add("bg.overlap", 1, time.perf_counter() - t0)
         state.writer.close()  # nothing was submitted yet: the model just opened
-        state.writer = Autosaver(timed_write)
+        state.core.autosaver = Autosaver(timed_write)
     _probe_modules(prof)
 
 

@@ -12,7 +12,7 @@ signal, `generator`), by what each rank contributes through `flags`:
 
 * over budget: a rank holds more than its byte budget, or its snapshots more than the
   ceiling mlx-lm last asked for (``trim_to``); then every rank evicts together
-  (`Budget.settle`: one more collective, the same nodes everywhere);
+  (`PrefixManager.settle`: one more collective, the same nodes everywhere);
 * a node made without state: a rank whose cache list could not be stored (it does not
   hold exactly its tokens, e.g. a padded recurrent row) still made the node, with no
   state; then the ranks gather which nodes (one gather) and drop their states on every

@@ -30,8 +30,6 @@ def _text(v: Any) -> bool:
     return True
 
 
-#: Removed at issue 26's merge: `model_state` reads `model_pair.vocab_size` directly.
-vocab_size = model_pair.vocab_size
 
 
 def _logit_bias_problem(bias: Any, vocab: Optional[int]) -> Optional[str]:
