@@ -20,7 +20,7 @@ memory, and wait for their files (`lazy.Verifier`), exactly like a node loaded a
   row comes back when something below them is written).
 
 On the ranks of a sharded model every structural decision is agreed: whether to park
-(`prefix.budget`: every rank has the files), which nodes a disk eviction removes (any
+(`prefix.manager`: every rank has the files), which nodes a disk eviction removes (any
 rank's disk let go of them: they are useless to all, so all drop them, named by their
 token prefix's SHA-256), which path node is bad (`before_request`).
 """
