@@ -37,11 +37,11 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
-from .bridge import (AgentRequestError, ChatCall, ChatEvents, Event, count_tokens, run_chat,
-                     served_model)
+from .bridge import (AgentRequestError, ChatCall, ChatEvents, Event, Route, count_tokens,
+                     read_body, run_chat, send_json, serve, served_model)
 
 __all__ = ["parse_request", "MessageBuilder", "serve_messages", "serve_count_tokens",
-           "error_body"]
+           "error_body", "ROUTE"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -351,6 +351,8 @@ class MessageBuilder:
         self.blocks: List[Dict[str, Any]] = []
         self._open: Optional[str] = None  # the kind of the block being streamed
         self.done: Optional[Event] = None
+        self.failed: Optional[str] = None  # why the answer failed after it started
+        self._pinged = time.monotonic()
 
     def start(self) -> List[Tuple[str, Dict[str, Any]]]:
         head = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -413,8 +415,22 @@ class MessageBuilder:
                                        "usage": _usage(ev)}),
                     ("message_stop", {"type": "message_stop"})]
         elif ev.kind == "error":
-            out.append(("error", error_body(ev.text or "the answer failed", "api_error")))
+            self.failed = ev.text or "the answer failed"
+            out.append(("error", error_body(self.failed, "api_error")))
         return out
+
+    def keepalive(self, ev: Event) -> bytes:
+        """A ``ping`` every `PING_EVERY` seconds while the prompt is processed."""
+        if time.monotonic() - self._pinged < PING_EVERY:
+            return b""
+        self._pinged = time.monotonic()
+        return b'event: ping\ndata: {"type": "ping"}\n\n'
+
+    def whole(self) -> Tuple[int, Dict[str, Any]]:
+        """The non-streamed reply: the message, or a 500 when the answer failed."""
+        if self.failed is not None or self.done is None:
+            return 500, error_body(self.failed or "the answer ended early", "api_error")
+        return 200, self.message()
 
     @property
     def stop_reason(self) -> Optional[str]:
@@ -431,106 +447,34 @@ class MessageBuilder:
 
 
 # -- HTTP ------------------------------------------------------------------------------------
-def _read_body(handler) -> Any:
-    n = handler.headers.get("Content-Length")
-    if n is None:
-        raise AgentRequestError("a Content-Length header is required", 411)
-    try:
-        n = int(n)
-    except ValueError:
-        raise _bad("the Content-Length header is not an integer") from None
-    raw = handler.rfile.read(n) if n > 0 else b""
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _bad(f"the request body is not valid JSON: {e}") from None
-
-
-def _send_json(handler, status: int, body: Dict[str, Any]) -> None:
-    data = json.dumps(body).encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("request-id", f"req_{uuid.uuid4().hex[:24]}")
-    handler.send_header("Content-Length", str(len(data)))
-    handler.end_headers()
-    handler.wfile.write(data)
-    handler.wfile.flush()
-
-
-def _send_error(handler, e: AgentRequestError) -> None:
+def _error(e: AgentRequestError) -> Dict[str, Any]:
     kind = e.kind if e.kind in _ERROR_KINDS.values() else _ERROR_KINDS.get(e.status, "api_error")
-    _send_json(handler, e.status, error_body(e.message, kind))
+    return error_body(e.message, kind)
 
 
-def _sse(kind: str, data: Dict[str, Any]) -> bytes:
-    return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+def _request_id() -> Dict[str, str]:
+    return {"request-id": f"req_{uuid.uuid4().hex[:24]}"}
+
+
+def _answer(handler, body: Dict[str, Any], events: ChatEvents) -> MessageBuilder:
+    return MessageBuilder(body.get("model") or served_model(handler),
+                          events.prompt_tokens, events.cached_tokens or 0)
+
+
+ROUTE = Route(parse=parse_request, answer=_answer, error=_error, headers=_request_id)
 
 
 def serve_count_tokens(handler) -> None:
     """Answer ``POST /v1/messages/count_tokens``: ``{"input_tokens": n}``, the tokens of
     the prompt `serve_messages` would give the model."""
     try:
-        call = parse_request(_read_body(handler), count_only=True)
+        call = parse_request(read_body(handler), count_only=True)
         n = count_tokens(handler, call)
     except AgentRequestError as e:
-        return _send_error(handler, e)
-    _send_json(handler, 200, {"input_tokens": n})
+        return send_json(handler, e.status, _error(e), _request_id())
+    send_json(handler, 200, {"input_tokens": n}, _request_id())
 
 
 def serve_messages(handler) -> None:
     """Answer one ``POST /v1/messages`` on ``handler`` (see the module doc)."""
-    try:
-        body = _read_body(handler)
-        call = parse_request(body)
-        model = body.get("model") or served_model(handler)
-        events = run_chat(handler, call)
-    except AgentRequestError as e:
-        return _send_error(handler, e)
-    builder = MessageBuilder(model, events.prompt_tokens, events.cached_tokens or 0)
-    try:
-        if body.get("stream"):
-            _stream(handler, builder, events)
-        else:
-            _whole(handler, builder, events)
-    finally:
-        events.close()  # a client gone mid-answer ends the generation
-
-
-def _whole(handler, builder: MessageBuilder, events: ChatEvents) -> None:
-    for ev in events:
-        if ev.kind == "error":
-            return _send_json(handler, 500, error_body(ev.text or "the answer failed", "api_error"))
-        builder.feed(ev)
-    if builder.done is None:
-        return _send_json(handler, 500, error_body("the answer ended early", "api_error"))
-    _send_json(handler, 200, builder.message())
-
-
-def _stream(handler, builder: MessageBuilder, events: ChatEvents) -> None:
-    handler.send_response(200)
-    handler.send_header("Content-Type", "text/event-stream")
-    handler.send_header("Cache-Control", "no-cache")
-    handler.send_header("request-id", f"req_{uuid.uuid4().hex[:24]}")
-    handler.end_headers()
-
-    def write(batch: List[Tuple[str, Dict[str, Any]]]) -> None:
-        if batch:
-            handler.wfile.write(b"".join(_sse(k, d) for k, d in batch))
-            handler.wfile.flush()
-
-    try:
-        write(builder.start())
-        pinged = time.monotonic()
-        ended = False
-        for ev in events:
-            if ev.kind == "progress":
-                if time.monotonic() - pinged >= PING_EVERY:
-                    pinged = time.monotonic()
-                    write([("ping", {"type": "ping"})])
-                continue
-            write(builder.feed(ev))
-            ended = ev.kind in ("done", "error")
-        if not ended:
-            write([("error", error_body("the answer ended early", "api_error"))])
-    except (BrokenPipeError, ConnectionResetError):
-        return  # the client left; closing the events ends the generation
+    serve(handler, ROUTE, run_chat)
