@@ -37,6 +37,7 @@ character per token).
     python scripts/bench_agents.py            # 24 turns each, a ~3.2k-token prefix
     python scripts/bench_agents.py --quick    # 10 turns, ~1k-token prefix (minutes)
     python scripts/bench_agents.py --only smollm2 --shapes codex
+    python scripts/bench_agents.py --fixed-cost   # one request's tokenizing, chat vs agent
 """
 
 from __future__ import annotations
@@ -407,6 +408,59 @@ SIZES = {("smollm2", False): (3100, 30, 40), ("smollm2", True): (800, 12, 25),
          ("hybrid", False): (500, 6, 14), ("hybrid", True): (250, 5, 10)}
 
 
+def fixed_cost(work: Path, words: int = 4200, reps: int = 20) -> None:
+    """The tokenizing work of one request (CPU seconds of the thread doing it), one
+    ~4.5k-token conversation on SmolLM2's tokenizer: the chat route (mlx-lm's tokenizing:
+    the template rendered and encoded, and the leading system messages again for the
+    segment split); an agent route rendering and encoding the prompt twice (its layout,
+    then mlx-lm's tokenizing: how it was before the layout's ids were handed on); and the
+    agent route as it is (the layout, then mlx-lm's tokenizing taking its ids)."""
+    import statistics
+    import types
+
+    from mlx_lm.server import CompletionRequest, ResponseGenerator
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_kvcache.serving.agents import conversation as cv
+    from mlx_kvcache.serving.generator import MarkedRequest
+
+    d = smollm2_dir(work)
+    if d is None:
+        print("skipped: the embedded SmolLM2 is not installed")
+        return
+    tok = load_tokenizer(d)
+    rng = random.Random(0)
+    msgs = [{"role": "system", "content": text(rng, words)},
+            {"role": "user", "content": "hello " + text(rng, 300)}]
+    gen = types.SimpleNamespace(model_provider=types.SimpleNamespace(
+        cli_args=types.SimpleNamespace(chat_template_args={}), processor=None))
+    args = types.SimpleNamespace(chat_template_kwargs=None)
+
+    def chat():
+        req = CompletionRequest("chat", "", [dict(m) for m in msgs], None, None)
+        return ResponseGenerator._tokenize(gen, tok, req, args)
+
+    def agent(hand_on: bool):
+        conv = cv.Conversation.from_call(msgs, ["system", "messages[0]"], breakpoints=[(0, 0)])
+        conv.fit_template(cv.system_policy(tok, {}))
+        lay = cv.layout(tok, conv, None, {})
+        req = MarkedRequest("chat", "", conv.messages(), None, None, cuts=lay.cuts,
+                            marks=lay.marks, tokens=lay.ids if hand_on else None,
+                            template_kwargs={})
+        return ResponseGenerator._tokenize(gen, req.tokenizer_for(tok), req, args)
+
+    assert chat()[:2] == agent(False)[:2] == agent(True)[:2]
+    print(f"prompt: {len(chat()[0])} tokens; CPU ms per request (median of {reps}):")
+    for name, f in (("chat route", chat), ("agent route, rendered twice", lambda: agent(False)),
+                    ("agent route, rendered once", lambda: agent(True))):
+        ts = []
+        for _ in range(reps):
+            t0 = time.thread_time()
+            f()
+            ts.append(time.thread_time() - t0)
+        print(f"  {name:28s} {statistics.median(ts) * 1000:6.1f}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
@@ -415,7 +469,11 @@ def main(argv=None):
                     default=["smollm2", "hybrid"])
     ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=list(SHAPES))
     ap.add_argument("--turns", type=int, default=None, help="turns per session (24; quick 10)")
+    ap.add_argument("--fixed-cost", action="store_true",
+                    help="only time one request's tokenizing work, chat vs agent route")
     args = ap.parse_args(argv)
+    if args.fixed_cost:
+        return fixed_cost(Path(tempfile.mkdtemp(prefix="bench_agents_")))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     turns = args.turns or (10 if args.quick else 24)
     max_tokens = 4 if args.quick else 16

@@ -9,11 +9,16 @@ that says so); an assistant's ``tool_use`` blocks its ``tool_calls`` (``input`` 
 its ``thinking`` blocks its ``reasoning`` (rendered as the template renders reasoning;
 ``redacted_thinking`` has no text and is dropped); a user's ``tool_result`` blocks tool
 messages (before the user's text, in block order; ``is_error`` prefixes ``Error: ``).
-``cache_control`` on a text, ``tool_result`` or system block is a checkpoint at the block's
-end. ``tools`` (``name``, ``description``, ``input_schema``) go to the chat template as
+``cache_control`` on a text, ``tool_use``, ``tool_result`` or system block, or on a tool,
+is a checkpoint at the block's (the tool's) end. ``tools`` (``name``, ``description``, ``input_schema``) go to the chat template as
 function tools; server tools (a ``type`` other than ``custom``) are skipped with a log
-line. ``tool_choice`` is accepted, not enforced. ``temperature`` / ``top_p`` / ``top_k``
+line. ``tool_choice``: ``none`` gives the template no tools, ``{"type": "tool", "name"}``
+only that one (a 400 when it is not among ``tools``); ``auto`` and ``any`` give it all
+(a template cannot force a call). ``temperature`` / ``top_p`` / ``top_k``
 are used when present, else the server's defaults; ``metadata.user_id`` names the session.
+``thinking`` (``enabled`` / ``disabled``) is given to the chat template as
+``enable_thinking`` where the template honours it, else ignored; ``budget_tokens`` is not
+enforced (the answer's ``max_tokens`` is).
 Whatever model name the client sends, the served model answers and the name is echoed.
 
 Answers: ``content`` blocks in the order the model produced them (``thinking``, ``text``,
@@ -38,7 +43,7 @@ import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 from .bridge import (AgentRequestError, ChatCall, ChatEvents, Event, Route, count_tokens,
-                     read_body, run_chat, send_json, serve, served_model)
+                     read_body, restrict_tools, run_chat, send_json, serve, served_model)
 
 __all__ = ["parse_request", "MessageBuilder", "serve_messages", "serve_count_tokens",
            "error_body", "ROUTE"]
@@ -121,14 +126,16 @@ class _Builder:
         self.labels: List[str] = []
         self.part_labels: List[Optional[List[str]]] = []
         self.breakpoints: List[Tuple[int, int]] = []
+        self.call_breakpoints: List[Tuple[int, int]] = []
 
     def add(self, msg: Dict[str, Any], label: str, parts: Optional[List[str]] = None,
-            marked: Tuple[int, ...] = ()) -> None:
+            marked: Tuple[int, ...] = (), marked_calls: Tuple[int, ...] = ()) -> None:
         i = len(self.messages)
         self.messages.append(msg)
         self.labels.append(label)
         self.part_labels.append(parts)
         self.breakpoints.extend((i, j) for j in marked)
+        self.call_breakpoints.extend((i, j) for j in marked_calls)
 
 
 def _blocks(content: Any, where: str) -> List[Dict[str, Any]]:
@@ -184,7 +191,7 @@ def _user(m: Dict[str, Any], i: int, out: _Builder) -> None:
 
 def _assistant(m: Dict[str, Any], i: int, out: _Builder) -> None:
     where = f"messages[{i}]"
-    text, names, marked, calls, thinking = [], [], [], [], []
+    text, names, marked, calls, thinking, marked_calls = [], [], [], [], [], []
     for k, b in enumerate(_blocks(m.get("content"), where)):
         name = f"{where}.content[{k}]"
         t = b["type"]
@@ -206,6 +213,8 @@ def _assistant(m: Dict[str, Any], i: int, out: _Builder) -> None:
             calls.append({"id": b["id"], "type": "function",
                           "function": {"name": b["name"],
                                        "arguments": json.dumps(inp, ensure_ascii=False)}})
+            if b.get("cache_control") is not None:
+                marked_calls.append(len(calls) - 1)
         elif t == "thinking":
             if not _is_text(b.get("thinking")):
                 raise _bad(f"{name}.thinking must be a string")
@@ -219,7 +228,7 @@ def _assistant(m: Dict[str, Any], i: int, out: _Builder) -> None:
         msg["tool_calls"] = calls
     if thinking:
         msg["reasoning"] = "\n".join(thinking)
-    out.add(msg, where, names, tuple(marked))
+    out.add(msg, where, names, tuple(marked), tuple(marked_calls))
 
 
 def _system_message(content: Any, where: str, out: _Builder) -> None:
@@ -232,12 +241,14 @@ def _system_message(content: Any, where: str, out: _Builder) -> None:
             [n.replace(".content", "") if where == "system" else n for n in names], marked)
 
 
-def _tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
+def _tools(tools: Any) -> Tuple[Optional[List[Dict[str, Any]]], List[int]]:
+    """The client tools in chat form, and the indices (among them) of those marked with
+    ``cache_control``."""
     if tools is None:
-        return None
+        return None, []
     if not isinstance(tools, list):
         raise _bad("tools must be a list")
-    out = []
+    out, marked = [], []
     for k, t in enumerate(tools):
         if not isinstance(t, dict):
             raise _bad(f"tools[{k}] must be an object")
@@ -256,8 +267,10 @@ def _tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
             if not _is_text(t["description"]):
                 raise _bad(f"tools[{k}].description must be a string")
             fn["description"] = t["description"]
+        if t.get("cache_control") is not None:
+            marked.append(len(out))
         out.append({"type": "function", "function": fn})
-    return out or None
+    return out or None, marked
 
 
 def _tool_choice(choice: Any) -> Any:
@@ -265,7 +278,24 @@ def _tool_choice(choice: Any) -> Any:
         return None
     if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
         raise _bad('tool_choice must be {"type": "auto" | "any" | "tool" | "none"}')
+    if choice["type"] == "tool" and not (_is_text(choice.get("name")) and choice["name"]):
+        raise _bad('tool_choice {"type": "tool"} needs the tool\'s name (a string)')
     return choice
+
+
+def _thinking(value: Any) -> Optional[bool]:
+    """``thinking`` as on / off (None: not sent)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled",
+                                                                "adaptive"):
+        raise _bad('thinking must be {"type": "enabled", "budget_tokens": N} or '
+                   '{"type": "disabled"}')
+    budget = value.get("budget_tokens")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget < 1):
+        raise _bad("thinking.budget_tokens must be a positive integer")
+    return value["type"] != "disabled"
 
 
 def parse_request(body: Any, count_only: bool = False) -> ChatCall:
@@ -293,9 +323,15 @@ def parse_request(body: Any, count_only: bool = False) -> ChatCall:
             _system_message(m.get("content"), f"messages[{i}]", out)
         else:
             raise _bad(f"messages[{i}].role must be user, assistant or system, not {role!r}")
-    call = ChatCall(messages=out.messages, labels=out.labels, tools=_tools(body.get("tools")),
-                    tool_choice=_tool_choice(body.get("tool_choice")),
-                    breakpoints=out.breakpoints, part_labels=out.part_labels)
+    tools, marked_tools = _tools(body.get("tools"))
+    choice = _tool_choice(body.get("tool_choice"))
+    call = ChatCall(messages=out.messages, labels=out.labels, tools=tools, tool_choice=choice,
+                    breakpoints=out.breakpoints, part_labels=out.part_labels,
+                    tool_breakpoints=marked_tools, call_breakpoints=out.call_breakpoints)
+    if choice is not None:
+        restrict_tools(call, none=choice["type"] == "none",
+                       name=choice.get("name") if choice["type"] == "tool" else None)
+    call.thinking = _thinking(body.get("thinking"))
     meta = body.get("metadata")
     if meta is not None:
         if not isinstance(meta, dict):

@@ -29,7 +29,8 @@ import time
 import uuid
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from .bridge import AgentRequestError, ChatCall, Event, Route, run_chat, serve, served_model
+from .bridge import (AgentRequestError, ChatCall, Event, Route, restrict_tools, run_chat, serve,
+                     served_model)
 
 __all__ = ["serve_responses", "parse_request", "ResponseBuilder", "error_body", "ROUTE"]
 
@@ -270,9 +271,13 @@ def parse_request(body: Any) -> ChatCall:
     marks = [(0, 0)] if instructions is not None else []
     if n - 1 not in (m for m, _ in marks) and last["role"] != "assistant":
         marks.append((n - 1, 0))
-    return ChatCall(messages=msgs.messages, labels=msgs.labels, tools=_tools(body.get("tools")),
-                    tool_choice=_tool_choice(body.get("tool_choice")), max_tokens=max_tokens,
+    choice = _tool_choice(body.get("tool_choice"))
+    call = ChatCall(messages=msgs.messages, labels=msgs.labels, tools=_tools(body.get("tools")),
+                    tool_choice=choice, max_tokens=max_tokens,
                     sampling=sampling, stop=[], breakpoints=marks, session=session)
+    restrict_tools(call, none=choice == "none",
+                   name=choice["function"]["name"] if isinstance(choice, dict) else None)
+    return call
 
 
 # -- Events -> response ------------------------------------------------------------------------
