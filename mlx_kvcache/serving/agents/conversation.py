@@ -24,8 +24,9 @@ that in three ways, each avoided here:
 `layout` renders the prompt once in the HTTP thread (the same call mlx-lm makes, so its
 length is ``count_tokens``) and, where the tokenizer reports character offsets, finds where
 each message and content part starts (``marks``: the miss explanation names the part a
-request diverged in) and where each part the client marked with ``cache_control`` ends
-(``cuts``: checkpoint offsets).
+request diverged in) and where each part, tool or tool call the client marked with
+``cache_control`` ends (``cuts``: checkpoint offsets). Its ids are the prompt mlx-lm
+then tokenizes without rendering it again (`generator.MarkedRequest.tokenizer_for`).
 """
 
 from __future__ import annotations
@@ -350,28 +351,36 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
                 cut = _cut(backend, text[:cursor], ids, starts, cursor)
                 if 0 < cut < len(ids):
                     out.cuts.append(cut)
-    # Tools and tool calls have no text of the client's to find in the prompt: where one
-    # ends is where renderings that keep everything up to it and change what follows
-    # stop agreeing with the prompt.
-    def render(msgs, tls) -> Optional[str]:
+    out.cuts += _item_cuts(tokenizer, backend, text, ids, starts, conv, msgs, tools,
+                           marked_tools, kw)
+    out.cuts = sorted(c for c in set(out.cuts) if 0 < c < len(ids))
+    return out
+
+
+def _item_cuts(tokenizer, backend, text: str, ids: List[int], starts: List[int],
+               conv: Conversation, msgs: List[Dict[str, Any]], tools, marked_tools: Sequence[int],
+               kw: Dict[str, Any]) -> List[int]:
+    """Where the marked tools and tool calls end in the prompt. They have no text of the
+    client's to find there: where one ends is the first token where renderings that keep
+    everything up to it and change what follows (nothing more, or one more item) stop
+    agreeing with the prompt."""
+    def render(changed, tls) -> Optional[str]:
         try:
-            return tokenizer.apply_chat_template(msgs, tools=tls, add_generation_prompt=True,
+            return tokenizer.apply_chat_template(changed, tools=tls, add_generation_prompt=True,
                                                  tokenize=False, **kw)
         except Exception:  # a template that refuses the probe: no cut there
             return None
 
     def end_of(variants: List[Optional[str]]) -> int:
-        # Each variant keeps everything up to the marked item and changes what follows
-        # (nothing more, or one more item): the first token where one disagrees with the
-        # prompt is where the item ends.
         cuts = [_cut(backend, v, ids, starts, _common_text(text, v))
                 for v in variants if v is not None and v != text]
         return min(cuts) if cuts else 0
 
+    out = []
     for k in marked_tools:
         if 0 <= k < len(tools or ()):
-            out.cuts.append(end_of([render(msgs, list(tools[:k + 1]) + extra)
-                                    for extra in ([], [_PROBE_TOOL])]))
+            out.append(end_of([render(msgs, list(tools[:k + 1]) + extra)
+                               for extra in ([], [_PROBE_TOOL])]))
     for n, m in enumerate(conv.items):
         calls = msgs[n].get("tool_calls") or []  # as mlx-lm hands them to the template
         for j in m.marked_calls:
@@ -380,8 +389,7 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
                 changed = [dict(d) for d in msgs]
                 changed[n]["tool_calls"] = list(calls[:j + 1]) + extra
                 variants.append(render(changed, tools))
-            out.cuts.append(end_of(variants))
-    out.cuts = sorted(c for c in set(out.cuts) if 0 < c < len(ids))
+            out.append(end_of(variants))
     return out
 
 
