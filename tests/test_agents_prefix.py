@@ -274,7 +274,7 @@ def _nth_end(text: str, needle: str, n: int) -> int:
     return at + len(needle)
 
 
-def test_layout_cuts_at_marked_tools_and_tool_calls(dirs):
+def test_layout_cuts_at_marked_tools_and_tool_calls(dirs, tokenizers):
     import copy
     import json
 
@@ -303,12 +303,8 @@ def test_layout_cuts_at_marked_tools_and_tool_calls(dirs):
             (marked_tools, marked_calls)
     # Nothing marked, nothing cut; a template that renders no tools gives no cut for them.
     assert cv.layout(tok, cv.Conversation.from_call(msgs), tools).cuts == []
-    plain = tokenizers_of(dirs)["in_place"]
+    plain = tokenizers["in_place"]
     assert cv.layout(plain, cv.Conversation.from_call(msgs[:1]), tools, marked_tools=[0]).cuts == []
-
-
-def tokenizers_of(dirs):
-    return {"in_place": load_tokenizer(dirs["in_place"])}
 
 
 def test_cache_control_on_tools_and_tool_calls_is_where_a_hybrid_model_restores(dirs):
