@@ -37,6 +37,8 @@ character per token).
     python scripts/bench_agents.py            # 24 turns each, a ~3.2k-token prefix
     python scripts/bench_agents.py --quick    # 10 turns, ~1k-token prefix (minutes)
     python scripts/bench_agents.py --only smollm2 --shapes codex
+    python scripts/bench_agents.py --fixed-cost   # one request's tokenizing, chat vs agent
+    python scripts/bench_agents.py --route-cost   # a cached prompt through each route
 """
 
 from __future__ import annotations
@@ -271,16 +273,35 @@ SHAPES = {"claude": ClaudeShape, "codex": CodexShape}
 
 
 # -- one request per contender ---------------------------------------------------------------
+_CLIENTS: Dict[tuple, Any] = {}
+
+
+def sdk_client(route: str, port: int):
+    """The official SDK's client for ``route`` on ``port``, made once: making one costs
+    0.15–0.4 s on this machine (an SSL context, an HTTP pool), which is the client's, not
+    the server's, and must not count in a request's TTFT (the baseline's raw HTTP has
+    none)."""
+    key = (route, port)
+    if key not in _CLIENTS:
+        base = f"http://127.0.0.1:{port}"
+        if route == "messages":
+            import anthropic
+            _CLIENTS[key] = anthropic.Anthropic(base_url=base, api_key="local", max_retries=0,
+                                                timeout=1800)
+        else:
+            import openai
+            _CLIENTS[key] = openai.OpenAI(base_url=base + "/v1", api_key="local",
+                                          max_retries=0, timeout=1800)
+    return _CLIENTS[key]
+
+
 def ask_ours(server: Server, shape: Shape, body: Dict[str, Any]) -> Dict[str, Any]:
     """One streamed request on the agent route, through the official SDK: TTFT (first
     content of any kind), prompt and cached tokens from the answer's usage."""
-    base = f"http://127.0.0.1:{server.port}"
+    client = sdk_client(shape.route, server.port)
     t0 = time.perf_counter()
     ttft = None
     if shape.route == "messages":
-        import anthropic
-        client = anthropic.Anthropic(base_url=base, api_key="local", max_retries=0,
-                                     timeout=1800)
         usage: Dict[str, int] = {}
         for ev in client.messages.create(**body):
             if ev.type == "content_block_delta" and ttft is None:
@@ -294,9 +315,6 @@ def ask_ours(server: Server, shape: Shape, body: Dict[str, Any]) -> Dict[str, An
         cached = usage.get("cache_read_input_tokens") or 0
         prompt = (usage.get("input_tokens") or 0) + cached
     else:
-        import openai
-        client = openai.OpenAI(base_url=base + "/v1", api_key="local", max_retries=0,
-                               timeout=1800)
         final = None
         for ev in client.responses.create(**body):
             if ttft is None and ev.type in ("response.output_text.delta",
@@ -407,6 +425,102 @@ SIZES = {("smollm2", False): (3100, 30, 40), ("smollm2", True): (800, 12, 25),
          ("hybrid", False): (500, 6, 14), ("hybrid", True): (250, 5, 10)}
 
 
+def fixed_cost(work: Path, words: int = 4200, reps: int = 20) -> None:
+    """The tokenizing work of one request (CPU seconds of the thread doing it), one
+    ~4.5k-token conversation on SmolLM2's tokenizer: the chat route (mlx-lm's tokenizing:
+    the template rendered and encoded, and the leading system messages again for the
+    segment split); an agent route rendering and encoding the prompt twice (its layout,
+    then mlx-lm's tokenizing: how it was before the layout's ids were handed on); and the
+    agent route as it is (the layout, then mlx-lm's tokenizing taking its ids)."""
+    import statistics
+    import types
+
+    from mlx_lm.server import CompletionRequest, ResponseGenerator
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_kvcache.serving.agents import conversation as cv
+    from mlx_kvcache.serving.generator import MarkedRequest
+
+    d = smollm2_dir(work)
+    if d is None:
+        print("skipped: the embedded SmolLM2 is not installed")
+        return
+    tok = load_tokenizer(d)
+    rng = random.Random(0)
+    msgs = [{"role": "system", "content": text(rng, words)},
+            {"role": "user", "content": "hello " + text(rng, 300)}]
+    gen = types.SimpleNamespace(model_provider=types.SimpleNamespace(
+        cli_args=types.SimpleNamespace(chat_template_args={}), processor=None))
+    args = types.SimpleNamespace(chat_template_kwargs=None)
+
+    def chat():
+        req = CompletionRequest("chat", "", [dict(m) for m in msgs], None, None)
+        return ResponseGenerator._tokenize(gen, tok, req, args)
+
+    def agent(hand_on: bool):
+        conv = cv.Conversation.from_call(msgs, ["system", "messages[0]"], breakpoints=[(0, 0)])
+        conv.fit_template(cv.system_policy(tok, {}))
+        lay = cv.layout(tok, conv, None, {})
+        req = MarkedRequest("chat", "", conv.messages(), None, None, cuts=lay.cuts,
+                            marks=lay.marks, tokens=lay.ids if hand_on else None,
+                            template_kwargs={})
+        return ResponseGenerator._tokenize(gen, req.tokenizer_for(tok), req, args)
+
+    assert chat()[:2] == agent(False)[:2] == agent(True)[:2]
+    print(f"prompt: {len(chat()[0])} tokens; CPU ms per request (median of {reps}):")
+    for name, f in (("chat route", chat), ("agent route, rendered twice", lambda: agent(False)),
+                    ("agent route, rendered once", lambda: agent(True))):
+        ts = []
+        for _ in range(reps):
+            t0 = time.thread_time()
+            f()
+            ts.append(time.thread_time() - t0)
+        print(f"  {name:28s} {statistics.median(ts) * 1000:6.1f}")
+
+
+def route_cost(work: Path, rounds: int = 30) -> None:
+    """Route against route on one server: the same fully cached ~2.2k-token prompt (the
+    tiny hybrid, one token a character) through ``/v1/chat/completions``,
+    ``/v1/messages`` and ``/v1/responses``, one token answered, the routes alternating;
+    the median wall time of each (raw HTTP: no client library's cost)."""
+    import statistics
+    import urllib.request
+
+    d = write_model_dir(work / "hybrid", "qwen3_next", max_position_embeddings=65536)
+    rng = random.Random(0)
+    system, user = text(rng, 330), "hello " + text(rng, 20)
+    routes = {
+        "chat": ("/v1/chat/completions", {
+            "model": "default_model", "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}),
+        "messages": ("/v1/messages", {"model": "m", "max_tokens": 1, "temperature": 0,
+                                      "system": system,
+                                      "messages": [{"role": "user", "content": user}]}),
+        "responses": ("/v1/responses", {"model": "m", "max_output_tokens": 1, "temperature": 0,
+                                        "instructions": system,
+                                        "input": [{"role": "user", "content": user}]}),
+    }
+    with Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model", str(d),
+                 "--no-persist"], work / "route_cost.log", work / "home") as s:
+        def ask(path, body) -> float:
+            req = urllib.request.Request(f"http://127.0.0.1:{s.port}{path}",
+                                         json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            t0 = time.perf_counter()
+            urllib.request.urlopen(req, timeout=1800).read()
+            return time.perf_counter() - t0
+
+        for path, body in routes.values():  # the first computes the prompt; all warm up
+            ask(path, body)
+        times: Dict[str, List[float]] = {k: [] for k in routes}
+        for _ in range(rounds):
+            for k, (path, body) in routes.items():
+                times[k].append(ask(path, body))
+    print(f"median seconds per request, {rounds} rounds:")
+    for k, v in times.items():
+        print(f"  {k:10s} {statistics.median(v):.3f}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
@@ -415,7 +529,15 @@ def main(argv=None):
                     default=["smollm2", "hybrid"])
     ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=list(SHAPES))
     ap.add_argument("--turns", type=int, default=None, help="turns per session (24; quick 10)")
+    ap.add_argument("--fixed-cost", action="store_true",
+                    help="only time one request's tokenizing work, chat vs agent route")
+    ap.add_argument("--route-cost", action="store_true",
+                    help="only time the same cached prompt through each route of one server")
     args = ap.parse_args(argv)
+    if args.fixed_cost:
+        return fixed_cost(Path(tempfile.mkdtemp(prefix="bench_agents_")))
+    if args.route_cost:
+        return route_cost(Path(tempfile.mkdtemp(prefix="bench_agents_")))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     turns = args.turns or (10 if args.quick else 24)
     max_tokens = 4 if args.quick else 16
@@ -435,7 +557,7 @@ def main(argv=None):
         try:
             base = Server([sys.executable, str(ROOT / "scripts" / "stock_server.py"),
                            "--model", str(d)], work / f"baseline_{mname}.log", home)
-        except Exception:
+        except BaseException:  # (a SIGTERM during its start too: no orphaned server)
             ours.stop()
             raise
         servers = {"ours": ours, "baseline": base}

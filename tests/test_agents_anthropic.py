@@ -232,6 +232,38 @@ def test_tool_round_trip(tool_server):
     assert rendered["prompt_tokens"] == n
 
 
+def test_tool_choice_gives_the_template_what_it_allows(tool_server):
+    """``none``: no tools reach the template; a named tool: only that one (a 400 when it
+    is not among tools); ``any``: all of them (a template cannot force a call)."""
+    c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{tool_server.port}", api_key="x",
+                            max_retries=0)
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    more = TOOLS + [{"name": "get_time", "description": "The time in a city",
+                     "input_schema": {"type": "object", "properties": {}}}]
+
+    def count(tools=None, **kw):
+        return c.messages.count_tokens(model="m", messages=msgs, **(
+            {"tools": tools} if tools else {}), **kw).input_tokens
+
+    assert count(more, tool_choice={"type": "none"}) == count()
+    assert count(more, tool_choice={"type": "tool", "name": "get_weather"}) == count(TOOLS)
+    assert count(more, tool_choice={"type": "any"}) == count(more) > count(TOOLS) > count()
+    status, out = tool_server.request("POST", "/v1/messages", body={
+        "model": "m", "max_tokens": 4, "messages": msgs, "tools": more,
+        "tool_choice": {"type": "tool", "name": "get_mood"}})
+    assert status == 400 and out["error"]["type"] == "invalid_request_error"
+    assert "get_mood" in out["error"]["message"] and "get_weather, get_time" in \
+        out["error"]["message"]
+    # With no tools given, the model answers as it would without tools (this one calls
+    # its tool whatever it is told: a template cannot forbid a call either).
+    r = c.messages.create(model="m", max_tokens=16, messages=msgs, tools=more,
+                          tool_choice={"type": "none"})
+    plain = c.messages.create(model="m", max_tokens=16, messages=msgs)
+    assert [b.model_dump(exclude={"id"}) for b in r.content] == \
+        [b.model_dump(exclude={"id"}) for b in plain.content]
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == count()
+
+
 def test_concurrent_answers_equal_sequential_ones(server, client):
     import threading
 
@@ -303,6 +335,41 @@ def test_thinking_out_and_back(tmp_path):
                  {"role": "user", "content": "Again."}]
         again = c.messages.create(model="m", max_tokens=16, messages=msgs)
         assert again.usage.cache_read_input_tokens >= first + r.usage.output_tokens - 1
+
+
+def test_thinking_switch_reaches_a_template_that_honours_it(tmp_path):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlx_kvcache.serving.agents import conversation as cv
+
+    plain = write_thinking_dir(tmp_path / "plain")
+    model = write_thinking_dir(tmp_path / "switch", switch=True)
+    assert not cv.honours_thinking(load_tokenizer(plain))
+    assert cv.honours_thinking(load_tokenizer(model))
+    msgs = [{"role": "user", "content": "Do it."}]
+    on = {"type": "enabled", "budget_tokens": 2048}
+    with Server.ours(model, tmp_path / "log.txt", tmp_path / "home", "--no-persist") as s:
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.port}", api_key="x",
+                                max_retries=0)
+
+        def blocks(r):
+            return [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+                    for b in r.content]
+        off = c.messages.create(model="m", max_tokens=16, messages=msgs,
+                                thinking={"type": "disabled"})
+        assert blocks(off) == [("text", ANSWER)]
+        with c.messages.stream(model="m", max_tokens=16, messages=msgs, thinking=on) as st:
+            assert blocks(st.get_final_message()) == [("thinking", THOUGHT), ("text", ANSWER)]
+        assert blocks(c.messages.create(model="m", max_tokens=16, messages=msgs)) == \
+            [("thinking", THOUGHT), ("text", ANSWER)]  # the template's default
+        # The prompt as mlx-lm rendered it: off adds the empty "<think></think>".
+        n = {k: c.messages.count_tokens(model="m", messages=msgs, thinking=t).input_tokens
+             for k, t in (("on", on), ("off", {"type": "disabled"}))}
+        assert n["off"] == n["on"] + 2
+        assert off.usage.input_tokens + off.usage.cache_read_input_tokens == n["off"]
+        status, out = s.request("POST", "/v1/messages", body={
+            "model": "m", "max_tokens": 4, "messages": msgs, "thinking": {"type": "sometimes"}})
+        assert status == 400 and "thinking" in out["error"]["message"]
 
 
 def test_a_stop_refuses_in_anthropic_shape_and_ends_open_answers(tmp_path):

@@ -16,7 +16,8 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer  # noqa: E402
 
 from mlx_kvcache.serving.agents import conversation as cv  # noqa: E402
 from mlx_kvcache.testing import write_model_dir  # noqa: E402
-from mlx_kvcache.testing.agent_dirs import write_refusing_dir  # noqa: E402
+from mlx_kvcache.testing.agent_dirs import (write_refusing_dir,  # noqa: E402
+                                           write_tool_template_dir)
 from mlx_kvcache.testing.servers import Server  # noqa: E402
 from mlx_kvcache.testing.waits import CAP  # noqa: E402
 
@@ -263,3 +264,112 @@ def test_a_template_without_system_messages_gets_them_in_the_user_turn():
     conv.fit_template(cv.system_policy(tok))
     assert conv.messages() == [{"role": "user", "content": "<system-reminder>\nS\n"
                                 "</system-reminder>\n\nU\n\n<system-reminder>\nR\n</system-reminder>"}]
+
+
+# -- cache_control on tools and tool calls ----------------------------------------------------
+def _nth_end(text: str, needle: str, n: int) -> int:
+    at = -1
+    for _ in range(n + 1):
+        at = text.index(needle, at + 1)
+    return at + len(needle)
+
+
+def test_layout_cuts_at_marked_tools_and_tool_calls(dirs, tokenizers):
+    import copy
+    import json
+
+    from mlx_lm.server import process_message_content
+
+    tok = load_tokenizer(write_tool_template_dir(dirs["root"] / "tool_template"))
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+             for n in ("Read", "Bash", "Grep")]
+    calls = [{"id": f"c{i}", "type": "function",
+              "function": {"name": "Bash", "arguments": json.dumps({"cmd": c})}}
+             for i, c in enumerate(("ls", "pwd"))]
+    msgs = [{"role": "user", "content": "Go."},
+            {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c0", "content": "out"}]
+    shown = copy.deepcopy(msgs)
+    process_message_content(shown)  # as mlx-lm hands them to the template
+    text = tok.apply_chat_template(shown, tools=tools, add_generation_prompt=True, tokenize=False)
+    for marked_tools, marked_calls, end in [
+            ([1], [], text.index("Read Bash") + len("Read Bash")),
+            ([2], [], text.index("Bash Grep") + len("Bash Grep")),
+            ([], [(1, 0)], _nth_end(text, "</tool_call>", 0)),
+            ([], [(1, 1)], _nth_end(text, "</tool_call>", 1))]:
+        conv = cv.Conversation.from_call(msgs, call_breakpoints=marked_calls)
+        lay = cv.layout(tok, conv, tools, marked_tools=marked_tools)
+        assert lay.cuts == [len(tok.encode(text[:end], add_special_tokens=False))], \
+            (marked_tools, marked_calls)
+    # Nothing marked, nothing cut; a template that renders no tools gives no cut for them.
+    assert cv.layout(tok, cv.Conversation.from_call(msgs), tools).cuts == []
+    plain = tokenizers["in_place"]
+    assert cv.layout(plain, cv.Conversation.from_call(msgs[:1]), tools, marked_tools=[0]).cuts == []
+
+
+def test_cache_control_on_tools_and_tool_calls_is_where_a_hybrid_model_restores(dirs):
+    import json
+
+    root = dirs["root"] / "hybrid_tools"
+    model = write_tool_template_dir(root / "model", "qwen3_5")
+    eph = {"type": "ephemeral"}
+    names = [f"tool-number-{k}-that-does-things" for k in range(12)]
+    tools = [{"name": n, "input_schema": {"type": "object", "properties": {}}} for n in names]
+    tools[-1]["cache_control"] = eph
+    call = {"type": "tool_use", "id": "toolu_01", "name": names[0],
+            "input": {"cmd": "ls-" + "-la" * 60}, "cache_control": eph}
+
+    def ask(c, user, tools=None):
+        return c.messages.create(model="m", max_tokens=3, extra_body=GREEDY, messages=user,
+                                 **({"tools": tools} if tools else {}))
+
+    def exchange(result):
+        return [{"role": "user", "content": "Go."}, {"role": "assistant", "content": [call]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01",
+                                              "content": result}]}]
+
+    tok = load_tokenizer(model)
+    with Server.ours(model, root / "log.txt", root / "home", "--no-persist",
+                     "--checkpoint-interval", "4096") as s:
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.port}", api_key="k", max_retries=0)
+        # The tools end where the template's tool list does: "<|system|>Tools: a b … z"
+        # (Qwen3.5's tokenizer class drops the spaces: counted by the served tokenizer).
+        ask(c, [{"role": "user", "content": "Question one?"}], tools)
+        r = ask(c, [{"role": "user", "content": "Another question entirely?"}], tools)
+        tools_end = tok.encode("<|system|>Tools: " + " ".join(names), add_special_tokens=False)
+        assert r.usage.cache_read_input_tokens == len(tools_end)
+        # A tool call marked: the next request, whose tool result differs, restores at
+        # the call's end.
+        ask(c, exchange("first result"))
+        r = ask(c, exchange("a different result"))
+        text = ('<|user|>Go.</s><|assistant|><tool_call>{"name": "' + names[0] +
+                '", "arguments": ' + json.dumps(call["input"]) + '}</tool_call>')
+        assert r.usage.cache_read_input_tokens == len(tok.encode(text, add_special_tokens=False))
+
+
+def test_mlx_lm_takes_the_prompt_the_layout_encoded(tokenizers):
+    """The prompt is rendered and encoded once (for the layout): mlx-lm's tokenizing of an
+    agent request takes those ids — the same prompt and segments it computes itself."""
+    import types
+
+    from mlx_lm.server import ResponseGenerator
+
+    from mlx_kvcache.serving.generator import MarkedRequest
+
+    tok = tokenizers["in_place"]
+    conv = cv.Conversation.from_call([{"role": "system", "content": LONG_SYSTEM},
+                                      {"role": "user", "content": "Question?"}])
+    lay = cv.layout(tok, conv, None)
+    gen = types.SimpleNamespace(model_provider=types.SimpleNamespace(
+        cli_args=types.SimpleNamespace(chat_template_args={}), processor=None))
+
+    def tokenize(tokens, kwargs=None):
+        req = MarkedRequest("chat", "", conv.messages(), None, None, tokens=tokens,
+                            template_kwargs={})
+        args = types.SimpleNamespace(chat_template_kwargs=kwargs)
+        return ResponseGenerator._tokenize(gen, req.tokenizer_for(tok), req, args)
+
+    assert tokenize(lay.ids)[:3] == tokenize(None)[:3]
+    assert tokenize([7, 8, 9])[0] == [7, 8, 9]  # answered from the ids, not rendered again
+    # Rendered with other template arguments than the layout's: rendered again, as asked.
+    assert tokenize([7, 8, 9], {"unused_flag": True})[0] == lay.ids

@@ -100,12 +100,30 @@ def test_reasoning_goes_with_the_turn_right_after_it():
 
 
 def test_tool_choice_forms():
-    base = {"input": "x"}
+    base = {"input": "x", "tools": [{"type": "function", "name": "f"},
+                                    {"type": "function", "name": "g"}, {"type": "web_search"}]}
     assert parse_request({**base, "tool_choice": {"type": "function", "name": "f"}}) \
         .tool_choice == {"type": "function", "function": {"name": "f"}}
     assert parse_request({**base, "tool_choice": "required"}).tool_choice == "required"
     assert parse_request({**base, "tool_choice": {"type": "allowed_tools", "mode": "auto",
                                                   "tools": []}}).tool_choice == "auto"
+
+
+def test_tool_choice_gives_the_template_what_it_allows():
+    base = {"input": "x", "tools": [{"type": "function", "name": "f"},
+                                    {"type": "function", "name": "g"}, {"type": "web_search"}]}
+    names = lambda call: [t["function"]["name"] for t in call.tools or ()]  # noqa: E731
+    assert names(parse_request(base)) == ["f", "g"]
+    assert names(parse_request({**base, "tool_choice": "none"})) == []
+    assert names(parse_request({**base, "tool_choice": {"type": "function", "name": "g"}})) \
+        == ["g"]
+    assert names(parse_request({**base, "tool_choice": "required"})) == ["f", "g"]
+    for tools in (base["tools"], None):
+        with pytest.raises(AgentRequestError) as e:
+            parse_request({**base, "tools": tools,
+                           "tool_choice": {"type": "function", "name": "web_search"}})
+        assert e.value.status == 400 and e.value.param == "tool_choice"
+        assert "'web_search'" in e.value.message
 
 
 @pytest.mark.parametrize("body, param", [

@@ -54,6 +54,40 @@ class MarkedRequest(CompletionRequest):
     cuts: List[int] = field(default_factory=list)
     marks: List[Tuple[int, str]] = field(default_factory=list)
     session: Optional[str] = None
+    #: The prompt as the agent route rendered and encoded it (for its layout), with the
+    #: template arguments it rendered with: mlx-lm's tokenizing takes these ids instead of
+    #: rendering and encoding the same prompt again (`tokenizer_for`).
+    tokens: Optional[List[int]] = None
+    template_kwargs: Optional[Dict[str, Any]] = None
+
+    def tokenizer_for(self, tokenizer):
+        """``tokenizer``, or a view of it that answers the rendering of this request's own
+        prompt (its messages, its tools, the generation prompt, the same template
+        arguments) with `tokens`; every other call goes to ``tokenizer``."""
+        return tokenizer if self.tokens is None else _KnownPrompt(tokenizer, self)
+
+
+class _KnownPrompt:
+    """A tokenizer whose ``apply_chat_template`` answers one known rendering from its ids."""
+
+    def __init__(self, tokenizer, request: MarkedRequest) -> None:
+        self._tokenizer, self._request = tokenizer, request
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+    def apply_chat_template(self, messages, *args, tokenize=True, **kwargs):
+        r = self._request
+        rest = {k: v for k, v in kwargs.items() if k not in ("tools", "add_generation_prompt")}
+        if (tokenize and not args and messages is r.messages and kwargs.get("tools") is r.tools
+                and kwargs.get("add_generation_prompt") and rest == (r.template_kwargs or {})):
+            return list(r.tokens)
+        return self._tokenizer.apply_chat_template(messages, *args, tokenize=tokenize, **kwargs)
+
+
+def _known(tokenizer, request):
+    """The tokenizer mlx-lm tokenizes ``request`` with (`MarkedRequest.tokenizer_for`)."""
+    return request.tokenizer_for(tokenizer) if isinstance(request, MarkedRequest) else tokenizer
 
 
 def split_segments(segments: List[List[int]], types: List[str],
@@ -156,7 +190,7 @@ class ServerResponseGenerator(ResponseGenerator):
         if tokenizer is None:
             return None
         try:
-            out = super()._tokenize(tokenizer, request, args)
+            out = super()._tokenize(_known(tokenizer, request), request, args)
         except Exception:  # noqa: BLE001 - mlx-lm reports it when it tokenizes
             return None
         if len(self._sized) > 1024:  # requests that ended before mlx-lm tokenized them
@@ -170,7 +204,8 @@ class ServerResponseGenerator(ResponseGenerator):
         if kept is not None and kept[0] is request and kept[1] is tokenizer:
             prompt, segments, types, state, vision = kept[2]  # tokenized at admission
         else:
-            prompt, segments, types, state, vision = super()._tokenize(tokenizer, request, args)
+            prompt, segments, types, state, vision = super()._tokenize(
+                _known(tokenizer, request), request, args)
         # Here mlx-lm's ``try`` still catches (the request fails, the thread lives on); the
         # same problems past this point would end the generation thread.
         problem = generation_problem(prompt, args, self.model_provider.model)

@@ -3,6 +3,8 @@
 * `write_refusing_dir`: the character tokenizer with a Qwen-style chat template that
   refuses a system message anywhere but first (``raise_exception``), renders tool calls
   and tool results;
+* `write_tool_template_dir`: any base model with the character tokenizer and a template
+  that renders tools and tool calls (`TOOL_TEMPLATE`);
 * `write_tool_dir`: a model that answers every prompt with one tool call, through a
   template and a tokenizer that mlx-lm's ``json_tools`` parser recognises: a "bigram"
   llama whose layers add nothing (zero output projections), so its next token depends on
@@ -20,8 +22,10 @@ import mlx.core as mx
 
 from .dirs import CHARS, SPECIALS, write_model_dir
 
-__all__ = ["REFUSING_TEMPLATE", "TOOL_TEMPLATE", "TOOL_CALL", "THINKING_TEMPLATE", "THOUGHT",
-           "ANSWER", "write_refusing_dir", "write_tool_dir", "write_thinking_dir"]
+__all__ = ["REFUSING_TEMPLATE", "TOOL_TEMPLATE", "TOOL_CALL", "THINKING_TEMPLATE",
+           "THINKING_SWITCH_TEMPLATE", "THOUGHT",
+           "ANSWER", "write_refusing_dir", "write_tool_dir", "write_thinking_dir",
+           "write_tool_template_dir"]
 
 #: Renders system messages first only (like Qwen3's), tool calls and tool results.
 REFUSING_TEMPLATE = (
@@ -75,6 +79,14 @@ THINKING_TEMPLATE = (
 )
 
 
+#: `THINKING_TEMPLATE` that honours ``enable_thinking`` as Qwen3's does: off, the
+#: generation prompt carries an empty ``<think></think>`` (the model answers at once).
+THINKING_SWITCH_TEMPLATE = THINKING_TEMPLATE.replace(
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}",
+    "{%- if add_generation_prompt %}<|assistant|>{%- if enable_thinking is defined and "
+    "not enable_thinking %}<think></think>{%- endif %}{% endif %}")
+
+
 def _write_tokenizer(path: Path, template: str, added=()) -> int:
     """The character tokenizer (`dirs`) with ``template`` and ``added`` whole-string
     tokens; returns the vocabulary size."""
@@ -98,6 +110,14 @@ def write_refusing_dir(path, kind: str = "llama", seed: int = 0) -> Path:
     """A `dirs.write_model_dir` model whose template refuses later system messages."""
     path = write_model_dir(path, kind, seed)
     _write_tokenizer(path, REFUSING_TEMPLATE)
+    return path
+
+
+def write_tool_template_dir(path, kind: str = "llama", seed: int = 0) -> Path:
+    """A `dirs.write_model_dir` model (random weights) whose character tokenizer has
+    `TOOL_TEMPLATE`: tools and tool calls are rendered (for checkpoints at them)."""
+    path = write_model_dir(path, kind, seed)
+    _write_tokenizer(path, TOOL_TEMPLATE)
     return path
 
 
@@ -137,9 +157,11 @@ def write_tool_dir(path) -> Path:
     return _write_chain_dir(path, TOOL_TEMPLATE, _ADDED, ["<tool_call>", _ADDED[2], "</tool_call>"])
 
 
-def write_thinking_dir(path) -> Path:
+def write_thinking_dir(path, switch: bool = False) -> Path:
     """A model that reasons: every answer is ``<think>`` `THOUGHT` ``</think>`` `ANSWER`,
     through a template that renders an earlier turn's reasoning the same way (mlx-lm
-    splits reasoning from ``<think>`` / ``</think>`` tokens)."""
-    return _write_chain_dir(path, THINKING_TEMPLATE, ["<think>", "</think>", THOUGHT, ANSWER],
+    splits reasoning from ``<think>`` / ``</think>`` tokens). ``switch``: the template
+    honours ``enable_thinking`` (`THINKING_SWITCH_TEMPLATE`; off, the answer is `ANSWER`)."""
+    template = THINKING_SWITCH_TEMPLATE if switch else THINKING_TEMPLATE
+    return _write_chain_dir(path, template, ["<think>", "</think>", THOUGHT, ANSWER],
                             ["<think>", THOUGHT, "</think>", ANSWER])

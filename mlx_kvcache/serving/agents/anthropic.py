@@ -9,11 +9,16 @@ that says so); an assistant's ``tool_use`` blocks its ``tool_calls`` (``input`` 
 its ``thinking`` blocks its ``reasoning`` (rendered as the template renders reasoning;
 ``redacted_thinking`` has no text and is dropped); a user's ``tool_result`` blocks tool
 messages (before the user's text, in block order; ``is_error`` prefixes ``Error: ``).
-``cache_control`` on a text, ``tool_result`` or system block is a checkpoint at the block's
-end. ``tools`` (``name``, ``description``, ``input_schema``) go to the chat template as
+``cache_control`` on a text, ``tool_use``, ``tool_result`` or system block, or on a tool,
+is a checkpoint at the block's (the tool's) end. ``tools`` (``name``, ``description``, ``input_schema``) go to the chat template as
 function tools; server tools (a ``type`` other than ``custom``) are skipped with a log
-line. ``tool_choice`` is accepted, not enforced. ``temperature`` / ``top_p`` / ``top_k``
+line. ``tool_choice``: ``none`` gives the template no tools, ``{"type": "tool", "name"}``
+only that one (a 400 when it is not among ``tools``); ``auto`` and ``any`` give it all
+(a template cannot force a call). ``temperature`` / ``top_p`` / ``top_k``
 are used when present, else the server's defaults; ``metadata.user_id`` names the session.
+``thinking`` (``enabled`` / ``disabled``) is given to the chat template as
+``enable_thinking`` where the template honours it, else ignored; ``budget_tokens`` is not
+enforced (the answer's ``max_tokens`` is).
 Whatever model name the client sends, the served model answers and the name is echoed.
 
 Answers: ``content`` blocks in the order the model produced them (``thinking``, ``text``,
@@ -37,11 +42,11 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
-from .bridge import (AgentRequestError, ChatCall, ChatEvents, Event, count_tokens, run_chat,
-                     served_model)
+from .bridge import (AgentRequestError, ChatCall, ChatEvents, Event, Route, count_tokens,
+                     read_body, restrict_tools, run_chat, send_json, serve, served_model)
 
 __all__ = ["parse_request", "MessageBuilder", "serve_messages", "serve_count_tokens",
-           "error_body"]
+           "error_body", "ROUTE"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -121,14 +126,16 @@ class _Builder:
         self.labels: List[str] = []
         self.part_labels: List[Optional[List[str]]] = []
         self.breakpoints: List[Tuple[int, int]] = []
+        self.call_breakpoints: List[Tuple[int, int]] = []
 
     def add(self, msg: Dict[str, Any], label: str, parts: Optional[List[str]] = None,
-            marked: Tuple[int, ...] = ()) -> None:
+            marked: Tuple[int, ...] = (), marked_calls: Tuple[int, ...] = ()) -> None:
         i = len(self.messages)
         self.messages.append(msg)
         self.labels.append(label)
         self.part_labels.append(parts)
         self.breakpoints.extend((i, j) for j in marked)
+        self.call_breakpoints.extend((i, j) for j in marked_calls)
 
 
 def _blocks(content: Any, where: str) -> List[Dict[str, Any]]:
@@ -184,7 +191,7 @@ def _user(m: Dict[str, Any], i: int, out: _Builder) -> None:
 
 def _assistant(m: Dict[str, Any], i: int, out: _Builder) -> None:
     where = f"messages[{i}]"
-    text, names, marked, calls, thinking = [], [], [], [], []
+    text, names, marked, calls, thinking, marked_calls = [], [], [], [], [], []
     for k, b in enumerate(_blocks(m.get("content"), where)):
         name = f"{where}.content[{k}]"
         t = b["type"]
@@ -206,6 +213,8 @@ def _assistant(m: Dict[str, Any], i: int, out: _Builder) -> None:
             calls.append({"id": b["id"], "type": "function",
                           "function": {"name": b["name"],
                                        "arguments": json.dumps(inp, ensure_ascii=False)}})
+            if b.get("cache_control") is not None:
+                marked_calls.append(len(calls) - 1)
         elif t == "thinking":
             if not _is_text(b.get("thinking")):
                 raise _bad(f"{name}.thinking must be a string")
@@ -219,7 +228,7 @@ def _assistant(m: Dict[str, Any], i: int, out: _Builder) -> None:
         msg["tool_calls"] = calls
     if thinking:
         msg["reasoning"] = "\n".join(thinking)
-    out.add(msg, where, names, tuple(marked))
+    out.add(msg, where, names, tuple(marked), tuple(marked_calls))
 
 
 def _system_message(content: Any, where: str, out: _Builder) -> None:
@@ -232,12 +241,14 @@ def _system_message(content: Any, where: str, out: _Builder) -> None:
             [n.replace(".content", "") if where == "system" else n for n in names], marked)
 
 
-def _tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
+def _tools(tools: Any) -> Tuple[Optional[List[Dict[str, Any]]], List[int]]:
+    """The client tools in chat form, and the indices (among them) of those marked with
+    ``cache_control``."""
     if tools is None:
-        return None
+        return None, []
     if not isinstance(tools, list):
         raise _bad("tools must be a list")
-    out = []
+    out, marked = [], []
     for k, t in enumerate(tools):
         if not isinstance(t, dict):
             raise _bad(f"tools[{k}] must be an object")
@@ -256,8 +267,10 @@ def _tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
             if not _is_text(t["description"]):
                 raise _bad(f"tools[{k}].description must be a string")
             fn["description"] = t["description"]
+        if t.get("cache_control") is not None:
+            marked.append(len(out))
         out.append({"type": "function", "function": fn})
-    return out or None
+    return out or None, marked
 
 
 def _tool_choice(choice: Any) -> Any:
@@ -265,7 +278,24 @@ def _tool_choice(choice: Any) -> Any:
         return None
     if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
         raise _bad('tool_choice must be {"type": "auto" | "any" | "tool" | "none"}')
+    if choice["type"] == "tool" and not (_is_text(choice.get("name")) and choice["name"]):
+        raise _bad('tool_choice {"type": "tool"} needs the tool\'s name (a string)')
     return choice
+
+
+def _thinking(value: Any) -> Optional[bool]:
+    """``thinking`` as on / off (None: not sent)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled",
+                                                                "adaptive"):
+        raise _bad('thinking must be {"type": "enabled", "budget_tokens": N} or '
+                   '{"type": "disabled"}')
+    budget = value.get("budget_tokens")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget < 1):
+        raise _bad("thinking.budget_tokens must be a positive integer")
+    return value["type"] != "disabled"
 
 
 def parse_request(body: Any, count_only: bool = False) -> ChatCall:
@@ -293,9 +323,15 @@ def parse_request(body: Any, count_only: bool = False) -> ChatCall:
             _system_message(m.get("content"), f"messages[{i}]", out)
         else:
             raise _bad(f"messages[{i}].role must be user, assistant or system, not {role!r}")
-    call = ChatCall(messages=out.messages, labels=out.labels, tools=_tools(body.get("tools")),
-                    tool_choice=_tool_choice(body.get("tool_choice")),
-                    breakpoints=out.breakpoints, part_labels=out.part_labels)
+    tools, marked_tools = _tools(body.get("tools"))
+    choice = _tool_choice(body.get("tool_choice"))
+    call = ChatCall(messages=out.messages, labels=out.labels, tools=tools, tool_choice=choice,
+                    breakpoints=out.breakpoints, part_labels=out.part_labels,
+                    tool_breakpoints=marked_tools, call_breakpoints=out.call_breakpoints)
+    if choice is not None:
+        restrict_tools(call, none=choice["type"] == "none",
+                       name=choice.get("name") if choice["type"] == "tool" else None)
+    call.thinking = _thinking(body.get("thinking"))
     meta = body.get("metadata")
     if meta is not None:
         if not isinstance(meta, dict):
@@ -351,6 +387,8 @@ class MessageBuilder:
         self.blocks: List[Dict[str, Any]] = []
         self._open: Optional[str] = None  # the kind of the block being streamed
         self.done: Optional[Event] = None
+        self.failed: Optional[str] = None  # why the answer failed after it started
+        self._pinged = time.monotonic()
 
     def start(self) -> List[Tuple[str, Dict[str, Any]]]:
         head = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -413,8 +451,22 @@ class MessageBuilder:
                                        "usage": _usage(ev)}),
                     ("message_stop", {"type": "message_stop"})]
         elif ev.kind == "error":
-            out.append(("error", error_body(ev.text or "the answer failed", "api_error")))
+            self.failed = ev.text or "the answer failed"
+            out.append(("error", error_body(self.failed, "api_error")))
         return out
+
+    def keepalive(self, ev: Event) -> bytes:
+        """A ``ping`` every `PING_EVERY` seconds while the prompt is processed."""
+        if time.monotonic() - self._pinged < PING_EVERY:
+            return b""
+        self._pinged = time.monotonic()
+        return b'event: ping\ndata: {"type": "ping"}\n\n'
+
+    def whole(self) -> Tuple[int, Dict[str, Any]]:
+        """The non-streamed reply: the message, or a 500 when the answer failed."""
+        if self.failed is not None or self.done is None:
+            return 500, error_body(self.failed or "the answer ended early", "api_error")
+        return 200, self.message()
 
     @property
     def stop_reason(self) -> Optional[str]:
@@ -431,106 +483,34 @@ class MessageBuilder:
 
 
 # -- HTTP ------------------------------------------------------------------------------------
-def _read_body(handler) -> Any:
-    n = handler.headers.get("Content-Length")
-    if n is None:
-        raise AgentRequestError("a Content-Length header is required", 411)
-    try:
-        n = int(n)
-    except ValueError:
-        raise _bad("the Content-Length header is not an integer") from None
-    raw = handler.rfile.read(n) if n > 0 else b""
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _bad(f"the request body is not valid JSON: {e}") from None
-
-
-def _send_json(handler, status: int, body: Dict[str, Any]) -> None:
-    data = json.dumps(body).encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("request-id", f"req_{uuid.uuid4().hex[:24]}")
-    handler.send_header("Content-Length", str(len(data)))
-    handler.end_headers()
-    handler.wfile.write(data)
-    handler.wfile.flush()
-
-
-def _send_error(handler, e: AgentRequestError) -> None:
+def _error(e: AgentRequestError) -> Dict[str, Any]:
     kind = e.kind if e.kind in _ERROR_KINDS.values() else _ERROR_KINDS.get(e.status, "api_error")
-    _send_json(handler, e.status, error_body(e.message, kind))
+    return error_body(e.message, kind)
 
 
-def _sse(kind: str, data: Dict[str, Any]) -> bytes:
-    return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+def _request_id() -> Dict[str, str]:
+    return {"request-id": f"req_{uuid.uuid4().hex[:24]}"}
+
+
+def _answer(handler, body: Dict[str, Any], events: ChatEvents) -> MessageBuilder:
+    return MessageBuilder(body.get("model") or served_model(handler),
+                          events.prompt_tokens, events.cached_tokens or 0)
+
+
+ROUTE = Route(parse=parse_request, answer=_answer, error=_error, headers=_request_id)
 
 
 def serve_count_tokens(handler) -> None:
     """Answer ``POST /v1/messages/count_tokens``: ``{"input_tokens": n}``, the tokens of
     the prompt `serve_messages` would give the model."""
     try:
-        call = parse_request(_read_body(handler), count_only=True)
+        call = parse_request(read_body(handler), count_only=True)
         n = count_tokens(handler, call)
     except AgentRequestError as e:
-        return _send_error(handler, e)
-    _send_json(handler, 200, {"input_tokens": n})
+        return send_json(handler, e.status, _error(e), _request_id())
+    send_json(handler, 200, {"input_tokens": n}, _request_id())
 
 
 def serve_messages(handler) -> None:
     """Answer one ``POST /v1/messages`` on ``handler`` (see the module doc)."""
-    try:
-        body = _read_body(handler)
-        call = parse_request(body)
-        model = body.get("model") or served_model(handler)
-        events = run_chat(handler, call)
-    except AgentRequestError as e:
-        return _send_error(handler, e)
-    builder = MessageBuilder(model, events.prompt_tokens, events.cached_tokens or 0)
-    try:
-        if body.get("stream"):
-            _stream(handler, builder, events)
-        else:
-            _whole(handler, builder, events)
-    finally:
-        events.close()  # a client gone mid-answer ends the generation
-
-
-def _whole(handler, builder: MessageBuilder, events: ChatEvents) -> None:
-    for ev in events:
-        if ev.kind == "error":
-            return _send_json(handler, 500, error_body(ev.text or "the answer failed", "api_error"))
-        builder.feed(ev)
-    if builder.done is None:
-        return _send_json(handler, 500, error_body("the answer ended early", "api_error"))
-    _send_json(handler, 200, builder.message())
-
-
-def _stream(handler, builder: MessageBuilder, events: ChatEvents) -> None:
-    handler.send_response(200)
-    handler.send_header("Content-Type", "text/event-stream")
-    handler.send_header("Cache-Control", "no-cache")
-    handler.send_header("request-id", f"req_{uuid.uuid4().hex[:24]}")
-    handler.end_headers()
-
-    def write(batch: List[Tuple[str, Dict[str, Any]]]) -> None:
-        if batch:
-            handler.wfile.write(b"".join(_sse(k, d) for k, d in batch))
-            handler.wfile.flush()
-
-    try:
-        write(builder.start())
-        pinged = time.monotonic()
-        ended = False
-        for ev in events:
-            if ev.kind == "progress":
-                if time.monotonic() - pinged >= PING_EVERY:
-                    pinged = time.monotonic()
-                    write([("ping", {"type": "ping"})])
-                continue
-            write(builder.feed(ev))
-            ended = ev.kind in ("done", "error")
-        if not ended:
-            write([("error", error_body("the answer ended early", "api_error"))])
-    except (BrokenPipeError, ConnectionResetError):
-        return  # the client left; closing the events ends the generation
+    serve(handler, ROUTE, run_chat)

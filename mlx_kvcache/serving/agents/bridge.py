@@ -2,8 +2,10 @@
 machinery and our prompt cache, seen as a stream of neutral `Event`s.
 
 Both agent front ends (`anthropic`: ``/v1/messages``; `responses`: ``/v1/responses``)
-translate their request into a `ChatCall` (OpenAI chat-format messages, tools, limits),
-call `run_chat`, and render the events in their API's shape.
+translate their request into a `ChatCall` (OpenAI chat-format messages, tools, limits)
+and render the events in their API's shape; `serve` is the one driver both routes run
+(read the body, parse it, `run_chat`, the answer whole or streamed, errors in the route's
+shape), given a `Route`: the API's parser, answer builder and error shape.
 
 The seam, and why this one: `run_chat` builds the body of the ``/v1/chat/completions``
 request mlx-lm's handler expects (always streamed, with usage) and runs mlx-lm's own
@@ -25,14 +27,15 @@ template refuses them), the billing line and user-named volatile lines are dropp
 the rendered prompt's layout — where each message and content part starts — rides along
 on the request (`MarkedRequest`): the client's ``cache_control`` breakpoints become
 checkpoint offsets, and the prompt cache's miss explanation names the part a request
-diverged in.
+diverged in. The prompt is rendered and encoded once, in the HTTP thread, for the layout;
+its ids ride along too, and mlx-lm's tokenizing takes them instead of rendering and
+encoding it again (`MarkedRequest.tokenizer_for`).
 
 Two things mlx-lm's chunks do not say are recovered here: which stop sequence ended an
 answer (mlx-lm reports ``stop`` for an end-of-sequence token and a stop word alike; the
 answer's last tokens, kept on the request's `lifecycle.Ticket`, tell them apart, matched
 as mlx-lm matches them), and whether the prompt was stored for reuse
-(`TriePromptCache.stores_prompts`). The layout costs one more render and encoding of the
-prompt, in the HTTP thread (mlx-lm's own route renders the leading system messages twice).
+(`TriePromptCache.stores_prompts`).
 
 Admission during a stop is the caller's (`CacheAPIHandler._admitted` wraps the route);
 mlx-lm's handler runs here on a worker thread (it writes, the front end reads), which ends
@@ -49,7 +52,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from queue import Queue
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
 from mlx_lm.server import APIHandler
 
@@ -59,7 +62,7 @@ from ..lifecycle import current_ticket
 from . import conversation
 
 __all__ = ["ChatCall", "Usage", "Event", "AgentRequestError", "ChatEvents", "run_chat",
-           "count_tokens", "served_model"]
+           "count_tokens", "served_model", "restrict_tools", "Answer", "Route", "serve", "read_body", "send_json"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -78,12 +81,16 @@ class ChatCall:
     used by the miss explanation; ``part_labels`` optionally names each content part (else
     ``"<label>.content[j]"``). ``tools``: OpenAI function tools (``[{"type": "function",
     "function": {"name", "description", "parameters"}}]``), given to the chat template.
-    ``tool_choice``: accepted, not enforced (mlx-lm has no constrained decoding).
+    ``tool_choice``: the client's, as sent (`restrict_tools` enforces what can be).
     ``max_tokens``: None for the server's ``--max-tokens``. ``sampling``: only what the
     client sent (``temperature``, ``top_p``, ``top_k``); the rest are the server's
     defaults. ``stop``: stop strings. ``breakpoints``: ``(message index, part index)``
     whose END the client marked for reuse (part index 0 for a string content): the prompt
-    cache stores a checkpoint there. ``session``: the client's session name (Codex
+    cache stores a checkpoint there; ``tool_breakpoints`` (indices of ``tools``) and
+    ``call_breakpoints`` (``(message index, tool call index)``) likewise. ``thinking``:
+    whether the model should reason first (Anthropic's ``thinking``), None for the
+    template's default: given to the chat template as ``enable_thinking`` where it
+    honours it, else ignored (a debug log line). ``session``: the client's session name (Codex
     ``prompt_cache_key``, Anthropic ``metadata.user_id``), or None: listed with the request
     in the log line and ``GET /v1/cache`` ``recent``; eviction stays least-recently-used,
     which already takes other sessions' leaves first (see `TriePromptCache.expect`).
@@ -99,6 +106,37 @@ class ChatCall:
     breakpoints: List[Tuple[int, int]] = field(default_factory=list)
     session: Optional[str] = None
     part_labels: Optional[List[Optional[List[str]]]] = None
+    tool_breakpoints: List[int] = field(default_factory=list)
+    call_breakpoints: List[Tuple[int, int]] = field(default_factory=list)
+    thinking: Optional[bool] = None
+
+
+def restrict_tools(call: ChatCall, none: bool = False, name: Optional[str] = None,
+                   param: str = "tool_choice") -> None:
+    """Enforce what a ``tool_choice`` can honestly enforce on ``call``: ``none`` — the chat
+    template is given no tools (the model is told of none); ``name`` — only that tool
+    (the model is told of no other). Neither (``auto``, ``any`` / ``required``) leaves the
+    tools as they are: a template cannot force a call. A ``name`` not among ``call.tools``
+    is an `AgentRequestError` naming it (``param``: the field)."""
+    if none:
+        call.tools, call.tool_breakpoints = None, []
+        return
+    if name is None:
+        return
+    names = [t["function"]["name"] for t in call.tools or ()]
+    if name not in names:
+        among = f"which is not among tools ({', '.join(names)})" if names else \
+            "but the request has no tools"
+        raise _named(f"{param} names the tool {name!r}, {among}", param)
+    k = names.index(name)
+    call.tools = [call.tools[k]]
+    call.tool_breakpoints = [0] if k in call.tool_breakpoints else []
+
+
+def _named(message: str, param: str) -> "AgentRequestError":
+    err = AgentRequestError(message)
+    err.param = param
+    return err
 
 
 @dataclass
@@ -168,6 +206,7 @@ class _Prepared:
     messages: List[Dict[str, Any]]   # what mlx-lm renders
     tools: Optional[List[Dict[str, Any]]]
     layout: "conversation.Layout"
+    template_args: Dict[str, Any]    # the chat template's arguments it was rendered with
 
 
 def _tokenizer(generator):
@@ -187,7 +226,8 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
     args = provider.cli_args
     try:
         conv = conversation.Conversation.from_call(
-            call.messages, call.labels, call.part_labels, call.breakpoints)
+            call.messages, call.labels, call.part_labels, call.breakpoints,
+            call.call_breakpoints)
     except ValueError as e:
         raise AgentRequestError(str(e)) from None
     conv.drop_lines(conversation.line_filter(
@@ -196,19 +236,28 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
     template_args = dict(getattr(args, "chat_template_args", None) or {})
     if getattr(tokenizer, "has_chat_template", False):
         conv.fit_template(conversation.system_policy(tokenizer, template_args))
+        if call.thinking is not None:
+            if conversation.honours_thinking(tokenizer, template_args):
+                template_args["enable_thinking"] = call.thinking
+            else:
+                log.debug("mlx_kvcache: the chat template ignores enable_thinking: the "
+                          "request's thinking setting is ignored")
     messages = conv.messages()
     tools = call.tools or None
     try:
         layout = conversation.layout(tokenizer, conv, tools, template_args,
-                                     vision=getattr(provider, "processor", None) is not None)
+                                     vision=getattr(provider, "processor", None) is not None,
+                                     marked_tools=call.tool_breakpoints)
     except ValueError as e:
         raise AgentRequestError(str(e)) from None
-    return _Prepared(messages, tools, layout)
+    return _Prepared(messages, tools, layout, template_args)
 
 
 def _body(call: ChatCall, prep: _Prepared) -> Dict[str, Any]:
     body: Dict[str, Any] = {"messages": prep.messages, "stream": True,
                             "stream_options": {"include_usage": True}}
+    if "enable_thinking" in prep.template_args:  # mlx-lm renders as the layout did
+        body["chat_template_kwargs"] = {"enable_thinking": prep.template_args["enable_thinking"]}
     if prep.tools:
         body["tools"] = prep.tools
     if call.max_tokens is not None:
@@ -292,9 +341,11 @@ class _ChatRun(CacheAPIHandler):
     def handle_chat_completions(self):
         request = super().handle_chat_completions()
         lay = self.prep.layout
+        # The prompt was rendered and encoded once, for its layout: mlx-lm takes those ids.
         return MarkedRequest(request.request_type, request.prompt, request.messages,
                              request.tools, request.role_mapping, cuts=list(lay.cuts),
-                             marks=list(lay.marks), session=self.call.session)
+                             marks=list(lay.marks), session=self.call.session,
+                             tokens=lay.ids, template_kwargs=dict(self.prep.template_args))
 
     def send_response(self, code, message=None) -> None:
         self.status = code
@@ -456,3 +507,132 @@ class ChatEvents:
                     return
         finally:
             run.closed = True
+
+
+# -- the HTTP side of both routes -------------------------------------------------------------
+#: A stream event: its name and its JSON data.
+SSE = Tuple[str, Dict[str, Any]]
+
+
+class Answer(Protocol):
+    """One answer in an API's shape, fed the bridge's events (a route's builder)."""
+
+    def start(self) -> List[SSE]:
+        """The stream's opening events."""
+
+    def feed(self, ev: Event) -> List[SSE]:
+        """The stream events ``ev`` makes; an ``"error"`` event is the API's closing
+        failure."""
+
+    def keepalive(self, ev: Event) -> bytes:
+        """What a long prefill's ``"progress"`` event writes on the stream (may be empty)."""
+
+    def whole(self) -> Tuple[int, Dict[str, Any]]:
+        """The status and body of the non-streamed answer, once every event was fed."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """What one agent API puts around the bridge: ``parse`` (a request body to a
+    `ChatCall`, `AgentRequestError` naming the problem), ``answer`` (the builder of one
+    answer, from the handler, the body and the events), ``error`` (an `AgentRequestError` in the
+    API's error shape) and ``headers`` (extra headers on every reply)."""
+
+    parse: Callable[[Any], ChatCall]
+    answer: Callable[[Any, Any, Any], Answer]
+    error: Callable[[AgentRequestError], Dict[str, Any]]
+    headers: Callable[[], Dict[str, str]] = dict
+
+
+def read_body(handler) -> Any:
+    """The request's JSON body; `AgentRequestError` when it has none or it is not JSON."""
+    n = handler.headers.get("Content-Length")
+    if n is None:
+        raise AgentRequestError("a Content-Length header is required", 411)
+    try:
+        n = int(n)
+    except ValueError:
+        raise AgentRequestError("the Content-Length header is not an integer") from None
+    raw = handler.rfile.read(n) if n > 0 else b""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise AgentRequestError(f"the request body is not valid JSON: {e}") from None
+
+
+def send_json(handler, status: int, body: Dict[str, Any],
+              headers: Optional[Dict[str, str]] = None) -> None:
+    """One JSON reply."""
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        handler.send_header(k, v)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+    handler.wfile.flush()
+
+
+def _sse(batch: Iterable[SSE]) -> bytes:
+    return b"".join(f"event: {k}\ndata: {json.dumps(d)}\n\n".encode() for k, d in batch)
+
+
+def serve(handler, route: Route, run: Optional[Callable[[Any, ChatCall], Any]] = None) -> None:
+    """Answer one agent request on ``handler`` (the live `CacheAPIHandler`, admitted, its
+    body unread): read the body, ``route.parse`` it, run it (``run``: `run_chat`), and
+    send the answer whole or streamed (``"stream": true``). Bad input is a reply in the
+    route's error shape, never an exception; a client gone mid-answer ends the generation."""
+    headers = route.headers()
+    try:
+        body = read_body(handler)
+        events = (run or run_chat)(handler, route.parse(body))
+    except AgentRequestError as e:
+        return send_json(handler, e.status, route.error(e), headers)
+    try:
+        answer = route.answer(handler, body, events)
+        if body.get("stream"):
+            _stream(handler, answer, events, headers)
+        else:
+            _whole(handler, answer, events, headers)
+    finally:
+        events.close()  # a client gone mid-answer ends the generation
+
+
+def _answer_events(events: Iterable[Event]) -> Iterator[Event]:
+    """``events`` up to the first ``done`` or ``error``; an ``error`` when they end
+    without either."""
+    for ev in events:
+        yield ev
+        if ev.kind in ("done", "error"):
+            return
+    yield Event("error", text="the answer ended early")
+
+
+def _whole(handler, answer: Answer, events, headers: Dict[str, str]) -> None:
+    for ev in _answer_events(events):
+        if ev.kind != "progress":
+            answer.feed(ev)
+    status, body = answer.whole()
+    send_json(handler, status, body, headers)
+
+
+def _stream(handler, answer: Answer, events, headers: Dict[str, str]) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.send_header("Cache-Control", "no-cache")
+    for k, v in headers.items():
+        handler.send_header(k, v)
+    handler.end_headers()
+
+    def write(data: bytes) -> None:
+        if data:
+            handler.wfile.write(data)
+            handler.wfile.flush()
+
+    try:
+        write(_sse(answer.start()))
+        for ev in _answer_events(events):
+            write(answer.keepalive(ev) if ev.kind == "progress" else _sse(answer.feed(ev)))
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the client left; closing the events ends the generation

@@ -24,8 +24,9 @@ that in three ways, each avoided here:
 `layout` renders the prompt once in the HTTP thread (the same call mlx-lm makes, so its
 length is ``count_tokens``) and, where the tokenizer reports character offsets, finds where
 each message and content part starts (``marks``: the miss explanation names the part a
-request diverged in) and where each part the client marked with ``cache_control`` ends
-(``cuts``: checkpoint offsets).
+request diverged in) and where each part, tool or tool call the client marked with
+``cache_control`` ends (``cuts``: checkpoint offsets). Its ids are the prompt mlx-lm
+then tokenizes without rendering it again (`generator.MarkedRequest.tokenizer_for`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mlx_lm.server import convert_chat, process_message_content
 
-__all__ = ["Conversation", "Layout", "line_filter", "system_policy", "layout", "BILLING_LINE",
+__all__ = ["Conversation", "Layout", "line_filter", "system_policy", "honours_thinking",
+           "layout", "BILLING_LINE",
            "REMINDER_OPEN", "REMINDER_CLOSE"]
 
 log = logging.getLogger("mlx_kvcache")
@@ -55,8 +57,9 @@ REMINDER_CLOSE = "\n</system-reminder>"
 FOLD_SEP = "\n\n"
 
 ROLES = ("system", "user", "assistant", "tool")
-#: Tokens re-encoded to check a breakpoint's offset.
+#: Tokens re-encoded to check a breakpoint's offset, and characters after it.
 _WINDOW = 8
+_TAIL = 64
 
 
 @dataclass
@@ -75,6 +78,8 @@ class Message:
     fields: Dict[str, Any]  # everything but content
     parts: List[Part]
     label: str
+    #: Indices of its ``tool_calls`` whose end the client marked for reuse.
+    marked_calls: List[int] = field(default_factory=list)
 
 
 def _parts_of(content: Any, label: str, part_labels: Optional[List[str]], where: str) -> List[Part]:
@@ -108,9 +113,11 @@ class Conversation:
     @classmethod
     def from_call(cls, messages: Sequence[Any], labels: Sequence[str] = (),
                   part_labels: Optional[Sequence[Optional[List[str]]]] = None,
-                  breakpoints: Sequence[Tuple[int, int]] = ()) -> "Conversation":
+                  breakpoints: Sequence[Tuple[int, int]] = (),
+                  call_breakpoints: Sequence[Tuple[int, int]] = ()) -> "Conversation":
         """From OpenAI chat-format messages (see `bridge.ChatCall`); ValueError names the
-        first malformed message."""
+        first malformed message. ``breakpoints``: ``(message, part)`` whose end the client
+        marked; ``call_breakpoints``: ``(message, tool call)`` likewise."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("the conversation has no messages")
         out = []
@@ -128,6 +135,9 @@ class Conversation:
         for i, j in breakpoints:
             if 0 <= i < len(out) and 0 <= j < len(out[i].parts):
                 out[i].parts[j].breakpoint = True
+        for i, j in call_breakpoints:
+            if 0 <= i < len(out) and 0 <= j < len(out[i].fields.get("tool_calls") or ()):
+                out[i].marked_calls.append(j)
         return cls(out)
 
     # -- volatile lines ----------------------------------------------------------------------
@@ -204,7 +214,7 @@ def line_filter(keep_billing: bool = False, extra: Optional[str] = None) -> Call
 
 
 # -- probing a template ----------------------------------------------------------------------
-_policies: Dict[Tuple[int, str], str] = {}
+_policies: Dict[tuple, str] = {}  # probes: system policy, thinking switch
 _policy_lock = threading.Lock()
 _PROBE_MARK = "zq7-probe-system"
 
@@ -250,23 +260,50 @@ def system_policy(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> 
     return policy
 
 
+def honours_thinking(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> bool:
+    """Whether the chat template renders differently with ``enable_thinking`` on and off
+    (mlx-lm's tokenizer passes it under the name the template reads). Probed once per
+    tokenizer (and template arguments)."""
+    key = (id(tokenizer), "thinking", repr(sorted((template_args or {}).items())))
+    with _policy_lock:
+        if key in _policies:
+            return _policies[key] == "yes"
+    msgs = [{"role": "user", "content": "U"}]
+    try:
+        on, off = (tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                 tokenize=False,
+                                                 **{**(template_args or {}),
+                                                    "enable_thinking": flag})
+                   for flag in (True, False))
+        honours = on != off
+    except Exception:  # a template that refuses the flag does not honour it
+        honours = False
+    with _policy_lock:
+        _policies[key] = "yes" if honours else "no"
+    return honours
+
+
 # -- the rendered prompt's layout ----------------------------------------------------------
 @dataclass
 class Layout:
     """``prompt_tokens``: the prompt's length. ``cuts``: token offsets where a part the
     client marked ends. ``marks``: ``(token offset, name)`` where each message (its
-    template markup) and each content part starts, in order."""
+    template markup) and each content part starts, in order. ``ids``: the prompt (None
+    with images, whose prompt the image processor makes)."""
 
     prompt_tokens: int
     cuts: List[int] = field(default_factory=list)
     marks: List[Tuple[int, str]] = field(default_factory=list)
+    #: The prompt's ids, where they are the chat template's text encoded (no images).
+    ids: Optional[List[int]] = None
 
 
 def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[str, Any]] = None,
-           vision: bool = False) -> Layout:
+           vision: bool = False, marked_tools: Sequence[int] = ()) -> Layout:
     """Render ``conv`` as mlx-lm's chat route will; ValueError when the template refuses it
     or it has images the model cannot see (``vision``: the model has an image processor).
-    With images the length is the text's (the processor expands each image later)."""
+    With images the length is the text's (the processor expands each image later).
+    ``marked_tools``: indices of ``tools`` whose end the client marked for reuse."""
     msgs = conv.messages()
     if conv.has_images() and not vision:
         raise ValueError("this model serves no images (it has no image processor); send text only")
@@ -287,7 +324,7 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
     backend = getattr(tokenizer, "backend_tokenizer", None)
     enc = backend.encode(text, add_special_tokens=False) if backend is not None else None
     ids = list(enc.ids) if enc is not None else list(tokenizer.encode(text, add_special_tokens=False))
-    out = Layout(len(ids))
+    out = Layout(len(ids), ids=None if conv.has_images() else ids)
     if enc is None:
         return out
     starts = [a for a, _ in enc.offsets]
@@ -311,11 +348,67 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
             out.marks.append((token_at(at), p.label))
             cursor = at + len(p.text)
             if p.breakpoint:
-                cut = _cut(backend, text, ids, starts, cursor)
+                cut = _cut(backend, text[:cursor], ids, starts, cursor)
                 if 0 < cut < len(ids):
                     out.cuts.append(cut)
-    out.cuts = sorted(set(out.cuts))
+    out.cuts += _item_cuts(tokenizer, backend, text, ids, starts, conv, msgs, tools,
+                           marked_tools, kw)
+    out.cuts = sorted(c for c in set(out.cuts) if 0 < c < len(ids))
     return out
+
+
+def _item_cuts(tokenizer, backend, text: str, ids: List[int], starts: List[int],
+               conv: Conversation, msgs: List[Dict[str, Any]], tools, marked_tools: Sequence[int],
+               kw: Dict[str, Any]) -> List[int]:
+    """Where the marked tools and tool calls end in the prompt. They have no text of the
+    client's to find there: where one ends is the first token where renderings that keep
+    everything up to it and change what follows (nothing more, or one more item) stop
+    agreeing with the prompt."""
+    def render(changed, tls) -> Optional[str]:
+        try:
+            return tokenizer.apply_chat_template(changed, tools=tls, add_generation_prompt=True,
+                                                 tokenize=False, **kw)
+        except Exception:  # a template that refuses the probe: no cut there
+            return None
+
+    def end_of(variants: List[Optional[str]]) -> int:
+        cuts = [_cut(backend, v, ids, starts, _common_text(text, v))
+                for v in variants if v is not None and v != text]
+        return min(cuts) if cuts else 0
+
+    out = []
+    for k in marked_tools:
+        if 0 <= k < len(tools or ()):
+            out.append(end_of([render(msgs, list(tools[:k + 1]) + extra)
+                               for extra in ([], [_PROBE_TOOL])]))
+    for n, m in enumerate(conv.items):
+        calls = msgs[n].get("tool_calls") or []  # as mlx-lm hands them to the template
+        for j in m.marked_calls:
+            variants = []
+            for extra in ([], [_PROBE_CALL]):
+                changed = [dict(d) for d in msgs]
+                changed[n]["tool_calls"] = list(calls[:j + 1]) + extra
+                variants.append(render(changed, tools))
+            out.append(end_of(variants))
+    return out
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "zq7_probe", "description": "zq7",
+                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_CALL = {"id": "zq7_probe", "type": "function",
+               "function": {"name": "zq7_probe", "arguments": "{}"}}
+
+
+def _common_text(a: str, b: str) -> int:
+    """The length of the common prefix of ``a`` and ``b`` (compared by slices: C speed)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -326,15 +419,17 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def _cut(backend, text: str, ids: List[int], starts: List[int], end: int) -> int:
-    """The number of prompt tokens that encode ``text[:end]``: where the tokens of the
-    text up to ``end`` stop agreeing with the prompt's (a token merging across ``end``
-    belongs to what follows). Encodes the text of the last few tokens before ``end`` again,
-    from a token boundary (pre-tokenization makes tokens there independent of what came
-    before), not the whole prefix."""
+def _cut(backend, other: str, ids: List[int], starts: List[int], end: int) -> int:
+    """The number of prompt tokens ``other`` shares with the prompt, where ``other`` is a
+    text that agrees with the prompt's text up to character ``end`` and not after (the
+    prompt's text cut at ``end``, or a rendering changed after it): where their tokens
+    stop agreeing (a token merging across ``end`` belongs to what follows). Encodes only
+    the text of the last few tokens before ``end`` and a few characters after it, from a
+    token boundary (pre-tokenization makes tokens there independent of what came before),
+    not the whole prefix."""
     guess = bisect.bisect_left(starts, end)
     lo = max(0, guess - _WINDOW)
     while lo > 0 and starts[lo] >= end:
         lo -= 1
-    window = backend.encode(text[starts[lo]:end], add_special_tokens=False).ids
+    window = backend.encode(other[starts[lo]:end + _TAIL], add_special_tokens=False).ids
     return lo + _common(window, ids[lo:lo + len(window)])

@@ -29,9 +29,10 @@ import time
 import uuid
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from .bridge import AgentRequestError, ChatCall, Event, run_chat, served_model
+from .bridge import (AgentRequestError, ChatCall, Event, Route, restrict_tools, run_chat, serve,
+                     served_model)
 
-__all__ = ["serve_responses", "parse_request", "ResponseBuilder", "error_body"]
+__all__ = ["serve_responses", "parse_request", "ResponseBuilder", "error_body", "ROUTE"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -270,9 +271,13 @@ def parse_request(body: Any) -> ChatCall:
     marks = [(0, 0)] if instructions is not None else []
     if n - 1 not in (m for m, _ in marks) and last["role"] != "assistant":
         marks.append((n - 1, 0))
-    return ChatCall(messages=msgs.messages, labels=msgs.labels, tools=_tools(body.get("tools")),
-                    tool_choice=_tool_choice(body.get("tool_choice")), max_tokens=max_tokens,
+    choice = _tool_choice(body.get("tool_choice"))
+    call = ChatCall(messages=msgs.messages, labels=msgs.labels, tools=_tools(body.get("tools")),
+                    tool_choice=choice, max_tokens=max_tokens,
                     sampling=sampling, stop=[], breakpoints=marks, session=session)
+    restrict_tools(call, none=choice == "none",
+                   name=choice["function"]["name"] if isinstance(choice, dict) else None)
+    return call
 
 
 # -- Events -> response ------------------------------------------------------------------------
@@ -447,7 +452,20 @@ class ResponseBuilder:
                 }
             out.append(self._snapshot("response.incomplete" if cut else "response.completed"))
             return out
+        if event.kind == "error":
+            return self.fail(event.text or "the answer failed")
         return []  # kinds this front end does not render (progress)
+
+    def keepalive(self, event: Event) -> bytes:
+        """A comment line per progress report: a long prefill keeps the client's idle
+        timer fed."""
+        return f": keepalive {event.text}\n\n".encode()
+
+    def whole(self) -> Tuple[int, Dict[str, Any]]:
+        """The non-streamed reply: the response, or a 500 when the answer failed."""
+        if self.status == "failed":
+            return 500, error_body(self.error["message"], "server_error")
+        return 200, self.response()
 
     def fail(self, message: str) -> List[Tuple[str, Dict[str, Any]]]:
         """The closing events of an answer the server could not finish."""
@@ -468,87 +486,19 @@ def render(body: Dict[str, Any], model: str, events: Iterable[Event]
 
 
 # -- HTTP --------------------------------------------------------------------------------------
-def _read_body(handler) -> Tuple[Optional[Any], Optional[str]]:
-    """(the JSON body, None) or (None, what is wrong with it)."""
-    try:
-        n = int(handler.headers.get("Content-Length") or "")
-    except ValueError:
-        return None, "a Content-Length header (an integer) is required"
-    raw = handler.rfile.read(n) if n > 0 else b""
-    try:
-        return json.loads(raw.decode("utf-8")), None
-    except (UnicodeDecodeError, ValueError) as e:
-        return None, f"the request body is not valid JSON: {e}"
+def _error(e: AgentRequestError) -> Dict[str, Any]:
+    return error_body(e.message, e.kind, getattr(e, "param", None))
 
 
-def _send_json(handler, status: int, body: Dict[str, Any]) -> None:
-    data = json.dumps(body).encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(data)))
-    handler.end_headers()
-    handler.wfile.write(data)
-    handler.wfile.flush()
+def _answer(handler, body: Dict[str, Any], events) -> "ResponseBuilder":
+    # The served model answers whatever name the client sent; the name is echoed back.
+    name = body.get("model")
+    return ResponseBuilder(body, name if isinstance(name, str) and name else served_model(handler))
 
 
-def _sse(kind: str, data: Dict[str, Any]) -> bytes:
-    return f"event: {kind}\ndata: {json.dumps(data)}\n\n".encode()
+ROUTE = Route(parse=parse_request, answer=_answer, error=_error)
 
 
 def serve_responses(handler) -> None:
     """Answer one ``POST /v1/responses`` on ``handler`` (see the module's docstring)."""
-    body, problem = _read_body(handler)
-    if problem is not None:
-        return _send_json(handler, 400, error_body(problem))
-    try:
-        events = run_chat(handler, parse_request(body))  # bad input raises here, before any event
-    except AgentRequestError as e:
-        return _send_json(handler, e.status, error_body(
-            e.message, e.kind, getattr(e, "param", None)))
-    # The served model answers whatever name the client sent; the name is echoed back.
-    name = body.get("model")
-    builder = ResponseBuilder(body, name if isinstance(name, str) and name
-                              else served_model(handler))
-    try:
-        if body.get("stream"):
-            _stream(handler, builder, events)
-        else:
-            _whole(handler, builder, events)
-    finally:
-        events.close()  # a client gone mid-answer ends the generation
-
-
-def _whole(handler, builder: ResponseBuilder, events: Iterator[Event]) -> None:
-    for ev in events:
-        if ev.kind == "error":  # the generation failed after it started
-            return _send_json(handler, 500, error_body(ev.text, "server_error"))
-        builder.feed(ev)
-    _send_json(handler, 200, builder.response())
-
-
-def _stream(handler, builder: ResponseBuilder, events: Iterator[Event]) -> None:
-    handler.send_response(200)
-    handler.send_header("Content-Type", "text/event-stream")
-    handler.send_header("Cache-Control", "no-cache")
-    handler.end_headers()
-
-    def write(data: bytes) -> None:
-        if data:
-            handler.wfile.write(data)
-            handler.wfile.flush()
-
-    def send(batch: List[Tuple[str, Dict[str, Any]]]) -> None:
-        write(b"".join(_sse(k, d) for k, d in batch))
-
-    try:
-        send(builder.start())
-        for ev in events:
-            if ev.kind == "progress":  # a long prefill: keep the client's idle timer fed
-                write(f": keepalive {ev.text}\n\n".encode())
-            elif ev.kind == "error":  # the generation failed mid-answer: the stream says so
-                send(builder.fail(ev.text))
-                return
-            else:
-                send(builder.feed(ev))
-    except (BrokenPipeError, ConnectionResetError):
-        return  # the client hung up; closing the events ends the generation
+    serve(handler, ROUTE, run_chat)
