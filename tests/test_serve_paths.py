@@ -324,7 +324,9 @@ def test_seeded_hybrid_requests_checkpoint_and_misses_are_explained(dirs, tmp_pa
     with Server.ours(d, log, tmp_path, "--cache-dir", str(cache),
                      "--checkpoint-interval", "16") as s:
         ours, _ = play(s, seed=0)
-        report = s.cache()
+        # mlx-lm inserts (and we list) the last request just after its answer's end
+        report = s.watch.wait("every request's entry in GET /v1/cache").until(
+            lambda: (lambda r: r if len(r["recent"]) >= len(REQUESTS) else None)(s.cache()))
         for a, b in zip(stock, ours):
             same_answer(a, b)
         check_reuse(ours, stock, report)
