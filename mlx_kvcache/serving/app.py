@@ -219,6 +219,10 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
                                    bool(getattr(args, "trust_remote_code", False)))
         if problem:
             sys.stderr.write(f"error: rank {agree.rank}: {problem}\n")
+            sys.stderr.flush()
+            # Every rank found the same problem: meet once before exiting, or the first
+            # rank to exit has mlx.launch stop the others before they have said why.
+            agree.all_min([1])
             _exit(1)
     sharding = (f"{'pipeline' if args.pipeline else 'tensor'}-{agree.size}-rank{agree.rank}"
                 if agree.size > 1 else "")
