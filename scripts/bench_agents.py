@@ -58,7 +58,7 @@ from typing import Any, Dict, List, Optional
 import mlx_kvcache  # noqa: F401  (before mlx: preloads a fast BLAS)
 
 from mlx_kvcache.testing import write_model_dir  # noqa: E402
-from mlx_kvcache.testing.servers import Server  # noqa: E402
+from mlx_kvcache.testing.servers import Server, stop_servers_on_sigterm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -522,6 +522,7 @@ def route_cost(work: Path, rounds: int = 30) -> None:
 
 
 def main(argv=None):
+    stop_servers_on_sigterm()  # a killed benchmark leaves no server behind
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="10 turns, a ~1k-token prefix (~1.8k on the hybrid), 4-token answers")

@@ -61,7 +61,7 @@ from pathlib import Path
 import mlx_kvcache  # noqa: F401  (before mlx: preloads a fast BLAS)
 
 from mlx_kvcache.testing import DIR_CONFIGS, write_draft_dir, write_model_dir  # noqa: E402
-from mlx_kvcache.testing.servers import Server  # noqa: E402
+from mlx_kvcache.testing.servers import Server, stop_servers_on_sigterm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("alpha beta gamma delta river stone cloud metric vector buffer kernel socket "
@@ -453,6 +453,7 @@ def report(kind, res, held, rss, restart, agree, goals):
 
 
 def main(argv=None):
+    stop_servers_on_sigterm()  # a killed benchmark leaves no server behind
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer turns and sessions")
     ap.add_argument("--only", choices=("a", "b", "d", "q", "2"),

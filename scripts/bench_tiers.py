@@ -40,7 +40,7 @@ from pathlib import Path
 
 import mlx_kvcache  # noqa: F401  (before mlx: preloads a fast BLAS)
 
-from mlx_kvcache.testing.servers import Server  # noqa: E402
+from mlx_kvcache.testing.servers import Server, stop_servers_on_sigterm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -265,6 +265,7 @@ def part3(work, prompts_n, tokens_n, bits_list, prompt_words):
 
 
 def main(argv=None):
+    stop_servers_on_sigterm()  # a killed benchmark leaves no server behind
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=("1", "2", "3"))

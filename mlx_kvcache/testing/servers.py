@@ -276,6 +276,13 @@ class Server(Client):
         self.stop()
 
 
+def stop_servers_on_sigterm() -> None:
+    """Make SIGTERM unwind the main thread like Ctrl-C, so the ``finally`` / ``with`` blocks
+    of a script stop the servers (and ``mlx.launch`` jobs) it started: by default a signal
+    ends Python at once, and the servers, each in a process group of its own, run on."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def answer(r: Dict[str, Any]):
     """(text, [(token id, [(top id, logprob)...])...], cached tokens) of a response."""
     c = r["choices"][0]
