@@ -36,6 +36,20 @@ _DRAIN_LIMIT = 64 << 20
 STATS_WAIT = 10.0
 
 
+
+def send_json(handler, status: int, body: Dict[str, Any],
+              headers: Optional[Dict[str, str]] = None) -> None:
+    """One JSON reply with ``headers`` (no others: mlx-lm's CORS headers are its routes' own)."""
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        handler.send_header(k, v)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+    handler.wfile.flush()
+
 class CacheAPIHandler(APIHandler):
     #: Who may use ``/v1/cache`` (the app sets it from ``--admin-token`` and ``--host``).
     admin: AdminPolicy = AdminPolicy.make(None, "127.0.0.1")
@@ -158,16 +172,7 @@ class CacheAPIHandler(APIHandler):
 
     def _send_admin(self, status: int, body: Dict[str, Any], headers: Optional[dict] = None) -> None:
         """JSON without mlx-lm's CORS headers: a browser may not read or call this route."""
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Cache-Control", "no-store")
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-        self.wfile.flush()
+        send_json(self, status, body, {"Cache-Control": "no-store", **(headers or {})})
 
     def _admin_route(self, method: str) -> None:
         self._drain_body()

@@ -57,7 +57,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 from mlx_lm.server import APIHandler
 
 from ..generator import MarkedRequest
-from ..handler import CacheAPIHandler
+from ..handler import CacheAPIHandler, send_json
 from ..lifecycle import current_ticket
 from . import conversation
 
@@ -558,20 +558,6 @@ def read_body(handler) -> Any:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise AgentRequestError(f"the request body is not valid JSON: {e}") from None
-
-
-def send_json(handler, status: int, body: Dict[str, Any],
-              headers: Optional[Dict[str, str]] = None) -> None:
-    """One JSON reply."""
-    data = json.dumps(body).encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
-    for k, v in (headers or {}).items():
-        handler.send_header(k, v)
-    handler.send_header("Content-Length", str(len(data)))
-    handler.end_headers()
-    handler.wfile.write(data)
-    handler.wfile.flush()
 
 
 def _sse(batch: Iterable[SSE]) -> bytes:
