@@ -39,6 +39,7 @@ character per token).
     python scripts/bench_agents.py --only smollm2 --shapes codex
     python scripts/bench_agents.py --fixed-cost   # one request's tokenizing, chat vs agent
     python scripts/bench_agents.py --route-cost   # a cached prompt through each route
+    python scripts/bench_agents.py --stock-cost   # short agent-like turns, ours vs stock
 """
 
 from __future__ import annotations
@@ -521,6 +522,55 @@ def route_cost(work: Path, rounds: int = 30) -> None:
         print(f"  {k:10s} {statistics.median(v):.3f}")
 
 
+def stock_cost(work: Path, rounds: int = 15) -> None:
+    """Our fixed cost per request against stock's, on the chat route both serve: one
+    conversation on the tiny hybrid (a ~2.2k-token system prompt), each round adding an
+    assistant answer and a short user message as an agent's turn does, sent to both
+    servers alternating (raw HTTP, streamed, 4 tokens); the median TTFT of each and, with
+    ``MLX_KVCACHE_PROFILE=1``, where the generation thread's time went per request."""
+    import re
+    import statistics
+
+    d = write_model_dir(work / "hybrid", "qwen3_next", max_position_embeddings=65536)
+    rng = random.Random(0)
+    env = {"MLX_KVCACHE_PROFILE": "1"}
+    servers = {
+        "stock": Server([sys.executable, str(ROOT / "scripts" / "stock_server.py"),
+                         "--model", str(d)], work / "stock_cost_stock.log", work / "home",
+                        env=env),
+        "ours": Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model", str(d),
+                        "--cache-dir", str(work / "cache")], work / "stock_cost_ours.log",
+                       work / "home", env=env)}
+    try:
+        msgs = [{"role": "system", "content": text(rng, 330)},
+                {"role": "user", "content": "hello " + text(rng, 20)}]
+        for s in servers.values():  # the first computes the prompt
+            bench_server.ask(s, msgs, 1)
+        times: Dict[str, List[float]] = {k: [] for k in servers}
+        for r in range(rounds):
+            msgs = msgs + [{"role": "assistant", "content": f"ok {r}"},
+                           {"role": "user", "content": "next " + text(rng, 8)}]
+            for k, s in servers.items():
+                times[k].append(bench_server.ask(s, msgs, 4)["ttft"])
+    finally:
+        for s in servers.values():
+            s.stop()
+    print(f"median TTFT of a short agent-like turn, {rounds} rounds, chat route:")
+    for k, v in times.items():
+        print(f"  {k:6s} {statistics.median(v):.4f} s (mean {statistics.mean(v):.4f})")
+    print("generation thread, seconds per request (count):")
+    for k, s in servers.items():
+        found = re.findall(r"\[profile\] rank 0 \| (\{.*\})", s.log.read_text(errors="replace"))
+        if not found:
+            continue
+        p = json.loads(found[-1])
+        n = rounds + 1
+        rows = sorted(((v / n, key, p.get("counts", {}).get(key, 0))
+                       for key, v in p.get("seconds", {}).items()
+                       if not key.startswith("cpu.") and v / n >= 2e-4), reverse=True)
+        print(f"  {k}: " + ", ".join(f"{key} {v:.4f} ({c})" for v, key, c in rows))
+
+
 def main(argv=None):
     stop_servers_on_sigterm()  # a killed benchmark leaves no server behind
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -534,11 +584,15 @@ def main(argv=None):
                     help="only time one request's tokenizing work, chat vs agent route")
     ap.add_argument("--route-cost", action="store_true",
                     help="only time the same cached prompt through each route of one server")
+    ap.add_argument("--stock-cost", action="store_true",
+                    help="only time short agent-like turns on ours' and stock's chat route")
     args = ap.parse_args(argv)
     if args.fixed_cost:
         return fixed_cost(Path(tempfile.mkdtemp(prefix="bench_agents_")))
     if args.route_cost:
         return route_cost(Path(tempfile.mkdtemp(prefix="bench_agents_")))
+    if args.stock_cost:
+        return stock_cost(Path(tempfile.mkdtemp(prefix="bench_agents_")))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     turns = args.turns or (10 if args.quick else 24)
     max_tokens = 4 if args.quick else 16

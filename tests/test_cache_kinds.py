@@ -142,9 +142,10 @@ def test_deepseek_v41_layer_cache_parity_and_reuse():
     conv, stats = conversation(pc, m, random.Random(1))
     assert all(s.restored_tokens > 0 for s in stats[1:])
     assert stats[4].restored_tokens == len(conv) - 1  # the pre-end snapshot at n - 1
-    # Whole states restore at node ends only: the divergence at 19 lands on the pre-end
-    # snapshot of the first turn (21 - 4 = 17), and the reason names the real class.
-    assert stats[5].restored_tokens == 17 and "LayerCache" in stats[5].reason
+    # Whole states restore at node ends only: the divergence at 19 lands on the first
+    # turn's interval snapshot at 16 (its pre-end stop, 21 - 4 = 17, one token above it,
+    # would not pay: `planner.guess_spacing`), and the reason names the real class.
+    assert stats[5].restored_tokens == 16 and "LayerCache" in stats[5].reason
 
 
 # -- classes the package has never seen ------------------------------------------------------
@@ -264,9 +265,9 @@ def test_unknown_cache_classes_parity_reuse_at_node_ends_one_warning(monkeypatch
         new_cache(m)
     assert all(s.restored_tokens > 0 for s in stats[1:])
     assert stats[4].restored_tokens == len(conv) - 1
-    # whole states restore only at node ends: the divergence at 19 lands on 17 (the first
-    # turn's pre-end snapshot)
-    assert stats[5].restored_tokens == 17 and "RowCache" in stats[5].reason
+    # whole states restore only at node ends: the divergence at 19 lands on 16 (the first
+    # turn's interval snapshot; no pre-end one at 17, one token above it)
+    assert stats[5].restored_tokens == 16 and "RowCache" in stats[5].reason
 
 
 def test_generic_interrupted_pass_is_not_recorded():

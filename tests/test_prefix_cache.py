@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
 import mlx_kvcache as mk
+from mlx_kvcache.prefix.planner import guess_spacing, stops
 from models import V, build
 from reference import (  # noqa: F401  (track_snapshots is an autouse fixture)
     MARGIN, TOK, assert_same, check_no_leaks, cold, model, new_cache, run, track_snapshots,
@@ -78,21 +79,73 @@ def test_reuse_bounds(name):
     assert_same(got1, got2)
 
     # A prompt diverging inside an earlier one: llama restores to the divergence point at
-    # once; the others land short, schedule a branch-point snapshot, and hit it next time.
+    # once; the others land short and schedule a branch-point snapshot that the next
+    # divergence there hits — where it saves enough (`guess_spacing`), else they land
+    # where they landed before.
     d = 20
     p1 = conv[:d] + [1, 2, 3]
     ref = cold(m, p1, 3)
     got, s = run(pc, p1, 3)
     assert_same(ref, got)
     assert s.matched_tokens == d
+    short = s.restored_tokens
     if name == "llama":
-        assert s.restored_tokens == d and s.reason is None
+        assert short == d and s.reason is None
     else:
-        assert s.restored_tokens < d and s.reason
+        assert short < d and s.reason
     p2 = conv[:d] + [4, 5, 6]
     got, s = run(pc, p2, 3)
     assert_same(cold(m, p2, 3), got)
-    assert s.matched_tokens == d and s.restored_tokens == d
+    branch = name == "llama" or d - short >= guess_spacing(MARGIN)
+    assert s.matched_tokens == d and s.restored_tokens == (d if branch else short)
+    check_no_leaks(pc)
+
+
+def test_guessed_stops_are_taken_where_they_pay():
+    """The branch point and the stop before the prompt's end are snapshotted only when
+    they lie `guess_spacing` tokens above the restore and every other stop below them;
+    the client's own marks, the interval and the last token always are."""
+    gap = guess_spacing(MARGIN)
+    kw = dict(whole_state=True, pre_end_margin=MARGIN, snapshot_interval=0)
+    # an agent's turn: restored one token short of the branch, its input's end marked
+    n = 300
+    assert stops(n, 200, 201, extra=[n - 17], **kw) == [n - 17, n - 1]
+    # no mark: the stop before the end pays (far above the restore)
+    assert stops(n, 200, 201, **kw) == [n - MARGIN, n - 1]
+    # a branch far above the restore is taken
+    assert stops(n, 100, 100 + gap, **kw) == [100 + gap, n - MARGIN, n - 1]
+    assert stops(n, 100, 100 + gap - 1, **kw) == [n - MARGIN, n - 1]
+    # ... and measured from the stops below it, not only the restore
+    assert stops(n, 0, 130, extra=[120], **kw) == [120, n - MARGIN, n - 1]
+    assert stops(n, 0, 130, extra=[100], **dict(kw, snapshot_interval=64)) == [
+        64, 100, 128, 192, 256, n - MARGIN, n - 1]
+    # a state the trie already holds counts like a stop below
+    assert stops(n, 0, 130, known=[120], **kw) == [n - MARGIN, n - 1]
+    assert stops(n, 0, 130, known=[100], **kw) == [130, n - MARGIN, n - 1]
+    # the stop before the end, next to an interval stop
+    assert stops(270, 0, 0, **dict(kw, snapshot_interval=64)) == [64, 128, 192, 256, 269]
+    assert stops(290, 0, 0, **dict(kw, snapshot_interval=64)) == [64, 128, 192, 256, 286, 289]
+    # KV-only models: the client's marks alone
+    assert stops(n, 0, 130, extra=[120, 500], whole_state=False, pre_end_margin=MARGIN,
+                 snapshot_interval=64) == [120]
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gemma3_text"])
+def test_a_branch_far_above_the_restore_is_snapshotted_and_hit(name):
+    m = model(name)
+    pc = new_cache(m, pre_end_margin=MARGIN, snapshot_interval=0)
+    rng = random.Random(1)
+    conv = [rng.randrange(V) for _ in range(60)]
+    run(pc, conv, 2)
+    d = 40
+    p1 = conv[:d] + [1, 2, 3]
+    got, s = run(pc, p1, 3)
+    assert_same(cold(m, p1, 3), got)
+    assert s.matched_tokens == d and d - s.restored_tokens >= guess_spacing(MARGIN)
+    p2 = conv[:d] + [4, 5, 6]
+    got, s = run(pc, p2, 3)
+    assert_same(cold(m, p2, 3), got)
+    assert s.restored_tokens == d
     check_no_leaks(pc)
 
 

@@ -93,7 +93,10 @@ def test_budget_trim_and_stats():
 
 def test_checkpoints_only_for_models_that_need_them():
     hybrid = TriePromptCache(provider(build("qwen3_next")), max_bytes=1 << 30, checkpoint_interval=16)
-    assert hybrid.checkpoints(KEY, list(range(1, 70))) == [16, 32, 48, 64, 65, 68]
+    # every interval, the last token; not the stop before the end (65), one token above
+    # the interval's 64 (`planner.guess_spacing`)
+    assert hybrid.checkpoints(KEY, list(range(1, 70))) == [16, 32, 48, 64, 68]
+    assert hybrid.checkpoints(KEY, list(range(1, 78))) == [16, 32, 48, 64, 73, 76]
     plain = TriePromptCache(provider(build("llama")), max_bytes=1 << 30, checkpoint_interval=16)
     assert plain.checkpoints(KEY, list(range(1, 70))) == []
 

@@ -202,10 +202,10 @@ class PrefixManager:
             return []
 
         def structural() -> List[int]:
-            _, matched = self.trie.find(tokens)
+            path, matched = self.trie.find(tokens)
             if matched >= n:
-                _, matched = self.trie.find(tokens[: n - 1])
-            return self._stops(n, 0, matched, list(extra_stops))
+                path, matched = self.trie.find(tokens[: n - 1])
+            return self._stops(n, 0, matched, list(extra_stops), path)
         return self.peek(structural)
 
     def _target(self, live: LiveSet, tokens, extra_stops: List[int]):
@@ -216,15 +216,20 @@ class PrefixManager:
             path, matched = self.trie.find(tokens[: n - 1])
         target, top, live_common, reason = planner.choose_target(live, tokens, path, matched,
                                                                  self.agree)
-        stops = self._stops(n, target, top, extra_stops)
+        stops = self._stops(n, target, top, extra_stops, path)
         return Plan(n, max(matched, target), target, reason, stops), path, live_common
 
-    def _stops(self, n: int, restored: int, matched: int, extra: Sequence[int]) -> List[int]:
+    def _stops(self, n: int, restored: int, matched: int, extra: Sequence[int],
+               path: Sequence[TrieNode] = ()) -> List[int]:
         if self.kv_quant is not None:  # the switch to quantized rows happens exactly here
             extra = list(extra) + [self.kv_quant.start]
+        # node ends holding every layer's state (in memory or parked): a split's upper
+        # half holds none for recurrent layers
+        known = [nd.end for nd in path
+                 if nd.end <= matched and (nd.parked or all(s is not None for s in nd.snapshots))]
         return planner.stops(n, restored, matched, whole_state=self.whole_state,
                              pre_end_margin=self.pre_end_margin,
-                             snapshot_interval=self.snapshot_interval, extra=extra)
+                             snapshot_interval=self.snapshot_interval, extra=extra, known=known)
 
     def _checkout(self, tokens, extra_stops: List[int],
                   room: Optional[int] = None) -> Tuple[LiveSet, Plan]:

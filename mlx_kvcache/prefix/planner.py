@@ -127,16 +127,45 @@ def _agreed(agree: Agreement, ordered: List[int], ok: List[int]) -> List[int]:
 
 
 def stops(n: int, restored: int, matched: int, *, whole_state: bool, pre_end_margin: int,
-          snapshot_interval: int, extra: Sequence[int] = ()) -> List[int]:
+          snapshot_interval: int, extra: Sequence[int] = (), known: Sequence[int] = ()) -> List[int]:
     """Prefill offsets to snapshot at: a branch point where the restore fell short, a few
     tokens before the prompt's end, every ``snapshot_interval`` tokens (hybrid and
     sliding-window models only: KV layers reach any token from the end snapshot), and
-    ``extra`` (e.g. chat message boundaries) on every model."""
+    ``extra`` (e.g. chat message boundaries, an agent's ``cache_control``) on every model.
+    ``known``: offsets of this prompt where the trie already holds a whole state.
+
+    Each stop costs a prefill pass and a snapshot now. The two guessed ones are taken only
+    where they can pay for themselves (`guess_spacing` tokens of recompute saved): the
+    branch point only that far above the restore, every known state and every stop below
+    it (an agent's next turn lands one token short of it); the stop before the end, which
+    stands in for where the request's input ends, also not that near a stop the request
+    asked for or an interval stop (an agent route marks its input's end)."""
     out = {s for s in extra if restored < s <= n - 1}
-    if whole_state:
-        out |= {n - 1, n - pre_end_margin}
-        if restored < matched:
-            out.add(matched)  # branch point: the next divergence here restores exactly
-        if snapshot_interval > 0:
-            out.update(range(snapshot_interval, n - 1, snapshot_interval))
-    return sorted(s for s in out if restored < s <= n - 1)
+    if not whole_state:
+        return sorted(out)
+    out.add(n - 1)  # where a re-sent identical prompt restores (mlx-lm splits it off anyway)
+    if snapshot_interval > 0:
+        out.update(range(snapshot_interval, n - 1, snapshot_interval))
+    out = {s for s in out if restored < s <= n - 1}
+    gap = guess_spacing(pre_end_margin, snapshot_interval)
+    floor = [restored] + [k for k in known if k <= n - 1]
+
+    def below(g: int) -> int:
+        return max([k for k in floor if k <= g] + [s for s in out if s < g])
+    if restored < matched <= n - 1 and matched - below(matched) >= gap:
+        out.add(matched)  # branch point: the next divergence here restores exactly
+    g = n - pre_end_margin
+    if restored < g and g - below(g) >= gap and all(abs(s - g) >= gap for s in out if s != n - 1):
+        out.add(g)
+    return sorted(out)
+
+
+def guess_spacing(pre_end_margin: int, snapshot_interval: int = 0) -> int:
+    """Tokens a guessed stop must save a later request to be taken: four times the margin
+    (16 by default) — less recompute than that costs less than the stop's own pass and
+    snapshot — or half the snapshot interval where that is smaller (an interval that
+    short asks for dense checkpoints: short prompts, tests)."""
+    gap = 4 * max(int(pre_end_margin), 1)
+    if snapshot_interval > 0:
+        gap = min(gap, max(snapshot_interval // 2, 1))
+    return gap
