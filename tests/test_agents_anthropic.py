@@ -370,6 +370,19 @@ def test_thinking_switch_reaches_a_template_that_honours_it(tmp_path):
         status, out = s.request("POST", "/v1/messages", body={
             "model": "m", "max_tokens": 4, "messages": msgs, "thinking": {"type": "sometimes"}})
         assert status == 400 and "thinking" in out["error"]["message"]
+        # The Responses API's reasoning.effort is the same switch.
+        import openai
+        oc = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="x",
+                           max_retries=0)
+        quick = oc.responses.create(model="m", max_output_tokens=16, input="Do it.",
+                                    reasoning={"effort": "none"})
+        assert [o.type for o in quick.output] == ["message"]
+        assert quick.output_text == ANSWER
+        deep = oc.responses.create(model="m", max_output_tokens=16, input="Do it.",
+                                   reasoning={"effort": "high", "summary": "auto"})
+        assert [o.type for o in deep.output] == ["reasoning", "message"]
+        assert deep.output_text == ANSWER
+        assert quick.usage.input_tokens == n["off"] and deep.usage.input_tokens == n["on"]
 
 
 def test_a_stop_refuses_in_anthropic_shape_and_ends_open_answers(tmp_path):

@@ -118,12 +118,31 @@ def test_tool_choice_gives_the_template_what_it_allows():
     assert names(parse_request({**base, "tool_choice": {"type": "function", "name": "g"}})) \
         == ["g"]
     assert names(parse_request({**base, "tool_choice": "required"})) == ["f", "g"]
+    allowed = {"type": "allowed_tools", "mode": "required",
+               "tools": [{"type": "function", "name": "g"}, {"type": "web_search"}]}
+    call = parse_request({**base, "tool_choice": allowed})
+    assert names(call) == ["g"] and call.tool_choice == "required"
+    assert names(parse_request({**base, "tool_choice": {**allowed, "tools": []}})) == []
+    with pytest.raises(AgentRequestError) as e:
+        parse_request({**base, "tool_choice": {**allowed, "tools": [
+            {"type": "function", "name": "h"}]}})
+    assert e.value.param == "tool_choice" and "'h'" in e.value.message
     for tools in (base["tools"], None):
         with pytest.raises(AgentRequestError) as e:
             parse_request({**base, "tools": tools,
                            "tool_choice": {"type": "function", "name": "web_search"}})
         assert e.value.status == 400 and e.value.param == "tool_choice"
         assert "'web_search'" in e.value.message
+
+
+def test_reasoning_effort_turns_thinking_on_or_off():
+    base = {"input": "Hi"}
+    assert parse_request(base).thinking is None
+    assert parse_request({**base, "reasoning": {"summary": "auto"}}).thinking is None
+    for effort, on in (("none", False), ("minimal", False), ("low", True), ("medium", True),
+                       ("high", True), ("xhigh", True)):
+        assert parse_request({**base, "reasoning": {"effort": effort, "summary": "auto"}}
+                             ).thinking is on
 
 
 @pytest.mark.parametrize("body, param", [
@@ -147,6 +166,8 @@ def test_tool_choice_gives_the_template_what_it_allows():
     ({"input": "x", "tool_choice": {"type": "web_search"}}, "tool_choice"),
     ({"input": "x", "prompt_cache_key": 3}, "prompt_cache_key"),
     ({"input": "x", "stream": "yes"}, "stream"),
+    ({"input": "x", "reasoning": "high"}, "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),
 ])
 def test_bad_requests_name_the_field(body, param):
     with pytest.raises(AgentRequestError) as e:

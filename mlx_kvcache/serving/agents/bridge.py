@@ -112,25 +112,28 @@ class ChatCall:
 
 
 def restrict_tools(call: ChatCall, none: bool = False, name: Optional[str] = None,
-                   param: str = "tool_choice") -> None:
+                   param: str = "tool_choice", allowed: Optional[List[str]] = None) -> None:
     """Enforce what a ``tool_choice`` can honestly enforce on ``call``: ``none`` — the chat
     template is given no tools (the model is told of none); ``name`` — only that tool
-    (the model is told of no other). Neither (``auto``, ``any`` / ``required``) leaves the
-    tools as they are: a template cannot force a call. A ``name`` not among ``call.tools``
-    is an `AgentRequestError` naming it (``param``: the field)."""
+    (the model is told of no other); ``allowed`` — only those tools, in the request's
+    order. Otherwise (``auto``, ``any`` / ``required``) the tools stay as they are: a
+    template cannot force a call. A name not among ``call.tools`` is an
+    `AgentRequestError` naming it (``param``: the field)."""
     if none:
         call.tools, call.tool_breakpoints = None, []
         return
-    if name is None:
+    wanted = [name] if name is not None else allowed
+    if wanted is None:
         return
     names = [t["function"]["name"] for t in call.tools or ()]
-    if name not in names:
-        among = f"which is not among tools ({', '.join(names)})" if names else \
-            "but the request has no tools"
-        raise _named(f"{param} names the tool {name!r}, {among}", param)
-    k = names.index(name)
-    call.tools = [call.tools[k]]
-    call.tool_breakpoints = [0] if k in call.tool_breakpoints else []
+    for w in wanted:
+        if w not in names:
+            among = f"which is not among tools ({', '.join(names)})" if names else \
+                "but the request has no tools"
+            raise _named(f"{param} names the tool {w!r}, {among}", param)
+    keep = [k for k, n in enumerate(names) if n in wanted]
+    call.tool_breakpoints = [i for i, k in enumerate(keep) if k in call.tool_breakpoints]
+    call.tools = [call.tools[k] for k in keep] or None
 
 
 def _named(message: str, param: str) -> "AgentRequestError":

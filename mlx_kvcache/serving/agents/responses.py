@@ -10,8 +10,11 @@ Stateless: every request carries the whole conversation (as Codex sends it).
 ``previous_response_id`` and ``conversation`` are refused with a 400 that says so — this
 server keeps no responses. ``store``, ``metadata``, ``parallel_tool_calls`` are accepted
 and echoed; ``prompt_cache_key`` becomes `ChatCall.session`; OpenAI-side options with no
-local meaning (``include``, ``reasoning``, ``text``, ``truncation``, ``user``,
-``service_tier``, …) are accepted and ignored.
+local meaning (``include``, ``text``, ``truncation``, ``user``,
+``service_tier``, …) are accepted and ignored. ``reasoning.effort`` turns the model's
+reasoning off (``none``, ``minimal``) or on (``low`` … ``xhigh``), given to the chat template
+as ``enable_thinking`` where the template honours it (as Anthropic's ``thinking``); its
+``summary`` is ignored.
 
 The translation is two pure steps, tested without a server:
   * `parse_request`: a request body -> a `ChatCall` (OpenAI chat-format messages in the
@@ -125,7 +128,8 @@ def _tool_choice(choice: Any) -> Any:
         kind = choice.get("type")
         if kind == "function" and isinstance(choice.get("name"), str):
             return {"type": "function", "function": {"name": choice["name"]}}
-        if kind == "allowed_tools" and choice.get("mode") in ("auto", "required"):
+        if kind == "allowed_tools" and choice.get("mode") in ("auto", "required") and \
+                isinstance(choice.get("tools"), list):
             return choice["mode"]
     raise _bad("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
                f"'name': …}}, not {json.dumps(choice)[:200]}", "tool_choice")
@@ -222,6 +226,27 @@ def _item(msgs: _Messages, item: Any, i: int) -> None:
                    "function_call, function_call_output, reasoning)", at)
 
 
+#: ``reasoning.effort`` values: whether the model reasons first (a local template knows
+#: on and off only).
+_EFFORT = {"none": False, "minimal": False, "low": True, "medium": True, "high": True,
+           "xhigh": True}
+
+
+def _reasoning(value: Any) -> Optional[bool]:
+    """``reasoning`` as on / off (None: not sent, or no effort named)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _bad('reasoning must be an object such as {"effort": "medium"}', "reasoning")
+    effort = value.get("effort")
+    if effort is None:
+        return None
+    if effort not in _EFFORT:
+        raise _bad(f"reasoning.effort must be one of {', '.join(_EFFORT)}, not "
+                   f"{json.dumps(effort)}", "reasoning.effort")
+    return _EFFORT[effort]
+
+
 def parse_request(body: Any) -> ChatCall:
     """A Responses request body as a `ChatCall`, or `AgentRequestError` (400) naming the
     field at fault."""
@@ -259,6 +284,7 @@ def parse_request(body: Any) -> ChatCall:
         v = _number(body, key, lo, hi)
         if v is not None:
             sampling[key] = v
+    thinking = _reasoning(body.get("reasoning"))
     session = body.get("prompt_cache_key")
     if session is not None and not isinstance(session, str):
         raise _bad("prompt_cache_key must be a string", "prompt_cache_key")
@@ -275,9 +301,27 @@ def parse_request(body: Any) -> ChatCall:
     call = ChatCall(messages=msgs.messages, labels=msgs.labels, tools=_tools(body.get("tools")),
                     tool_choice=choice, max_tokens=max_tokens,
                     sampling=sampling, stop=[], breakpoints=marks, session=session)
+    call.thinking = thinking
     restrict_tools(call, none=choice == "none",
-                   name=choice["function"]["name"] if isinstance(choice, dict) else None)
+                   name=choice["function"]["name"] if isinstance(choice, dict) else None,
+                   allowed=_allowed(body.get("tool_choice")))
     return call
+
+
+def _allowed(choice: Any) -> Optional[List[str]]:
+    """The function names an ``allowed_tools`` choice lets the model see (the other kinds
+    it lists are tools this server skips anyway); None for every other choice."""
+    if not (isinstance(choice, dict) and choice.get("type") == "allowed_tools"):
+        return None
+    out = []
+    for i, t in enumerate(choice["tools"]):
+        if not isinstance(t, dict):
+            raise _bad(f"tool_choice.tools[{i}] must be an object", "tool_choice")
+        if t.get("type") == "function":
+            if not isinstance(t.get("name"), str):
+                raise _bad(f"tool_choice.tools[{i}] is a function without a name", "tool_choice")
+            out.append(t["name"])
+    return out
 
 
 # -- Events -> response ------------------------------------------------------------------------
