@@ -48,7 +48,6 @@ import argparse
 import json
 import random
 import shlex
-import signal
 import sys
 import tempfile
 import time
@@ -528,7 +527,6 @@ def stock_cost(work: Path, rounds: int = 15) -> None:
     assistant answer and a short user message as an agent's turn does, sent to both
     servers alternating (raw HTTP, streamed, 4 tokens); the median TTFT of each and, with
     ``MLX_KVCACHE_PROFILE=1``, where the generation thread's time went per request."""
-    import re
     import statistics
 
     d = write_model_dir(work / "hybrid", "qwen3_next", max_position_embeddings=65536)
@@ -560,10 +558,9 @@ def stock_cost(work: Path, rounds: int = 15) -> None:
         print(f"  {k:6s} {statistics.median(v):.4f} s (mean {statistics.mean(v):.4f})")
     print("generation thread, seconds per request (count):")
     for k, s in servers.items():
-        found = re.findall(r"\[profile\] rank 0 \| (\{.*\})", s.log.read_text(errors="replace"))
-        if not found:
+        p = bench_server.rank_profiles(s.log.read_text(errors="replace")).get(0)
+        if p is None:
             continue
-        p = json.loads(found[-1])
         n = rounds + 1
         rows = sorted(((v / n, key, p.get("counts", {}).get(key, 0))
                        for key, v in p.get("seconds", {}).items()
@@ -593,7 +590,6 @@ def main(argv=None):
         return route_cost(Path(tempfile.mkdtemp(prefix="bench_agents_")))
     if args.stock_cost:
         return stock_cost(Path(tempfile.mkdtemp(prefix="bench_agents_")))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     turns = args.turns or (10 if args.quick else 24)
     max_tokens = 4 if args.quick else 16
     print(f"command: python scripts/bench_agents.py {shlex.join(argv or sys.argv[1:])}")

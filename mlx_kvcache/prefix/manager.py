@@ -224,9 +224,9 @@ class PrefixManager:
         if self.kv_quant is not None:  # the switch to quantized rows happens exactly here
             extra = list(extra) + [self.kv_quant.start]
         # node ends holding every layer's state (in memory or parked): a split's upper
-        # half holds none for recurrent layers
-        known = [nd.end for nd in path
-                 if nd.end <= matched and (nd.parked or all(s is not None for s in nd.snapshots))]
+        # half holds none for recurrent layers (only whole-state models guess stops)
+        known = [nd.end for nd in path if nd.end <= matched and (
+            nd.parked or all(s is not None for s in nd.snapshots))] if self.whole_state else []
         return planner.stops(n, restored, matched, whole_state=self.whole_state,
                              pre_end_margin=self.pre_end_margin,
                              snapshot_interval=self.snapshot_interval, extra=extra, known=known)

@@ -36,7 +36,6 @@ _DRAIN_LIMIT = 64 << 20
 STATS_WAIT = 10.0
 
 
-
 def send_json(handler, status: int, body: Dict[str, Any],
               headers: Optional[Dict[str, str]] = None) -> None:
     """One JSON reply with ``headers`` (no others: mlx-lm's CORS headers are its routes' own)."""
@@ -49,6 +48,7 @@ def send_json(handler, status: int, body: Dict[str, Any],
     handler.end_headers()
     handler.wfile.write(data)
     handler.wfile.flush()
+
 
 class CacheAPIHandler(APIHandler):
     #: Who may use ``/v1/cache`` (the app sets it from ``--admin-token`` and ``--host``).

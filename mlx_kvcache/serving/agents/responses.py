@@ -121,16 +121,28 @@ def _tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
     return out or None
 
 
-def _tool_choice(choice: Any) -> Any:
+def _tool_choice(choice: Any) -> Tuple[Any, Optional[List[str]]]:
+    """``(mlx-lm's tool_choice, the function names an allowed_tools choice lets the model
+    see — None for every other choice)``; the other kinds an ``allowed_tools`` lists are
+    tools this server skips anyway."""
     if choice is None or choice in ("auto", "none", "required"):
-        return choice
+        return choice, None
     if isinstance(choice, dict):
         kind = choice.get("type")
         if kind == "function" and isinstance(choice.get("name"), str):
-            return {"type": "function", "function": {"name": choice["name"]}}
+            return {"type": "function", "function": {"name": choice["name"]}}, None
         if kind == "allowed_tools" and choice.get("mode") in ("auto", "required") and \
                 isinstance(choice.get("tools"), list):
-            return choice["mode"]
+            allowed = []
+            for i, t in enumerate(choice["tools"]):
+                if not isinstance(t, dict):
+                    raise _bad(f"tool_choice.tools[{i}] must be an object", "tool_choice")
+                if t.get("type") == "function":
+                    if not isinstance(t.get("name"), str):
+                        raise _bad(f"tool_choice.tools[{i}] is a function without a name",
+                                   "tool_choice")
+                    allowed.append(t["name"])
+            return choice["mode"], allowed
     raise _bad("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
                f"'name': …}}, not {json.dumps(choice)[:200]}", "tool_choice")
 
@@ -297,31 +309,15 @@ def parse_request(body: Any) -> ChatCall:
     marks = [(0, 0)] if instructions is not None else []
     if n - 1 not in (m for m, _ in marks) and last["role"] != "assistant":
         marks.append((n - 1, 0))
-    choice = _tool_choice(body.get("tool_choice"))
+    choice, allowed = _tool_choice(body.get("tool_choice"))
     call = ChatCall(messages=msgs.messages, labels=msgs.labels, tools=_tools(body.get("tools")),
                     tool_choice=choice, max_tokens=max_tokens,
                     sampling=sampling, stop=[], breakpoints=marks, session=session)
     call.thinking = thinking
     restrict_tools(call, none=choice == "none",
                    name=choice["function"]["name"] if isinstance(choice, dict) else None,
-                   allowed=_allowed(body.get("tool_choice")))
+                   allowed=allowed)
     return call
-
-
-def _allowed(choice: Any) -> Optional[List[str]]:
-    """The function names an ``allowed_tools`` choice lets the model see (the other kinds
-    it lists are tools this server skips anyway); None for every other choice."""
-    if not (isinstance(choice, dict) and choice.get("type") == "allowed_tools"):
-        return None
-    out = []
-    for i, t in enumerate(choice["tools"]):
-        if not isinstance(t, dict):
-            raise _bad(f"tool_choice.tools[{i}] must be an object", "tool_choice")
-        if t.get("type") == "function":
-            if not isinstance(t.get("name"), str):
-                raise _bad(f"tool_choice.tools[{i}] is a function without a name", "tool_choice")
-            out.append(t["name"])
-    return out
 
 
 # -- Events -> response ------------------------------------------------------------------------
