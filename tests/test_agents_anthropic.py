@@ -15,7 +15,7 @@ anthropic = pytest.importorskip("anthropic")
 
 from mlx_kvcache.testing import write_model_dir  # noqa: E402
 from mlx_kvcache.testing.agent_dirs import (  # noqa: E402
-    ANSWER, THOUGHT, TOOL_CALL, write_thinking_dir, write_tool_dir)
+    ANSWER, LONG_THOUGHT, THOUGHT, TOOL_CALL, write_thinking_dir, write_tool_dir)
 from mlx_kvcache.testing.servers import Server  # noqa: E402
 from mlx_kvcache.testing.waits import CAP  # noqa: E402
 
@@ -335,6 +335,56 @@ def test_thinking_out_and_back(tmp_path):
                  {"role": "user", "content": "Again."}]
         again = c.messages.create(model="m", max_tokens=16, messages=msgs)
         assert again.usage.cache_read_input_tokens >= first + r.usage.output_tokens - 1
+
+
+@pytest.mark.parametrize("path", ["batch", "sequential", "draft"])
+def test_budget_tokens_caps_the_reasoning(tmp_path, path):
+    model = write_thinking_dir(tmp_path / "long", long=True)
+    extra = {"batch": [], "sequential": ["--kv-bits", "8", "--kv-group-size", "32",
+                                         "--quantized-kv-start", "0"],
+             "draft": ["--draft-model", str(model)]}[path]
+    msgs = [{"role": "user", "content": "Do it."}]
+    with Server.ours(model, tmp_path / "log.txt", tmp_path / "home", "--no-persist",
+                     *extra) as s:
+        c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{s.port}", api_key="x",
+                                max_retries=0)
+
+        def blocks(r):
+            return [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+                    for b in r.content]
+        free = c.messages.create(model="m", max_tokens=32, messages=msgs)
+        assert blocks(free) == [("thinking", LONG_THOUGHT), ("text", ANSWER)]
+        # After three tokens of reasoning the end of thinking is forced; the model answers.
+        capped = c.messages.create(model="m", max_tokens=32, messages=msgs,
+                                   thinking={"type": "enabled", "budget_tokens": 3})
+        assert blocks(capped) == [("thinking", LONG_THOUGHT[:3]), ("text", ANSWER)]
+        assert capped.stop_reason == "end_turn"
+        with c.messages.stream(model="m", max_tokens=32, messages=msgs,
+                               thinking={"type": "enabled", "budget_tokens": 7}) as st:
+            assert blocks(st.get_final_message()) == [("thinking", LONG_THOUGHT[:7]),
+                                                      ("text", ANSWER)]
+        # A budget the reasoning stays under changes nothing; the next request neither.
+        roomy = c.messages.create(model="m", max_tokens=32, messages=msgs,
+                                  thinking={"type": "enabled", "budget_tokens": 50})
+        assert blocks(roomy) == blocks(free)
+        assert blocks(c.messages.create(model="m", max_tokens=32, messages=msgs)) == blocks(free)
+
+
+def test_a_reasoning_budget_reads_where_the_reasoning_opened():
+    import mlx.core as mx
+
+    from mlx_kvcache.serving.reasoning_budget import ReasoningBudget
+
+    b = ReasoningBudget(2, start_id=5, end_id=6)
+    logits = mx.zeros((1, 8))
+    assert b.spent([1, 2, 3]) is None and b.spent([5, 1, 6, 2]) is None  # closed
+    assert b.spent([5, 6, 5]) == 0 and b.spent([1, 5, 2, 3]) == 2
+    assert (b(mx.array([1, 5, 2]), logits) == logits).all()  # one spent: free
+    forced = b(mx.array([1, 5, 2, 3]), logits)
+    assert forced.argmax().item() == 6 and mx.isinf(forced).sum().item() == 7
+    assert (b(mx.array([5, 2, 3, 6, 4]), logits) == logits).all()  # reasoning over
+    with pytest.raises(ValueError, match="positive"):
+        ReasoningBudget(0, 5, 6)
 
 
 def test_thinking_switch_reaches_a_template_that_honours_it(tmp_path):

@@ -15,9 +15,10 @@ anthropic = pytest.importorskip("anthropic")
 from mlx_lm.tokenizer_utils import load as load_tokenizer  # noqa: E402
 
 from mlx_kvcache.serving.agents import conversation as cv  # noqa: E402
+from mlx_kvcache.serving.answer_turn import answer_extends_prompt  # noqa: E402
 from mlx_kvcache.testing import write_model_dir  # noqa: E402
 from mlx_kvcache.testing.agent_dirs import (write_refusing_dir,  # noqa: E402
-                                           write_tool_template_dir)
+                                           write_thinking_dir, write_tool_template_dir)
 from mlx_kvcache.testing.servers import Server  # noqa: E402
 from mlx_kvcache.testing.waits import CAP  # noqa: E402
 
@@ -159,6 +160,42 @@ def tokenizers(dirs):
 def test_template_policy_is_probed(tokenizers):
     assert cv.system_policy(tokenizers["in_place"]) == "in_place"
     assert cv.system_policy(tokenizers["refusing"]) == "fold"
+
+
+class _Jinja:
+    """A tokenizer's template side only: ``template`` rendered with jinja2."""
+
+    has_chat_template, has_thinking = True, False
+
+    def __init__(self, template: str) -> None:
+        import jinja2
+        self.chat_template, self._template = template, jinja2.Template(template)
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False, **kw):
+        assert not tokenize
+        return self._template.render(messages=messages,
+                                     add_generation_prompt=add_generation_prompt, **kw)
+
+
+def test_whether_the_next_request_goes_on_past_the_answer_is_probed(tokenizers, tmp_path):
+    # "<|assistant|>" opens the answer's turn in the history as the generation prompt does
+    assert answer_extends_prompt(tokenizers["in_place"])
+    assert answer_extends_prompt(tokenizers["refusing"])
+    # a reasoning model's answer comes back without its reasoning: keep the stop
+    thinking = load_tokenizer(write_thinking_dir(tmp_path / "think", switch=True))
+    assert not answer_extends_prompt(thinking)
+    assert not answer_extends_prompt(thinking, {"enable_thinking": False})
+    turns = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    assert answer_extends_prompt(_Jinja(turns + "{% if add_generation_prompt %}<assistant>{% endif %}"))
+    # a generation prompt the history does not repeat (a newline after the role)
+    assert not answer_extends_prompt(
+        _Jinja(turns + "{% if add_generation_prompt %}<assistant>\n{% endif %}"))
+    # the template's arguments are part of the decision
+    switch = turns + ("{% if add_generation_prompt %}<assistant>{% if x %}<x>{% endif %}"
+                      "{% endif %}")
+    assert answer_extends_prompt(_Jinja(switch)) and not answer_extends_prompt(_Jinja(switch), {"x": 1})
+    raising = "{{ raise_exception('no') }}"
+    assert not answer_extends_prompt(_Jinja(raising))
 
 
 def _render(tok, msgs, breakpoints=()):

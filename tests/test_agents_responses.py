@@ -38,8 +38,12 @@ def test_string_input_and_instructions():
                              {"role": "user", "content": "Hi"}]
     assert call.labels == ["instructions", "input"]
     assert call.tools is None and call.max_tokens is None and call.sampling == {}
-    # checkpoints where the next request comes back: after the instructions, after the input
-    assert call.breakpoints == [(0, 0), (1, 0)]
+    # checkpoints where the next request comes back: after the instructions, after the
+    # input (the latter only where the template makes the next request diverge there)
+    assert call.breakpoints == [(0, 0)] and call.end_mark == (1, 0)
+    assert parse_request({"model": "gpt-5", "instructions": "Be brief."}
+                         | {"input": [{"role": "user", "content": "Hi"},
+                                      {"role": "assistant", "content": "Yo"}]}).end_mark is None
 
 
 def test_items_kept_in_place_and_calls_joined_to_their_turn():
@@ -153,7 +157,12 @@ def test_reasoning_effort_turns_thinking_on_or_off():
     ({"input": []}, "input"),
     ({"input": [{"type": "message", "role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "message", "role": "user", "content": [
-        {"type": "input_image", "image_url": "data:"}]}]}, "input[0].content[0]"),
+        {"type": "input_image", "file_id": "file_1"}]}]}, "input[0].content[0]"),
+    ({"input": [{"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "see"}, {"type": "input_image"}]}]},
+     "input[0].content[1]"),
+    ({"input": [{"type": "message", "role": "assistant", "content": [
+        {"type": "input_image", "image_url": "data:,"}]}]}, "input[0].content[0]"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0]"),
     ({"input": [{"type": "mystery"}]}, "input[0]"),

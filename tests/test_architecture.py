@@ -43,6 +43,9 @@ FOREIGN_PRIVATE = {
     "_option_string_actions",  # argparse: no public lookup of an option's action
     "_load",  # mlx_lm.server.ModelProvider._load: its source is probed (serving/seam.py)
     "_rank",  # mlx_lm.server.ResponseGenerator._rank (serving/app.py)
+    "_generate",  # mlx_lm.server.ResponseGenerator._generate: its source is probed (seam.py)
+    "_make_logits_processors",  # mlx_lm.server's, wrapped like its run (serving/seam.py)
+    "_decode_image",  # mlx_lm.server's image decoding, for count_tokens (agents/conversation.py)
 }
 
 

@@ -165,7 +165,7 @@ class PrefixManager:
 
     # -- checkout: restore ----------------------------------------------------------------
     def checkout(self, tokens: Sequence[int], extra_stops: Sequence[int] = (),
-                 room: Optional[int] = None) -> Tuple[LiveSet, Plan]:
+                 room: Optional[int] = None, guess_end: bool = True) -> Tuple[LiveSet, Plan]:
         """A live set of the caller's own, restored for ``tokens``, and its prefill plan.
 
         Always leaves at least one prompt token to evaluate (the model needs logits).
@@ -173,25 +173,29 @@ class PrefixManager:
         may be any token sequence; an int64 numpy array is used without a copy.
         ``room``: tokens the live set will be written past the restored ones in place
         (None: the rest of the prompt and the first new token; 0 for a caller that copies
-        the caches elsewhere before writing, like mlx-lm's batch merge).
+        the caches elsewhere before writing, like mlx-lm's batch merge). ``guess_end``
+        False: the caller knows the next request goes on past this prompt's end, so hybrid
+        and sliding-window models take no stop a few tokens before it (`planner.stops`).
         """
         tokens = as_tokens(tokens)
         if not len(tokens):
             raise ValueError("the prompt is empty")
-        return self.run(self._checkout, tokens, list(extra_stops), room)
+        return self.run(self._checkout, tokens, list(extra_stops), room, guess_end)
 
-    def preview(self, tokens: Sequence[int], extra_stops: Sequence[int] = ()) -> Plan:
+    def preview(self, tokens: Sequence[int], extra_stops: Sequence[int] = (),
+                guess_end: bool = True) -> Plan:
         """The plan `checkout` would make for ``tokens`` on fresh caches; changes nothing
         and runs no MLX (any thread)."""
         tokens = as_tokens(tokens)
         if not len(tokens):
             raise ValueError("the prompt is empty")
-        return self.peek(self._plan, self._blank, tokens, list(extra_stops))
+        return self.peek(self._plan, self._blank, tokens, list(extra_stops), guess_end)
 
-    def _plan(self, live: LiveSet, tokens, extra_stops: List[int]) -> Plan:
-        return self._target(live, tokens, extra_stops)[0]
+    def _plan(self, live: LiveSet, tokens, extra_stops: List[int], guess_end: bool) -> Plan:
+        return self._target(live, tokens, extra_stops, guess_end)[0]
 
-    def cuts(self, tokens: Sequence[int], extra_stops: Sequence[int] = ()) -> List[int]:
+    def cuts(self, tokens: Sequence[int], extra_stops: Sequence[int] = (),
+             guess_end: bool = True) -> List[int]:
         """Every offset where a fresh live set's prefill of ``tokens`` may have to stop:
         the stops of whatever plan `checkout` will make, and the ones below its restored
         offset (never reached). From the trie's structure alone, so the same on every rank
@@ -205,10 +209,10 @@ class PrefixManager:
             path, matched = self.trie.find(tokens)
             if matched >= n:
                 path, matched = self.trie.find(tokens[: n - 1])
-            return self._stops(n, 0, matched, list(extra_stops), path)
+            return self._stops(n, 0, matched, list(extra_stops), path, guess_end)
         return self.peek(structural)
 
-    def _target(self, live: LiveSet, tokens, extra_stops: List[int]):
+    def _target(self, live: LiveSet, tokens, extra_stops: List[int], guess_end: bool = True):
         """``(plan, path, live_common)`` for ``tokens`` on ``live``."""
         n = len(tokens)
         path, matched = self.trie.find(tokens)
@@ -216,11 +220,11 @@ class PrefixManager:
             path, matched = self.trie.find(tokens[: n - 1])
         target, top, live_common, reason = planner.choose_target(live, tokens, path, matched,
                                                                  self.agree)
-        stops = self._stops(n, target, top, extra_stops, path)
+        stops = self._stops(n, target, top, extra_stops, path, guess_end)
         return Plan(n, max(matched, target), target, reason, stops), path, live_common
 
     def _stops(self, n: int, restored: int, matched: int, extra: Sequence[int],
-               path: Sequence[TrieNode] = ()) -> List[int]:
+               path: Sequence[TrieNode] = (), guess_end: bool = True) -> List[int]:
         if self.kv_quant is not None:  # the switch to quantized rows happens exactly here
             extra = list(extra) + [self.kv_quant.start]
         # node ends holding every layer's state (in memory or parked): a split's upper
@@ -229,10 +233,11 @@ class PrefixManager:
             nd.parked or all(s is not None for s in nd.snapshots))] if self.whole_state else []
         return planner.stops(n, restored, matched, whole_state=self.whole_state,
                              pre_end_margin=self.pre_end_margin,
-                             snapshot_interval=self.snapshot_interval, extra=extra, known=known)
+                             snapshot_interval=self.snapshot_interval, extra=extra, known=known,
+                             guess_end=guess_end)
 
-    def _checkout(self, tokens, extra_stops: List[int],
-                  room: Optional[int] = None) -> Tuple[LiveSet, Plan]:
+    def _checkout(self, tokens, extra_stops: List[int], room: Optional[int] = None,
+                  guess_end: bool = True) -> Tuple[LiveSet, Plan]:
         live = self._idle
         if live is not None and len(live.tokens) and live.tokens[0] == tokens[0]:
             self._idle = None
@@ -241,7 +246,7 @@ class PrefixManager:
         live.epoch = self._epoch
         self._lent.add(live)
         loaded = self.verify(tokens) if self.verify is not None else None
-        plan, path, live_common = self._target(live, tokens, extra_stops)
+        plan, path, live_common = self._target(live, tokens, extra_stops, guess_end)
         target = plan.restored
         live.align(target)
         if room is None:

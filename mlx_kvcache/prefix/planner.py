@@ -127,7 +127,8 @@ def _agreed(agree: Agreement, ordered: List[int], ok: List[int]) -> List[int]:
 
 
 def stops(n: int, restored: int, matched: int, *, whole_state: bool, pre_end_margin: int,
-          snapshot_interval: int, extra: Sequence[int] = (), known: Sequence[int] = ()) -> List[int]:
+          snapshot_interval: int, extra: Sequence[int] = (), known: Sequence[int] = (),
+          guess_end: bool = True) -> List[int]:
     """Prefill offsets to snapshot at: a branch point where the restore fell short, a few
     tokens before the prompt's end, every ``snapshot_interval`` tokens (hybrid and
     sliding-window models only: KV layers reach any token from the end snapshot), and
@@ -139,7 +140,9 @@ def stops(n: int, restored: int, matched: int, *, whole_state: bool, pre_end_mar
     branch point only that far above the restore, every known state and every stop below
     it (an agent's next turn lands one token short of it); the stop before the end, which
     stands in for where the request's input ends, also not that near a stop the request
-    asked for or an interval stop (an agent route marks its input's end)."""
+    asked for or an interval stop (an agent route marks its input's end), and not at all
+    with ``guess_end`` False: the caller knows the next request goes on past this prompt's
+    end (a chat template that re-renders its generation prompt as the answer's turn)."""
     out = {s for s in extra if restored < s <= n - 1}
     if not whole_state:
         return sorted(out)
@@ -155,7 +158,7 @@ def stops(n: int, restored: int, matched: int, *, whole_state: bool, pre_end_mar
     if restored < matched <= n - 1 and matched - below(matched) >= gap:
         out.add(matched)  # branch point: the next divergence here restores exactly
     g = n - pre_end_margin
-    if restored < g and g - below(g) >= gap and all(abs(s - g) >= gap for s in out if s != n - 1):
+    if guess_end and restored < g and g - below(g) >= gap and all(abs(s - g) >= gap for s in out if s != n - 1):
         out.add(g)
     return sorted(out)
 

@@ -30,9 +30,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from mlx_lm.server import CompletionRequest, GenerationContext, ResponseGenerator
 
 from . import extract, sequential
+from .answer_turn import answer_extends_prompt
 from .lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
 from .memory import AdmissionQueue, MemoryGuard, MemoryRefused
 from .profile import count_share, loop_phase
+from .reasoning_budget import ReasoningBudget
 from .validation import generation_problem
 
 log = logging.getLogger("mlx_kvcache")
@@ -59,6 +61,8 @@ class MarkedRequest(CompletionRequest):
     #: rendering and encoding the same prompt again (`tokenizer_for`).
     tokens: Optional[List[int]] = None
     template_kwargs: Optional[Dict[str, Any]] = None
+    #: At most this many tokens of reasoning (Anthropic's ``budget_tokens``), or None.
+    reasoning_budget: Optional[int] = None
 
     def tokenizer_for(self, tokenizer):
         """``tokenizer``, or a view of it that answers the rendering of this request's own
@@ -212,20 +216,38 @@ class ServerResponseGenerator(ResponseGenerator):
         if problem:
             raise ValueError(problem)
         self._make_state_machine(self.model_provider.model_key, tokenizer, args.stop_words)
+        budget = getattr(request, "reasoning_budget", None)
+        if budget:  # mlx-lm makes this request's logits processors next (`reasoning_budget`)
+            args.reasoning_budget = ReasoningBudget.for_tokenizer(tokenizer, budget)
         marked = [c for c in getattr(request, "cuts", None) or () if 0 < c < len(prompt)]
         expect = getattr(self.prompt_cache, "expect", None)
         if expect is not None:  # this request's layout, for its fetch's explanation
             expect(prompt, getattr(request, "marks", None) or (), getattr(request, "session", None))
+        guess_end = not self._goes_on_past_answer(tokenizer, request, args)
         seq = sequential.current()
         if seq is not None:  # the sequential fetch plans its own stops
             seq.prompt, seq.vision, seq.extra_stops = prompt, vision, marked
+            seq.guess_end = guess_end
             return prompt, segments, types, state, vision
         checkpoints = getattr(self.prompt_cache, "checkpoints", None)
         if vision is None and checkpoints is not None and self.model_provider.model is not None:
-            cuts = checkpoints(self.model_provider.model_key, prompt, marked)
+            cuts = checkpoints(self.model_provider.model_key, prompt, marked, guess_end)
             if cuts:
                 segments, types = split_segments(segments, types, cuts)
         return prompt, segments, types, state, vision
+
+    def _goes_on_past_answer(self, tokenizer, request, args) -> bool:
+        """Whether this chat request's next turn will extend its prompt and answer (the
+        template's generation prompt re-renders as the answer's turn: `answer_turn`), so
+        the prompt cache need not guess a stop before the prompt's end."""
+        if getattr(request, "request_type", None) != "chat":
+            return False
+        template_args = getattr(request, "template_kwargs", None)
+        if template_args is None:  # as mlx-lm's own ``_tokenize`` merges them
+            template_args = dict(getattr(self.model_provider.cli_args, "chat_template_args",
+                                         None) or {})
+            template_args.update(getattr(args, "chat_template_kwargs", None) or {})
+        return answer_extends_prompt(tokenizer, template_args)
 
     def _serve_single(self, request, stream):
         # The fetch inside is sequential: it prefills through the planned stops, storing

@@ -181,9 +181,11 @@ class TriePromptCache:
             self.trim_to(n_bytes=room)
         release(prompt_cache)  # mlx-lm never reads an inserted cache again (`extract`)
 
-    def checkpoints(self, model_key, tokens: Sequence[int], extra: Sequence[int] = ()) -> List[int]:
+    def checkpoints(self, model_key, tokens: Sequence[int], extra: Sequence[int] = (),
+                    guess_end: bool = True) -> List[int]:
         """Prompt offsets where prefill should stop so the caches can be stored there:
-        every ``checkpoint_interval`` tokens, a few tokens before the end, at the branch
+        every ``checkpoint_interval`` tokens, a few tokens before the end (unless
+        ``guess_end`` is False: the next request goes on past the end), at the branch
         point where a restore will land short and at ``extra`` (offsets the request asks
         for: an agent's ``cache_control``) — hybrid and sliding-window models; KV layers
         reach any token from the final insert anyway. Those below where the fetch will
@@ -200,7 +202,7 @@ class TriePromptCache:
                 return []
             if sequential.current() is not None:
                 return []  # the sequential fetch plans (and takes) its own stops
-            return st.manager.cuts(tokens, extra)
+            return st.manager.cuts(tokens, extra, guess_end)
         return self._guard("planning checkpoints", plan, [], "plan")
 
     def expect(self, tokens: Sequence[int], marks: Sequence[Tuple[int, str]],
@@ -232,7 +234,8 @@ class TriePromptCache:
         ids = as_tokens(tokens)
         # The batch path's merge copies the rows into mlx-lm's batch cache: no room to grow.
         live, plan = mgr.checkout(ids, seq.extra_stops if seq is not None else (),
-                                  room=None if seq is not None else 0)
+                                  room=None if seq is not None else 0,
+                                  guess_end=seq.guess_end if seq is not None else True)
         self.requests += 1
         self.prompt_tokens += len(ids)
         self.disk_tokens += plan.from_disk

@@ -7,7 +7,9 @@ runs: its ``argparse`` (so our options join the server's own parser, ``--help`` 
 its ``run`` (so our prompt cache, response generator and HTTP handler are used), its
 ``load`` (a draft model loads with the target's ``--trust-remote-code``) — and
 ``stream_generate``, which the sequential path looks up per request (`stream`: mlx-lm's
-own except with a draft model, where ours decodes exactly on every cache kind).
+own except with a draft model, where ours decodes exactly on every cache kind), and
+``_make_logits_processors``, which both paths call per request (a request's reasoning
+budget joins its processors: `reasoning_budget`).
 Nothing of mlx-lm's code is copied. Before touching anything the seam is probed; a
 version whose seam changed gets one clear line instead of a server that misbehaves.
 """
@@ -98,6 +100,11 @@ def check() -> Optional[str]:
     if 'f"data: {json.dumps(resp)}\\n\\n"' not in chunks or "include_usage" not in chunks:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: APIHandler.handle_completion no longer "
                         f"streams OpenAI chunks (data: ...) with usage, as the agent routes read")
+    if not callable(getattr(S, "_make_logits_processors", None)) or any(
+            "_make_logits_processors(args)" not in inspect.getsource(fn)
+            for fn in (S.ResponseGenerator._serve_single, S.ResponseGenerator._generate)):
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server no longer makes each "
+                        f"request's logits processors with _make_logits_processors(args)")
     src = inspect.getsource(S.main)
     if "argparse.ArgumentParser(" not in src or "run(" not in src:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server.main no longer builds "
@@ -110,12 +117,14 @@ def patched(add_options: Callable[[argparse.ArgumentParser], None],
             run: Callable, argv: List[str]) -> Iterator[None]:
     """While inside: ``mlx_lm.server.main()`` parses ``argv`` with our options added and
     calls ``run`` instead of its own, and the sequential path's ``stream_generate`` is
-    ours (`stream`: mlx-lm's, except with a draft model); everything is put back
+    ours (`stream`: mlx-lm's, except with a draft model), and each request's logits
+    processors get its reasoning budget (`reasoning_budget`); everything is put back
     afterwards."""
     import sys
 
     from mlx_lm import server as S
 
+    from .reasoning_budget import with_budgets
     from .stream import make_stream_generate
 
     parsed: List[argparse.Namespace] = []
@@ -143,13 +152,15 @@ def patched(add_options: Callable[[argparse.ArgumentParser], None],
                                  f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}"
                                  ) from e
 
-    saved = (S.argparse, S.run, S.stream_generate, S.load, sys.argv)
+    saved = (S.argparse, S.run, S.stream_generate, S.load, S._make_logits_processors, sys.argv)
     shim = argparse.Namespace(**{k: getattr(argparse, k) for k in dir(argparse)
                                  if not k.startswith("_")})
     shim.ArgumentParser = Parser
     S.argparse, S.run, S.load, sys.argv = shim, run, load, argv
     S.stream_generate = make_stream_generate(S.stream_generate)
+    S._make_logits_processors = with_budgets(S._make_logits_processors)
     try:
         yield
     finally:
-        S.argparse, S.run, S.stream_generate, S.load, sys.argv = saved
+        (S.argparse, S.run, S.stream_generate, S.load, S._make_logits_processors,
+         sys.argv) = saved

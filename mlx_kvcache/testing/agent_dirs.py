@@ -23,9 +23,9 @@ import mlx.core as mx
 from .dirs import CHARS, SPECIALS, write_model_dir
 
 __all__ = ["REFUSING_TEMPLATE", "TOOL_TEMPLATE", "TOOL_CALL", "THINKING_TEMPLATE",
-           "THINKING_SWITCH_TEMPLATE", "THOUGHT",
+           "THINKING_SWITCH_TEMPLATE", "THOUGHT", "LONG_THOUGHT",
            "ANSWER", "write_refusing_dir", "write_tool_dir", "write_thinking_dir",
-           "write_tool_template_dir"]
+           "write_tool_template_dir", "write_char_tokenizer"]
 
 #: Renders system messages first only (like Qwen3's), tool calls and tool results.
 REFUSING_TEMPLATE = (
@@ -66,6 +66,8 @@ TOOL_TEMPLATE = (
 
 #: What the thinking model thinks, then answers.
 THOUGHT, ANSWER = "Let me think about it.", "It is done."
+#: What the long-thinking model thinks: one token per character, each character once.
+LONG_THOUGHT = "abcdefghij"
 
 #: Renders an assistant turn's reasoning inside <think> ... </think> before its text.
 THINKING_TEMPLATE = (
@@ -87,7 +89,7 @@ THINKING_SWITCH_TEMPLATE = THINKING_TEMPLATE.replace(
     "not enable_thinking %}<think></think>{%- endif %}{% endif %}")
 
 
-def _write_tokenizer(path: Path, template: str, added=()) -> int:
+def write_char_tokenizer(path: Path, template: str, added=()) -> int:
     """The character tokenizer (`dirs`) with ``template`` and ``added`` whole-string
     tokens; returns the vocabulary size."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -109,7 +111,7 @@ def _write_tokenizer(path: Path, template: str, added=()) -> int:
 def write_refusing_dir(path, kind: str = "llama", seed: int = 0) -> Path:
     """A `dirs.write_model_dir` model whose template refuses later system messages."""
     path = write_model_dir(path, kind, seed)
-    _write_tokenizer(path, REFUSING_TEMPLATE)
+    write_char_tokenizer(path, REFUSING_TEMPLATE)
     return path
 
 
@@ -117,7 +119,7 @@ def write_tool_template_dir(path, kind: str = "llama", seed: int = 0) -> Path:
     """A `dirs.write_model_dir` model (random weights) whose character tokenizer has
     `TOOL_TEMPLATE`: tools and tool calls are rendered (for checkpoints at them)."""
     path = write_model_dir(path, kind, seed)
-    _write_tokenizer(path, TOOL_TEMPLATE)
+    write_char_tokenizer(path, TOOL_TEMPLATE)
     return path
 
 
@@ -130,7 +132,7 @@ def _write_chain_dir(path, template: str, added, chain) -> Path:
     hidden = 128
     write_model_dir(path, "llama", 0, hidden_size=hidden, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=32, num_hidden_layers=1, vocab_size=vocab)
-    assert _write_tokenizer(path, template, added) == vocab
+    assert write_char_tokenizer(path, template, added) == vocab
     ids = {t: i for i, t in enumerate(SPECIALS + CHARS + added)}
     steps = [ids["<|assistant|>"], *(ids[t] for t in chain)]
     succ = dict(zip(steps, steps[1:]))
@@ -157,11 +159,13 @@ def write_tool_dir(path) -> Path:
     return _write_chain_dir(path, TOOL_TEMPLATE, _ADDED, ["<tool_call>", _ADDED[2], "</tool_call>"])
 
 
-def write_thinking_dir(path, switch: bool = False) -> Path:
+def write_thinking_dir(path, switch: bool = False, long: bool = False) -> Path:
     """A model that reasons: every answer is ``<think>`` `THOUGHT` ``</think>`` `ANSWER`,
     through a template that renders an earlier turn's reasoning the same way (mlx-lm
     splits reasoning from ``<think>`` / ``</think>`` tokens). ``switch``: the template
-    honours ``enable_thinking`` (`THINKING_SWITCH_TEMPLATE`; off, the answer is `ANSWER`)."""
+    honours ``enable_thinking`` (`THINKING_SWITCH_TEMPLATE`; off, the answer is `ANSWER`).
+    ``long``: the reasoning is `LONG_THOUGHT`, one token per character (for budgets)."""
     template = THINKING_SWITCH_TEMPLATE if switch else THINKING_TEMPLATE
+    thought = list(LONG_THOUGHT) if long else [THOUGHT]
     return _write_chain_dir(path, template, ["<think>", "</think>", THOUGHT, ANSWER],
-                            ["<think>", THOUGHT, "</think>", ANSWER])
+                            ["<think>", *thought, "</think>", ANSWER])

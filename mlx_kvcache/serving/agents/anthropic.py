@@ -17,8 +17,9 @@ only that one (a 400 when it is not among ``tools``); ``auto`` and ``any`` give 
 (a template cannot force a call). ``temperature`` / ``top_p`` / ``top_k``
 are used when present, else the server's defaults; ``metadata.user_id`` names the session.
 ``thinking`` (``enabled`` / ``disabled``) is given to the chat template as
-``enable_thinking`` where the template honours it, else ignored; ``budget_tokens`` is not
-enforced (the answer's ``max_tokens`` is).
+``enable_thinking`` where the template honours it, else ignored; ``budget_tokens`` caps
+the reasoning (`reasoning_budget`: after that many tokens the end of thinking is forced;
+any positive number, not only Anthropic's 1,024 or more).
 Whatever model name the client sends, the served model answers and the name is echoed.
 
 Answers: ``content`` blocks in the order the model produced them (``thinking``, ``text``,
@@ -283,10 +284,10 @@ def _tool_choice(choice: Any) -> Any:
     return choice
 
 
-def _thinking(value: Any) -> Optional[bool]:
-    """``thinking`` as on / off (None: not sent)."""
+def _thinking(value: Any) -> Tuple[Optional[bool], Optional[int]]:
+    """``thinking`` as on / off (None: not sent) and its ``budget_tokens`` (None: none)."""
     if value is None:
-        return None
+        return None, None
     if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled",
                                                                 "adaptive"):
         raise _bad('thinking must be {"type": "enabled", "budget_tokens": N} or '
@@ -295,7 +296,8 @@ def _thinking(value: Any) -> Optional[bool]:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
                                or budget < 1):
         raise _bad("thinking.budget_tokens must be a positive integer")
-    return value["type"] != "disabled"
+    on = value["type"] != "disabled"
+    return on, budget if on else None
 
 
 def parse_request(body: Any, count_only: bool = False) -> ChatCall:
@@ -331,7 +333,7 @@ def parse_request(body: Any, count_only: bool = False) -> ChatCall:
     if choice is not None:
         restrict_tools(call, none=choice["type"] == "none",
                        name=choice.get("name") if choice["type"] == "tool" else None)
-    call.thinking = _thinking(body.get("thinking"))
+    call.thinking, call.reasoning_budget = _thinking(body.get("thinking"))
     meta = body.get("metadata")
     if meta is not None:
         if not isinstance(meta, dict):

@@ -56,6 +56,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 
 from mlx_lm.server import APIHandler
 
+from ..answer_turn import answer_extends_prompt
 from ..generator import MarkedRequest
 from ..handler import CacheAPIHandler, send_json
 from ..lifecycle import current_ticket
@@ -87,10 +88,15 @@ class ChatCall:
     defaults. ``stop``: stop strings. ``breakpoints``: ``(message index, part index)``
     whose END the client marked for reuse (part index 0 for a string content): the prompt
     cache stores a checkpoint there; ``tool_breakpoints`` (indices of ``tools``) and
-    ``call_breakpoints`` (``(message index, tool call index)``) likewise. ``thinking``:
+    ``call_breakpoints`` (``(message index, tool call index)``) likewise; ``end_mark``:
+    the ``(message, part)`` where the input ends, marked by the route itself where the
+    client comes back with the conversation extended, and checkpointed only where that
+    next request may diverge right after it (`answer_turn`: a template whose generation
+    prompt the history does not repeat, or a reasoning model). ``thinking``:
     whether the model should reason first (Anthropic's ``thinking``), None for the
     template's default: given to the chat template as ``enable_thinking`` where it
-    honours it, else ignored (a debug log line). ``session``: the client's session name (Codex
+    honours it, else ignored (a debug log line); ``reasoning_budget``: at most that many
+    tokens of it (`reasoning_budget`), or None. ``session``: the client's session name (Codex
     ``prompt_cache_key``, Anthropic ``metadata.user_id``), or None: listed with the request
     in the log line and ``GET /v1/cache`` ``recent``; eviction stays least-recently-used,
     which already takes other sessions' leaves first (see `TriePromptCache.expect`).
@@ -109,6 +115,8 @@ class ChatCall:
     tool_breakpoints: List[int] = field(default_factory=list)
     call_breakpoints: List[Tuple[int, int]] = field(default_factory=list)
     thinking: Optional[bool] = None
+    reasoning_budget: Optional[int] = None
+    end_mark: Optional[Tuple[int, int]] = None
 
 
 def restrict_tools(call: ChatCall, none: bool = False, name: Optional[str] = None,
@@ -227,24 +235,28 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
     provider = handler.response_generator.model_provider
     tokenizer = _tokenizer(handler.response_generator)
     args = provider.cli_args
+    base_args = dict(getattr(args, "chat_template_args", None) or {})
+    template_args = dict(base_args)
+    templated = getattr(tokenizer, "has_chat_template", False)
+    if templated and call.thinking is not None:
+        if conversation.honours_thinking(tokenizer, base_args):
+            template_args["enable_thinking"] = call.thinking
+        else:
+            log.debug("mlx_kvcache: the chat template ignores enable_thinking: the "
+                      "request's thinking setting is ignored")
+    breakpoints = list(call.breakpoints)
+    if call.end_mark is not None and not answer_extends_prompt(tokenizer, template_args):
+        breakpoints.append(call.end_mark)
     try:
         conv = conversation.Conversation.from_call(
-            call.messages, call.labels, call.part_labels, call.breakpoints,
-            call.call_breakpoints)
+            call.messages, call.labels, call.part_labels, breakpoints, call.call_breakpoints)
     except ValueError as e:
         raise AgentRequestError(str(e)) from None
     conv.drop_lines(conversation.line_filter(
         keep_billing=bool(getattr(args, "keep_billing_header", False)),
         extra=getattr(args, "drop_lines", None)))
-    template_args = dict(getattr(args, "chat_template_args", None) or {})
-    if getattr(tokenizer, "has_chat_template", False):
-        conv.fit_template(conversation.system_policy(tokenizer, template_args))
-        if call.thinking is not None:
-            if conversation.honours_thinking(tokenizer, template_args):
-                template_args["enable_thinking"] = call.thinking
-            else:
-                log.debug("mlx_kvcache: the chat template ignores enable_thinking: the "
-                          "request's thinking setting is ignored")
+    if templated:
+        conv.fit_template(conversation.system_policy(tokenizer, base_args))
     messages = conv.messages()
     tools = call.tools or None
     try:
@@ -275,8 +287,17 @@ def _body(call: ChatCall, prep: _Prepared) -> Dict[str, Any]:
 
 def count_tokens(handler, call: ChatCall) -> int:
     """The prompt tokens `run_chat` would give the model for ``call`` (the chat template
-    applied as mlx-lm's chat route applies it)."""
-    return _prepare(handler, call).layout.prompt_tokens
+    applied as mlx-lm's chat route applies it, each image expanded by the model's image
+    processor)."""
+    lay = _prepare(handler, call).layout
+    processor = getattr(handler.response_generator.model_provider, "processor", None)
+    if not lay.images or processor is None:
+        return lay.prompt_tokens
+    try:
+        return conversation.processed_tokens(_tokenizer(handler.response_generator),
+                                             processor, lay)
+    except ValueError as e:
+        raise AgentRequestError(str(e)) from None
 
 
 # -- running it through mlx-lm's handler ------------------------------------------------------
@@ -348,7 +369,8 @@ class _ChatRun(CacheAPIHandler):
         return MarkedRequest(request.request_type, request.prompt, request.messages,
                              request.tools, request.role_mapping, cuts=list(lay.cuts),
                              marks=list(lay.marks), session=self.call.session,
-                             tokens=lay.ids, template_kwargs=dict(self.prep.template_args))
+                             tokens=lay.ids, template_kwargs=dict(self.prep.template_args),
+                             reasoning_budget=self.call.reasoning_budget)
 
     def send_response(self, code, message=None) -> None:
         self.status = code

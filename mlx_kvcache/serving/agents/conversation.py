@@ -296,6 +296,10 @@ class Layout:
     marks: List[Tuple[int, str]] = field(default_factory=list)
     #: The prompt's ids, where they are the chat template's text encoded (no images).
     ids: Optional[List[int]] = None
+    #: With images: the template's text (one image token per image) and the images' URLs,
+    #: for `processed_tokens`.
+    text: Optional[str] = None
+    images: List[str] = field(default_factory=list)
 
 
 def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[str, Any]] = None,
@@ -310,7 +314,7 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
     if not getattr(tokenizer, "has_chat_template", False):
         return Layout(len(tokenizer.encode(convert_chat(msgs, None))))
     try:
-        process_message_content(msgs, keep_images=vision)
+        urls = process_message_content(msgs, keep_images=vision) or []
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"unsupported message content: {e}") from None
     kw = dict(template_args or {})
@@ -325,6 +329,8 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
     enc = backend.encode(text, add_special_tokens=False) if backend is not None else None
     ids = list(enc.ids) if enc is not None else list(tokenizer.encode(text, add_special_tokens=False))
     out = Layout(len(ids), ids=None if conv.has_images() else ids)
+    if urls:
+        out.text, out.images = text, list(urls)
     if enc is None:
         return out
     starts = [a for a, _ in enc.offsets]
@@ -355,6 +361,19 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
                            marked_tools, kw)
     out.cuts = sorted(c for c in set(out.cuts) if 0 < c < len(ids))
     return out
+
+
+def processed_tokens(tokenizer, processor, lay: Layout) -> int:
+    """The length of a prompt with images once the model's image processor has expanded
+    each image into its tokens — the prompt mlx-lm's chat route gives the model (its own
+    image decoding and processor); ValueError when an image cannot be read."""
+    from mlx_lm.server import _decode_image
+
+    try:
+        text, _ = processor(lay.text, images=[_decode_image(u) for u in lay.images])
+    except Exception as e:  # noqa: BLE001 - a bad image, as mlx-lm's route would fail it
+        raise ValueError(f"the images could not be read: {e}") from None
+    return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _item_cuts(tokenizer, backend, text: str, ids: List[int], starts: List[int],

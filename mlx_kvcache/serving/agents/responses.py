@@ -14,7 +14,8 @@ local meaning (``include``, ``text``, ``truncation``, ``user``,
 ``service_tier``, …) are accepted and ignored. ``reasoning.effort`` turns the model's
 reasoning off (``none``, ``minimal``) or on (``low`` … ``xhigh``), given to the chat template
 as ``enable_thinking`` where the template honours it (as Anthropic's ``thinking``); its
-``summary`` is ignored.
+``summary`` is ignored. A user message's ``input_image`` parts are served as the chat
+route serves images (where the model has an image processor, else a 400 that says so).
 
 The translation is two pure steps, tested without a server:
   * `parse_request`: a request body -> a `ChatCall` (OpenAI chat-format messages in the
@@ -62,28 +63,52 @@ def _text_of(content: Any, where: str, allowed: Tuple[str, ...]) -> str:
         return content
     if not isinstance(content, list):
         raise _bad(f"{where}.content must be a string or a list of content parts", where)
-    pieces = []
-    for j, part in enumerate(content):
-        at = f"{where}.content[{j}]"
-        if isinstance(part, str):
-            pieces.append(part)
-            continue
-        if not isinstance(part, dict):
-            raise _bad(f"{at} must be an object", at)
-        kind = part.get("type")
-        if kind in ("input_image", "input_file", "input_audio"):
-            raise _bad(f"{at}: {kind} parts are not served by this server (text only)", at)
-        if kind not in allowed:
-            raise _bad(f"{at}: content part type {kind!r} is not one of "
-                       f"{', '.join(allowed)}", at)
-        text = part.get("refusal") if kind == "refusal" else part.get("text")
-        if not isinstance(text, str):
-            raise _bad(f"{at}.text must be a string", at)
-        pieces.append(text)
-    return "".join(pieces)
+    return "".join(_part_text(part, f"{where}.content[{j}]", allowed)
+                   for j, part in enumerate(content))
+
+
+def _part_text(part: Any, at: str, allowed: Tuple[str, ...]) -> str:
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, dict):
+        raise _bad(f"{at} must be an object", at)
+    kind = part.get("type")
+    if kind == "input_image":
+        raise _bad(f"{at}: input_image parts are served in user messages only", at)
+    if kind in ("input_file", "input_audio"):
+        raise _bad(f"{at}: {kind} parts are not served by this server", at)
+    if kind not in allowed:
+        raise _bad(f"{at}: content part type {kind!r} is not one of {', '.join(allowed)}", at)
+    text = part.get("refusal") if kind == "refusal" else part.get("text")
+    if not isinstance(text, str):
+        raise _bad(f"{at}.text must be a string", at)
+    return text
 
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text")
+
+
+def _user_content(content: Any, where: str) -> Any:
+    """A user message's content: its text (`_text_of`), or — where it has ``input_image``
+    parts — chat parts, text and ``image_url`` in order (the model's image processor
+    serves them; a model without one answers a 400 that says so)."""
+    if not isinstance(content, list) or not any(
+            isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        return _text_of(content, where, _TEXT_PARTS)
+    parts: List[Dict[str, Any]] = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if not (isinstance(part, dict) and part.get("type") == "input_image"):
+            parts.append({"type": "text", "text": _part_text(part, at, _TEXT_PARTS)})
+            continue
+        url = part.get("image_url")
+        if part.get("file_id") is not None and url is None:
+            raise _bad(f"{at}: file_id needs stored files; this server is stateless — send "
+                       "the image as image_url (a data: URL)", at)
+        if not isinstance(url, str) or not url:
+            raise _bad(f"{at}.image_url must be a data: URL", at)
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
 
 
 def _tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
@@ -202,6 +227,9 @@ def _item(msgs: _Messages, item: Any, i: int) -> None:
         if role not in ("user", "assistant", "system", "developer"):
             raise _bad(f"{at}.role must be user, assistant, system or developer, not "
                        f"{json.dumps(role)}", f"{at}.role")
+        if role == "user":
+            msgs.add({"role": "user", "content": _user_content(item.get("content"), at)}, at)
+            return
         text = _text_of(item.get("content"), at, _TEXT_PARTS)
         if role == "assistant":
             msg = msgs.assistant(i)
@@ -305,15 +333,15 @@ def parse_request(body: Any) -> ChatCall:
     n = len(msgs.messages)
     last = msgs.messages[-1]
     # The client comes back with this prompt extended: mark the end of the instructions
-    # (shared by every session) and of the input so far, as Claude Code's cache_control does.
+    # (shared by every session) and of the input so far, as Claude Code's cache_control
+    # does (the bridge drops the latter where the next request goes on past the answer).
     marks = [(0, 0)] if instructions is not None else []
-    if n - 1 not in (m for m, _ in marks) and last["role"] != "assistant":
-        marks.append((n - 1, 0))
+    end_mark = None if last["role"] == "assistant" or (0, 0) in marks and n == 1 else (n - 1, 0)
     choice, allowed = _tool_choice(body.get("tool_choice"))
     call = ChatCall(messages=msgs.messages, labels=msgs.labels, tools=_tools(body.get("tools")),
                     tool_choice=choice, max_tokens=max_tokens,
                     sampling=sampling, stop=[], breakpoints=marks, session=session)
-    call.thinking = thinking
+    call.thinking, call.end_mark = thinking, end_mark
     restrict_tools(call, none=choice == "none",
                    name=choice["function"]["name"] if isinstance(choice, dict) else None,
                    allowed=allowed)
