@@ -97,17 +97,28 @@ def write_model_dir(path, kind: str = "llama", seed: int = 0, **overrides):
     import json
     from pathlib import Path
 
-    from mlx.utils import tree_flatten, tree_map
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = dict(DIR_CONFIGS[kind], **overrides)
     config.update(eos_token_id=SPECIALS.index("</s>"), bos_token_id=SPECIALS.index("<s>"))
     mx.random.seed(seed)
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = module.Model(module.ModelArgs.from_dict(config))
-    # Zero-initialised parameters (expert routing biases) get random values too, so every
-    # expert is used.
+    save_random_weights(path, module.Model(module.ModelArgs.from_dict(config)))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer_dir(path)
+    return path
+
+
+def save_random_weights(path, model) -> None:
+    """``model``'s parameters, float32, as ``path/model.safetensors`` with its index;
+    parameters initialised to zero (expert routing biases) get random values too, so
+    every expert is used. Seed MLX's generator first for the same weights every time."""
+    import json
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten, tree_map
+
+    path = Path(path)
     params = tree_map(lambda p: (mx.random.normal(p.shape) * 0.5).astype(mx.float32)
                       if p.ndim >= 1 and mx.all(p == 0).item() else p.astype(mx.float32),
                       model.parameters())
@@ -116,9 +127,6 @@ def write_model_dir(path, kind: str = "llama", seed: int = 0, **overrides):
     (path / "model.safetensors.index.json").write_text(json.dumps({
         "metadata": {"total_size": sum(v.nbytes for v in weights.values())},
         "weight_map": {k: "model.safetensors" for k in sorted(weights)}}))
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    write_tokenizer_dir(path)
-    return path
 
 
 def write_draft_dir(path, target, sigma: float = 0.3, seed: int = 0):

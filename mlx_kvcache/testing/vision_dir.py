@@ -262,10 +262,8 @@ def write_vision_dir(path: Union[str, Path], seed: int = 0, **text_config: Any) 
     ``text_config``: overrides of `TEXT_CONFIG` (e.g. ``sliding_window=16``, so that the
     sliding-window layer's rotating cache wraps inside a prompt and cannot be rewound).
     """
-    from mlx.utils import tree_flatten, tree_map
-
     from mlx_kvcache.testing.agent_dirs import write_char_tokenizer
-    from mlx_kvcache.testing.dirs import CHARS, SPECIALS
+    from mlx_kvcache.testing.dirs import CHARS, SPECIALS, save_random_weights
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -292,15 +290,7 @@ def write_vision_dir(path: Union[str, Path], seed: int = 0, **text_config: Any) 
         config["text_config"][key] = config[key]
 
     mx.random.seed(seed)
-    model = muse_spark.Model(ModelArgs.from_dict(config))
-    params = tree_map(lambda p: (mx.random.normal(p.shape) * 0.5).astype(mx.float32)
-                      if p.ndim >= 1 and mx.all(p == 0).item() else p.astype(mx.float32),
-                      model.parameters())
-    weights = dict(tree_flatten(params))
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "model.safetensors.index.json").write_text(json.dumps({
-        "metadata": {"total_size": sum(v.nbytes for v in weights.values())},
-        "weight_map": {k: "model.safetensors" for k in sorted(weights)}}))
+    save_random_weights(path, muse_spark.Model(ModelArgs.from_dict(config)))
     (path / "config.json").write_text(json.dumps(config, indent=2))
     shutil.copy(__file__, path / "model.py")
     (path / "processor_config.json").write_text(json.dumps({
