@@ -521,44 +521,74 @@ def route_cost(work: Path, rounds: int = 30) -> None:
         print(f"  {k:10s} {statistics.median(v):.3f}")
 
 
-def stock_cost(work: Path, rounds: int = 15) -> None:
+def stock_cost(work: Path, rounds: int = 15, serial: bool = False) -> None:
     """Our fixed cost per request against stock's, on the chat route both serve: one
     conversation on the tiny hybrid (a ~2.2k-token system prompt), each round adding an
-    assistant answer and a short user message as an agent's turn does, sent to both
-    servers alternating (raw HTTP, streamed, 4 tokens); the median TTFT of each and, with
-    ``MLX_KVCACHE_PROFILE=1``, where the generation thread's time went per request."""
+    assistant answer and a short user message as an agent's turn does (raw HTTP,
+    streamed, 4 tokens); the median TTFT of each and, with ``MLX_KVCACHE_PROFILE=1``,
+    where the generation thread's time went per request. The servers take the rounds
+    alternating, or with ``serial`` each alone, back to back, twice (ours also with
+    ``--no-persist``): then what one server does between requests (the disk tier's idle
+    capture, its writer) meets the next request as an agent's quick next turn would."""
     import statistics
 
     d = write_model_dir(work / "hybrid", "qwen3_next", max_position_embeddings=65536)
-    rng = random.Random(0)
     env = {"MLX_KVCACHE_PROFILE": "1"}
-    servers = {
-        "stock": Server([sys.executable, str(ROOT / "scripts" / "stock_server.py"),
-                         "--model", str(d)], work / "stock_cost_stock.log", work / "home",
-                        env=env),
-        "ours": Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model", str(d),
-                        "--cache-dir", str(work / "cache")], work / "stock_cost_ours.log",
-                       work / "home", env=env)}
-    try:
+    commands = {
+        "stock": [sys.executable, str(ROOT / "scripts" / "stock_server.py"), "--model", str(d)],
+        "ours": [sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model", str(d)]}
+    if serial:
+        commands["ours --no-persist"] = [sys.executable, "-m", "mlx_kvcache.cli", "serve",
+                                         "--model", str(d), "--no-persist"]
+
+    def start(k: str, rep: int = 0) -> Server:
+        tag = k.replace(" --", "_").replace("-", "_")
+        # each run its own disk cache: a second run must not start from the first's
+        cmd = commands[k] + (["--cache-dir", str(work / f"cache_{rep}")] if k == "ours" else [])
+        return Server(cmd, work / f"stock_cost_{tag}_{rep}.log", work / "home", env=env)
+
+    def session(ask_all) -> None:
+        rng = random.Random(0)
         msgs = [{"role": "system", "content": text(rng, 330)},
                 {"role": "user", "content": "hello " + text(rng, 20)}]
-        for s in servers.values():  # the first computes the prompt
-            bench_server.ask(s, msgs, 1)
-        times: Dict[str, List[float]] = {k: [] for k in servers}
+        ask_all(msgs, 1, False)  # the first computes the prompt
         for r in range(rounds):
             msgs = msgs + [{"role": "assistant", "content": f"ok {r}"},
                            {"role": "user", "content": "next " + text(rng, 8)}]
+            ask_all(msgs, 4, True)
+
+    times: Dict[str, List[float]] = {k: [] for k in commands}
+    logs: Dict[str, List[Path]] = {k: [] for k in commands}
+    if serial:
+        for rep in range(2):
+            for k in commands:
+                with start(k, rep) as s:
+                    def one(msgs, n, timed, s=s, k=k):
+                        t = bench_server.ask(s, msgs, n)["ttft"]
+                        if timed:
+                            times[k].append(t)
+                    session(one)
+                logs[k].append(s.log)
+    else:
+        servers = {k: start(k) for k in commands}
+        try:
+            def each(msgs, n, timed):
+                for k, s in servers.items():
+                    t = bench_server.ask(s, msgs, n)["ttft"]
+                    if timed:
+                        times[k].append(t)
+            session(each)
+        finally:
             for k, s in servers.items():
-                times[k].append(bench_server.ask(s, msgs, 4)["ttft"])
-    finally:
-        for s in servers.values():
-            s.stop()
-    print(f"median TTFT of a short agent-like turn, {rounds} rounds, chat route:")
+                s.stop()
+                logs[k].append(s.log)
+    how = "each server alone, back to back, twice" if serial else "servers alternating"
+    print(f"median TTFT of a short agent-like turn, {rounds} rounds, chat route ({how}):")
     for k, v in times.items():
-        print(f"  {k:6s} {statistics.median(v):.4f} s (mean {statistics.mean(v):.4f})")
+        print(f"  {k:18s} {statistics.median(v):.4f} s (mean {statistics.mean(v):.4f}, n {len(v)})")
     print("generation thread, seconds per request (count):")
-    for k, s in servers.items():
-        p = bench_server.rank_profiles(s.log.read_text(errors="replace")).get(0)
+    for k, paths in logs.items():
+        p = bench_server.rank_profiles(paths[-1].read_text(errors="replace")).get(0)
         if p is None:
             continue
         n = rounds + 1
@@ -583,13 +613,16 @@ def main(argv=None):
                     help="only time the same cached prompt through each route of one server")
     ap.add_argument("--stock-cost", action="store_true",
                     help="only time short agent-like turns on ours' and stock's chat route")
+    ap.add_argument("--serial", action="store_true",
+                    help="with --stock-cost: each server alone, back to back (ours also "
+                         "with --no-persist), not alternating")
     args = ap.parse_args(argv)
     if args.fixed_cost:
         return fixed_cost(Path(tempfile.mkdtemp(prefix="bench_agents_")))
     if args.route_cost:
         return route_cost(Path(tempfile.mkdtemp(prefix="bench_agents_")))
     if args.stock_cost:
-        return stock_cost(Path(tempfile.mkdtemp(prefix="bench_agents_")))
+        return stock_cost(Path(tempfile.mkdtemp(prefix="bench_agents_")), serial=args.serial)
     turns = args.turns or (10 if args.quick else 24)
     max_tokens = 4 if args.quick else 16
     print(f"command: python scripts/bench_agents.py {shlex.join(argv or sys.argv[1:])}")
