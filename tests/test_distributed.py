@@ -79,16 +79,28 @@ def test_two_ranks_agree_and_answer_like_one_process(kind, dirs, tmp_path):
         assert counts.get("stored.checkpoint", 0) > 0, counts
 
 
-@pytest.mark.parametrize("damage", ["missing", "corrupt"])
-def test_a_damaged_rank_directory_makes_all_ranks_agree(damage, dirs, tmp_path):
-    kind = "qwen3_5"
-    args = [*PLANS[kind], "--checkpoint-interval", "16", "--cache-dir", str(tmp_path / "c")]
-    msgs = requests()
-    with LaunchedServer(dirs[kind], *args, home=tmp_path) as s:
-        first = [s.chat(m, max_tokens=6) for m in msgs[:3]]
+DAMAGE_ARGS = [*PLANS["qwen3_5"], "--checkpoint-interval", "16"]
+
+
+@pytest.fixture(scope="module")
+def saved_ranks(dirs, tmp_path_factory):
+    """A two-rank hybrid's answers to three requests and the cache directory its ranks
+    flushed on a stop (one launch, shared by the damage cases below)."""
+    root = tmp_path_factory.mktemp("saved_ranks")
+    with LaunchedServer(dirs["qwen3_5"], *DAMAGE_ARGS, "--cache-dir", str(root / "c"),
+                        home=root) as s:
+        first = [s.chat(m, max_tokens=6) for m in requests()[:3]]
         s.wait_for_lines(3)
         s.stop()  # SIGTERM to the group: every rank flushes its writes
-    rank_dirs = sorted(p for p in Path(tmp_path / "c").glob("v*/*") if p.is_dir())
+    return first, root / "c"
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_a_damaged_rank_directory_makes_all_ranks_agree(damage, dirs, saved_ranks, tmp_path):
+    first, saved = saved_ranks
+    cache = tmp_path / "c"
+    shutil.copytree(saved, cache)  # each case damages its own copy
+    rank_dirs = sorted(p for p in cache.glob("v*/*") if p.is_dir())
     assert len(rank_dirs) == 2, rank_dirs  # one directory per rank of this plan
     victim = rank_dirs[1]
     if damage == "missing":
@@ -98,8 +110,9 @@ def test_a_damaged_rank_directory_makes_all_ranks_agree(damage, dirs, tmp_path):
             raw = bytearray(f.read_bytes())
             raw[-9] ^= 0x40
             f.write_bytes(bytes(raw))
-    with LaunchedServer(dirs[kind], *args, home=tmp_path) as s:
-        again = [s.chat(m, max_tokens=6) for m in msgs[:3]]
+    with LaunchedServer(dirs["qwen3_5"], *DAMAGE_ARGS, "--cache-dir", str(cache),
+                        home=tmp_path) as s:
+        again = [s.chat(m, max_tokens=6) for m in requests()[:3]]
         lines = s.wait_for_lines(3)
         s.stop()
     for a, b in zip(first, again):
