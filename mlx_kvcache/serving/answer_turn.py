@@ -12,22 +12,20 @@ the input: hybrid and sliding-window models then restore only where a state was 
 before that point, which is what the prompt cache's stop a few tokens before the end is
 for (`prefix.planner.stops`, ``guess_end``).
 
-`answer_extends_prompt` tells the two apart once per template, by rendering a probe.
-Deterministic, so every rank of a sharded model decides the same.
+`answer_extends_prompt` tells the two apart once per template, by rendering a probe
+(`template_probe`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
+
+from .template_probe import decided
 
 log = logging.getLogger("mlx_kvcache")
 
 _PROBE_USER, _PROBE_ANSWER, _PROBE_NEXT = "Ping 7", "Pong 7.", "Again"
-_lock = threading.Lock()
-_decided: Dict[Tuple[int, str, str], bool] = {}
 
 
 def answer_extends_prompt(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> bool:
@@ -37,22 +35,16 @@ def answer_extends_prompt(tokenizer, template_args: Optional[Dict[str, Any]] = N
     not reason first (a reasoning model's answer comes back without its reasoning).
     False where it cannot be told (no chat template, a template that raises).
     ``template_args``: the chat template's arguments (``enable_thinking``, …)."""
-    template = getattr(tokenizer, "chat_template", None)
-    digest = hashlib.blake2b(str(template).encode(), digest_size=8).hexdigest()
-    key = (id(tokenizer), digest, repr(sorted((template_args or {}).items())))
-    with _lock:
-        if key in _decided:
-            return _decided[key]
-    extends = _probe(tokenizer, dict(template_args or {}))
-    with _lock:
-        _decided[key] = extends
-    log.info("mlx_kvcache: the chat template %s",
-             "re-renders its generation prompt as the answer's turn: a conversation's next "
-             "request goes on past the answer" if extends else
-             "does not re-render its generation prompt as the answer's turn (or the model "
-             "reasons first): hybrid and sliding-window models also store the caches a few "
-             "tokens before each prompt's end")
-    return extends
+    def probe() -> bool:
+        extends = _probe(tokenizer, dict(template_args or {}))
+        log.info("mlx_kvcache: the chat template %s",
+                 "re-renders its generation prompt as the answer's turn: a conversation's "
+                 "next request goes on past the answer" if extends else
+                 "does not re-render its generation prompt as the answer's turn (or the "
+                 "model reasons first): hybrid and sliding-window models also store the "
+                 "caches a few tokens before each prompt's end")
+        return extends
+    return decided(tokenizer, "answer_extends_prompt", template_args, probe)
 
 
 def _probe(tokenizer, template_args: Dict[str, Any]) -> bool:

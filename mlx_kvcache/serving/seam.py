@@ -100,9 +100,9 @@ def check() -> Optional[str]:
     if 'f"data: {json.dumps(resp)}\\n\\n"' not in chunks or "include_usage" not in chunks:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: APIHandler.handle_completion no longer "
                         f"streams OpenAI chunks (data: ...) with usage, as the agent routes read")
+    batched = inspect.getsource(S.ResponseGenerator._generate)
     if not callable(getattr(S, "_make_logits_processors", None)) or any(
-            "_make_logits_processors(args)" not in inspect.getsource(fn)
-            for fn in (S.ResponseGenerator._serve_single, S.ResponseGenerator._generate)):
+            "_make_logits_processors(args)" not in body for body in (single, batched)):
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server no longer makes each "
                         f"request's logits processors with _make_logits_processors(args)")
     src = inspect.getsource(S.main)

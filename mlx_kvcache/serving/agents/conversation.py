@@ -35,12 +35,13 @@ import bisect
 import copy
 import logging
 import re
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mlx_lm.server import convert_chat, process_message_content
+
+from ..template_probe import decided
 
 __all__ = ["Conversation", "Layout", "line_filter", "system_policy", "honours_thinking",
            "layout", "BILLING_LINE",
@@ -214,19 +215,13 @@ def line_filter(keep_billing: bool = False, extra: Optional[str] = None) -> Call
 
 
 # -- probing a template ----------------------------------------------------------------------
-_policies: Dict[tuple, str] = {}  # probes: system policy, thinking switch
-_policy_lock = threading.Lock()
 _PROBE_MARK = "zq7-probe-system"
 
 
 def system_policy(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> str:
     """``"in_place"`` when the chat template renders a system message after the first where
     it stands, ``"fold_all"`` when it renders no system message at all, else ``"fold"``.
-    Probed once per tokenizer (and template arguments)."""
-    key = (id(tokenizer), repr(sorted((template_args or {}).items())))
-    with _policy_lock:
-        if key in _policies:
-            return _policies[key]
+    Probed once per template (and template arguments: `template_probe`)."""
     probes = [
         [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
          {"role": "assistant", "content": "A"}, {"role": "system", "content": _PROBE_MARK},
@@ -234,6 +229,7 @@ def system_policy(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> 
         [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
          {"role": "system", "content": _PROBE_MARK}],
     ]
+
     def renders(msgs) -> bool:
         try:
             text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
@@ -242,45 +238,41 @@ def system_policy(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> 
             return False
         return isinstance(text, str) and _PROBE_MARK in text
 
-    if not renders([{"role": "system", "content": _PROBE_MARK}, {"role": "user", "content": "U"}]):
-        policy = "fold_all"
-    elif all(renders(msgs) for msgs in probes):
-        policy = "in_place"
-    else:
-        policy = "fold"
-    with _policy_lock:
-        _policies[key] = policy
-    log.info("mlx_kvcache: the chat template %s; system messages inside the conversation are "
-             "rendered %s", "renders later system messages in place" if policy == "in_place"
-             else "refuses later system messages",
-             "where they are" if policy == "in_place" else "inside the adjacent user turn")
-    if policy == "fold_all":
-        log.info("mlx_kvcache: the chat template renders no system message: the first one "
-                 "goes into the first user turn too")
-    return policy
+    def probe() -> str:
+        if not renders([{"role": "system", "content": _PROBE_MARK},
+                        {"role": "user", "content": "U"}]):
+            policy = "fold_all"
+        elif all(renders(msgs) for msgs in probes):
+            policy = "in_place"
+        else:
+            policy = "fold"
+        log.info("mlx_kvcache: the chat template %s; system messages inside the conversation "
+                 "are rendered %s", "renders later system messages in place"
+                 if policy == "in_place" else "refuses later system messages",
+                 "where they are" if policy == "in_place" else "inside the adjacent user turn")
+        if policy == "fold_all":
+            log.info("mlx_kvcache: the chat template renders no system message: the first one "
+                     "goes into the first user turn too")
+        return policy
+    return decided(tokenizer, "system_policy", template_args, probe)
 
 
 def honours_thinking(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> bool:
     """Whether the chat template renders differently with ``enable_thinking`` on and off
     (mlx-lm's tokenizer passes it under the name the template reads). Probed once per
-    tokenizer (and template arguments)."""
-    key = (id(tokenizer), "thinking", repr(sorted((template_args or {}).items())))
-    with _policy_lock:
-        if key in _policies:
-            return _policies[key] == "yes"
-    msgs = [{"role": "user", "content": "U"}]
-    try:
-        on, off = (tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
-                                                 tokenize=False,
-                                                 **{**(template_args or {}),
-                                                    "enable_thinking": flag})
-                   for flag in (True, False))
-        honours = on != off
-    except Exception:  # a template that refuses the flag does not honour it
-        honours = False
-    with _policy_lock:
-        _policies[key] = "yes" if honours else "no"
-    return honours
+    template (and template arguments: `template_probe`)."""
+    def probe() -> bool:
+        msgs = [{"role": "user", "content": "U"}]
+        try:
+            on, off = (tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                     tokenize=False,
+                                                     **{**(template_args or {}),
+                                                        "enable_thinking": flag})
+                       for flag in (True, False))
+        except Exception:  # a template that refuses the flag does not honour it
+            return False
+        return on != off
+    return decided(tokenizer, "honours_thinking", template_args, probe)
 
 
 # -- the rendered prompt's layout ----------------------------------------------------------
