@@ -171,6 +171,19 @@ def round_of(server, sessions, max_tokens, staggered=False):
     return out
 
 
+def quiesce(server: Server, limit: float = 120.0) -> None:
+    """Wait for the disk writes a server does once idle (ours), so they do not run during
+    the other contender's round: on one machine they would slow it, not the writer's own."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            if not server.cache().get("disk_writes_pending"):
+                return
+        except Exception:  # stock has no /v1/cache
+            return
+        time.sleep(0.05)
+
+
 def peak_rss(pid) -> int:
     try:
         for line in open(f"/proc/{pid}/status"):
@@ -210,6 +223,7 @@ def run(kind, model_args, sessions_n, turns, max_tokens, ours_extra, work, syste
                 res[name].extend(got[name])
                 for s, r in zip(sessions[name], got[name]):
                     s.answered(r["text"])
+                quiesce(servers[name])
             agree += sum(a["text"] == b["text"] for a, b in zip(got["stock"], got["ours"]))
             print(f"  {kind} turn {turn + 1}/{turns}: median TTFT stock "
                   f"{statistics.median(r['ttft'] for r in got['stock']):.3f} s, ours "

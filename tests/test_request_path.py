@@ -1,17 +1,23 @@
 """The server's request path on one machine: mlx-lm's batch extraction as views, disk
-captures that wait for an idle batch, and the profile of the request's phases."""
+captures that wait for an idle batch, a disk writer that waits while a request is in
+flight, and the profile of the request's phases."""
 
 from __future__ import annotations
 
+import random
+import time
 import types
+
+import pytest
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlc
 
-from mlx_kvcache.serving import TriePromptCache, extract
+from mlx_kvcache.serving import TriePromptCache, extract, sequential
 from mlx_kvcache.serving.idle_writes import IdleWrites
 from mlx_kvcache.serving.profile import Profile
+from mlx_kvcache.store.autosave import Autosaver
 from models import V, build
 
 KEY = ("model", None, None)
@@ -108,3 +114,101 @@ def test_disk_captures_wait_for_idle_and_the_profile_times_each_phase(tmp_path):
         assert seconds.get(f"time.{phase}", 0) > 0, phase
         assert f"cpu.{phase}" in seconds, phase
     pc.close()
+
+
+def test_the_disk_writer_waits_while_a_request_is_in_flight():
+    written = []
+    w = Autosaver(lambda *plan: written.append(plan) or 0, settle=0.05, max_delay=3600)
+    w.busy()
+    w.submit(("first",))
+    time.sleep(0.3)
+    assert written == []  # a request is in flight: nothing written yet
+    w.submit(("second",))  # supersedes the first (it holds everything the first did)
+    w.idle()
+    assert w.flush(timeout=60) and written == [("second",)]
+    # a flush writes at once, busy or not
+    w.busy()
+    w.submit(("third",))
+    assert w.flush(timeout=60) and written[-1] == ("third",)
+    # a server that never idles still persists, `max_delay` after the submit
+    late = Autosaver(lambda *plan: written.append(plan) or 0, settle=0.05, max_delay=0.2)
+    late.busy()
+    late.submit(("late",))
+    deadline = time.monotonic() + 60
+    while written[-1] != ("late",) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert written[-1] == ("late",)
+    # idle long enough: written after `settle`, with no flush
+    w.idle()
+    w.submit(("idle",))
+    while written[-1] != ("idle",) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert written[-1] == ("idle",)
+    # writes the owner calls pressing (a memory tier near its budget) go at once, busy or not
+    pressed = [False]
+    urgent = Autosaver(lambda *plan: written.append(plan) or 0, settle=0.05, max_delay=3600,
+                       pressing=lambda: pressed[0])
+    urgent.busy()
+    urgent.submit(("urgent",))
+    time.sleep(0.2)
+    assert written[-1] != ("urgent",)
+    pressed[0] = True
+    while written[-1] != ("urgent",) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert written[-1] == ("urgent",)
+    for x in (w, late, urgent):
+        x.close()
+
+
+def sequential_turn(pc, m, prompt, n=3):
+    """One request on mlx-lm's sequential path (as `_serve_single`): fetch, prefill the
+    rest and decode ``n`` tokens into the fetched caches, insert what they absorbed."""
+    seq = sequential.SequentialRequest(prompt=list(prompt), prefill_step=64)
+    with sequential.serving(seq):
+        caches, rest = pc.fetch_nearest_cache(KEY, prompt)
+        if caches is None:
+            caches = mlc.make_prompt_cache(m)
+        out = decode(m, rest, caches, n)
+        fed = next(c.offset for c in caches if hasattr(c, "offset")) - len(prompt)  # a step ahead
+        pc.insert_cache(KEY, list(prompt) + [t for t, _ in out][:fed], caches)
+    return out, caches, len(prompt) - len(rest)
+
+
+def close_to(out, cold):
+    assert [t for t, _ in out] == [t for t, _ in cold]
+    assert max(mx.abs(x - y).max().item() for (_, x), (_, y) in zip(out, cold)) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+def test_a_sequential_request_continues_from_the_last_ones_caches_in_place(kind):
+    m, rng = build(kind), random.Random(7)
+    pc = TriePromptCache(provider(m), max_bytes=1 << 30, checkpoint_interval=16)
+    system = [rng.randrange(1, V) for _ in range(40)]
+    a = system + [rng.randrange(1, V) for _ in range(9)]
+    out, first, _ = sequential_turn(pc, m, a)
+    close_to(out, decode(m, a, n=3))
+    mgr = pc._model.manager
+    assert mgr.idle_bytes > 0 and pc.nbytes == mgr.trie.nbytes + mgr.idle_bytes
+    kept = [c.keys for c in first if isinstance(c, mlc.KVCache)]
+    # the next turn of that conversation: its attention rows are the very arrays, not a copy
+    b = a + [t for t, _ in out] + [rng.randrange(1, V) for _ in range(7)]
+    out, second, cached = sequential_turn(pc, m, b)
+    close_to(out, decode(m, b, n=3))
+    assert cached >= len(a) + 2 - 1
+    again = [c.keys for c in second if isinstance(c, mlc.KVCache)]
+    assert kept and len(kept) == len(again) and all(x is y for x, y in zip(kept, again))
+    # another session sharing the system prompt continues from the kept caches too, and
+    # the turn before it stays restorable from the trie
+    c = system + [rng.randrange(1, V) for _ in range(11)]
+    out, _, cached = sequential_turn(pc, m, c)
+    close_to(out, decode(m, c, n=3))
+    assert cached >= len(system) - 16
+    out, _, cached = sequential_turn(pc, m, b)
+    close_to(out, decode(m, b, n=3))
+    assert cached >= len(b) - 16
+    # a ceiling below what is held drops the kept caches first (the trie holds their tokens)
+    held = mgr.trie.nbytes
+    pc.trim_to(n_bytes=held)
+    assert mgr.idle_bytes == 0 and mgr.trie.nbytes == held
+    out, _, _ = sequential_turn(pc, m, c)
+    close_to(out, decode(m, c, n=3))

@@ -202,7 +202,12 @@ class CacheCore:
         background writer; returns the tokens loaded."""
         store = self.open_store(root, max_disk_bytes, default=default)
         n = self.load()
-        self.autosaver = Autosaver(store.write)
+        mgr = self.manager
+        # Half the memory budget held: the tier parks only written nodes, so writes that
+        # waited for an idle moment go now (a full budget would drop unwritten ones). Read
+        # from the writer's thread: a counter, no lock.
+        self.autosaver = Autosaver(store.write, pressing=lambda: mgr is not None and (
+            2 * mgr.snapshot_bytes >= mgr.max_bytes))
         return n
 
     def autosave(self) -> None:

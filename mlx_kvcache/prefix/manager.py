@@ -393,6 +393,30 @@ class PrefixManager:
             return node
         return self.run(section)
 
+    def adopt(self, caches: List[Any], tokens: Sequence[int],
+              label: Optional[str] = None) -> Optional[TrieNode]:
+        """Record a request's own cache list, holding exactly ``tokens``, as `record` does,
+        then keep it as the idle live set: the next `checkout` whose prompt starts alike
+        continues from it in place — the rows it shares with that prompt are neither
+        restored nor copied — until the budget needs its bytes (the idle set goes first).
+        The caller gives the caches up: nothing else may write them. None (and nothing
+        kept) when nothing was recorded."""
+        tokens = as_tokens(tokens)
+
+        def section() -> Optional[TrieNode]:
+            live = LiveSet(caches, self._epoch, quant=self.kv_quant)
+            node = self._record(live, tokens)
+            if node is None:
+                return None
+            if label is not None:
+                self.trie.set_label(node, label)
+            if self._idle is not None and self._idle is not live:
+                self._idle.reset()
+            self._idle = live
+            self._enforce()
+            return node
+        return self.run(section)
+
     def forget(self, live: LiveSet) -> None:
         """Stop counting a lent live set whose caches were handed to someone else."""
         self.run(self._lent.discard, live)
@@ -421,6 +445,12 @@ class PrefixManager:
         if self._idle is not None:
             sets.add(self._idle)
         return sum(s.nbytes for s in sets)
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of the idle live set (0 when there is none)."""
+        idle = self._idle
+        return 0 if idle is None else idle.nbytes
 
     @property
     def nbytes(self) -> int:
@@ -535,6 +565,8 @@ class PrefixManager:
         now, agreed with the other ranks in one collective (with ``defer_budget``, the
         caller's once-a-turn enforcement; every rank must call it at the same point)."""
         def fit() -> None:
+            if limit is not None and self.trie.nbytes + self.idle_bytes > limit:
+                self._drop_idle()  # the trie holds its tokens too: it goes first
             target = self.max_bytes - self.live_bytes
             self._evict(target if limit is None else min(target, limit))
         self._section(fit)

@@ -283,6 +283,9 @@ class ServerResponseGenerator(ResponseGenerator):
                 if idle is not None:
                     idle()
             request = super()._next_request(timeout)
+            busy = getattr(self.prompt_cache, "busy", None)
+            if request is not None and busy is not None and not isinstance(request[1], Control):
+                busy()  # from here to the next idle loop, the disk writer waits
         else:
             with self._phase(loop_phase(timeout)):
                 # One tiny collective a turn: a stop signal on any rank reaches rank 0,

@@ -236,6 +236,7 @@ def probe_request_path(prof: Profile, state: Any, explainer: Any) -> None:
             inflight[0] = max(0, inflight[0] - 1)
     phased(mgr, "checkout", "restore", before=started)
     phased(mgr, "record", "record", before=recorded)
+    phased(mgr, "adopt", "record", before=recorded)  # the sequential path's final insert
     phased(mgr, "checkpoint", "record")
     if mgr.verify is not None:
         phased(mgr, "verify", "disk.verify")
@@ -245,21 +246,18 @@ def probe_request_path(prof: Profile, state: Any, explainer: Any) -> None:
         phased(store, "capture", "persist.capture")
         phased(store, "prefetch", "prefetch")
     if getattr(state, "writer", None) is not None and store is not None:
-        from ..store.autosave import Autosaver
-
-        write = store.write
-
-        def timed_write(*a):
-            t0 = time.perf_counter()
-            busy = inflight[0] > 0
-            with prof.phase("bg.write"):
-                try:
-                    return write(*a)
-                finally:
-                    if busy:
-                        prof.add("bg.overlap", 1, time.perf_counter() - t0)
-        state.writer.close()  # nothing was submitted yet: the model just opened
-        state.core.autosaver = Autosaver(timed_write)
+        def timed(write):
+            def timed_write(*a):
+                t0 = time.perf_counter()
+                busy = inflight[0] > 0
+                with prof.phase("bg.write"):
+                    try:
+                        return write(*a)
+                    finally:
+                        if busy:
+                            prof.add("bg.overlap", 1, time.perf_counter() - t0)
+            return timed_write
+        state.writer.wrap_write(timed)
     _probe_modules(prof)
 
 

@@ -11,6 +11,11 @@ n_bytes=)``, ``nbytes``, ``len()`` and ``stats_by_type()``. Here:
 * an insert stores only what the trie lacks: the KV beyond the matched prefix and, for
   recurrent / sliding-window layers, whole states at that point — so sessions sharing a
   system prompt hold it once;
+* on mlx-lm's sequential path (draft model, ``--kv-bits``, images) the inserted caches
+  are the request's own: they are kept, and the next request continues from them in
+  place — the rows it shares with the last one (a session's history, a system prompt)
+  are neither restored nor copied (`PrefixManager.adopt`; counted in ``nbytes``, given
+  up first when the budget is tight);
 * `checkpoints` tells the generation loop where else to stop during prefill (every
   ``checkpoint_interval`` tokens and at branch points, hybrid and sliding-window models);
 * one byte budget, the same as `PrefixCache`'s (`generation.core`): snapshots plus the
@@ -166,6 +171,7 @@ class TriePromptCache:
             return fallback
 
     def fetch_nearest_cache(self, model_key, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:
+        self.busy()
         return self._guard("a prompt cache fetch", lambda: self._fetch(model_key, tokens),
                            (None, list(tokens)), "fetch")
 
@@ -326,7 +332,13 @@ class TriePromptCache:
         # On a sharded model every rank records (the node without state where its caches
         # cannot be stored), with no collective; the turn settles the rest (`rank_turn`).
         made = sharded and RankTurn.makes_node(st.manager, tokens)
-        node = st.manager.record(caches, tokens, label=cache_type) if len(tokens) else None
+        if seq is not None and caches is not None and not sharded:
+            # The sequential path's caches are this request's own (mlx-lm drops them after
+            # this insert): kept, the next request continues from them in place — no copy
+            # of the prefix it shares with this one (`PrefixManager.adopt`).
+            node = st.manager.adopt(caches, tokens, label=cache_type)
+        else:
+            node = st.manager.record(caches, tokens, label=cache_type) if len(tokens) else None
         if sharded:
             self._turn.inserted(node, made, caches is None)
         self.profile.add(f"{'stored' if node is not None and caches is not None else 'not_stored'}"
@@ -341,10 +353,21 @@ class TriePromptCache:
             # the batch is idle (`idle`), or now when too much has waited
             self._capture(st)
 
+    def busy(self) -> None:
+        """A request reached the generation loop: the disk writer holds what it has not
+        started until the loop is `idle` again (one process; on the ranks of a sharded
+        model the turn settles the writes, `end_turn`)."""
+        st = self._model
+        if st is not None and st.writer is not None and self.agree.size == 1:
+            st.writer.busy()
+
     def idle(self) -> None:
         """The generation loop has no request in flight (and before it stops): capture
-        what the inserts changed for the disk writer (one process; `idle_writes`)."""
+        what the inserts changed for the disk writer, which writes once the loop has
+        stayed idle a moment (one process; `idle_writes`, `store.autosave`)."""
         st = self._model
+        if st is not None and st.writer is not None:
+            st.writer.idle()
         if not self._writes.pending or st is None or st.manager is None:
             return
         self._guard("capturing the prompt cache for the disk", lambda: self._capture(st),
@@ -395,7 +418,9 @@ class TriePromptCache:
     @property
     def nbytes(self) -> int:
         st = self._model
-        return 0 if st is None or st.manager is None else st.manager.peek(lambda: st.manager.trie.nbytes)
+        # snapshots, and the last sequential request's caches kept for the next (`adopt`)
+        return 0 if st is None or st.manager is None else st.manager.peek(
+            lambda: st.manager.trie.nbytes + st.manager.idle_bytes)
 
     def __len__(self) -> int:
         st = self._model
@@ -427,7 +452,7 @@ class TriePromptCache:
             return (0, 0, 0, 0, self.requests, self.cached_tokens, self.disk_tokens)
         mgr = st.manager
         # Counters only: O(1) in the trie's size, the lock held for three reads.
-        held, nodes, evicted = mgr.peek(lambda: (mgr.trie.nbytes, mgr.trie.node_count,
+        held, nodes, evicted = mgr.peek(lambda: (mgr.trie.nbytes + mgr.idle_bytes, mgr.trie.node_count,
                                                  mgr.evicted_bytes))
         disk = st.store.disk_bytes if st.store is not None else 0
         return (held, nodes, disk, evicted, self.requests, self.cached_tokens, self.disk_tokens)
@@ -470,6 +495,9 @@ class TriePromptCache:
             mgr, tier = st.manager, st.store.tier
             out["disk_nodes"] = mgr.trie.parked_count
             out["demoted_bytes"], out["promoted_bytes"] = tier.demoted_bytes, tier.promoted_bytes
+            # inserts the disk does not hold yet (written once the server idles a moment)
+            out["disk_writes_pending"] = bool(self._writes.pending) or (
+                st.writer is not None and st.writer.pending)
         if st is not None and st.manager is None:
             out["disabled_because"] = st.why_not
         if self.memory is not None:  # the server's memory guard

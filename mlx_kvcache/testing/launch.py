@@ -51,6 +51,12 @@ class Launch:
     def __init__(self, command: Sequence[str], n: int = 2, env: Optional[Dict[str, str]] = None):
         self.n = n
         self.tmp = Path(tempfile.mkdtemp(prefix="mlxlaunch-"))
+        # The ranks' temporary directory is the launch's own, but MLX keeps the CPU kernels
+        # it compiles (g++, seconds each) under $TMPDIR/mlx: share the usual one, so a
+        # launch does not compile them all again.
+        kernels = Path(tempfile.gettempdir()) / "mlx"
+        kernels.mkdir(exist_ok=True)
+        (self.tmp / "mlx").symlink_to(kernels, target_is_directory=True)
         self.log = self.tmp / "ranks.log"
         e = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(self.tmp), **(env or {}))
         if os.path.exists(BLAS):
