@@ -103,9 +103,11 @@ def test_disk_captures_wait_for_idle_and_the_profile_times_each_phase(tmp_path):
     pc.insert_cache(KEY, prompt, prefilled(m, prompt))
     pc.flush(timeout=60)
     assert not list(tmp_path.rglob("*.safetensors"))  # nothing captured while busy
+    assert pc.report()["disk_writes_pending"]
     pc.idle()  # the generation loop has no request in flight
     assert pc.flush(timeout=60)
     assert list(tmp_path.rglob("*.safetensors"))
+    assert not pc.report()["disk_writes_pending"]
     got, rest = pc.fetch_nearest_cache(KEY, prompt + [1, 2])
     assert rest == [1, 2]
     seconds = prof.snapshot()["seconds"]
