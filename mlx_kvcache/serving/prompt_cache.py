@@ -451,7 +451,7 @@ class TriePromptCache:
         if st is None or st.manager is None:
             return (0, 0, 0, 0, self.requests, self.cached_tokens, self.disk_tokens)
         mgr = st.manager
-        # Counters only: O(1) in the trie's size, the lock held for three reads.
+        # Counters only: O(1) in the trie's size (the idle set: O(layers)), under the lock.
         held, nodes, evicted = mgr.peek(lambda: (mgr.trie.nbytes + mgr.idle_bytes, mgr.trie.node_count,
                                                  mgr.evicted_bytes))
         disk = st.store.disk_bytes if st.store is not None else 0
