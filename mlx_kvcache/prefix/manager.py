@@ -366,9 +366,7 @@ class PrefixManager:
                 log.info("discarding an interrupted live state at %s", [c.offset for c in live.leaves])
         recorded = usable and self._record(live, seq) is not None
         if usable and self.keep_live:  # the next turn of this conversation continues from it
-            if self._idle is not None and self._idle is not live:
-                self._idle.reset()
-            self._idle = live
+            self._keep_idle(live)
         else:
             live.reset()
         self._enforce()
@@ -382,16 +380,7 @@ class PrefixManager:
         ``label`` tags the node (`PrefixTrie.label_stats` counts per label). With
         ``defer_budget`` the budget waits for `settle`, and ``caches`` None records the
         node without state."""
-        tokens = as_tokens(tokens)
-
-        def section() -> Optional[TrieNode]:
-            node = self._record(None if caches is None else LiveSet(caches, self._epoch), tokens)
-            if node is not None and label is not None:
-                self.trie.set_label(node, label)
-            if not self.defer_budget:
-                self._enforce()
-            return node
-        return self.run(section)
+        return self._record_list(caches, tokens, label, keep=False)
 
     def adopt(self, caches: List[Any], tokens: Sequence[int],
               label: Optional[str] = None) -> Optional[TrieNode]:
@@ -401,19 +390,21 @@ class PrefixManager:
         restored nor copied — until the budget needs its bytes (the idle set goes first).
         The caller gives the caches up: nothing else may write them. None (and nothing
         kept) when nothing was recorded."""
+        return self._record_list(caches, tokens, label, keep=True)
+
+    def _record_list(self, caches: Optional[List[Any]], tokens: Sequence[int],
+                     label: Optional[str], keep: bool) -> Optional[TrieNode]:
         tokens = as_tokens(tokens)
 
         def section() -> Optional[TrieNode]:
-            live = LiveSet(caches, self._epoch, quant=self.kv_quant)
+            live = None if caches is None else LiveSet(caches, self._epoch, quant=self.kv_quant)
             node = self._record(live, tokens)
-            if node is None:
-                return None
-            if label is not None:
+            if node is not None and label is not None:
                 self.trie.set_label(node, label)
-            if self._idle is not None and self._idle is not live:
-                self._idle.reset()
-            self._idle = live
-            self._enforce()
+            if keep and node is not None:
+                self._keep_idle(live)
+            if not self.defer_budget:
+                self._enforce()
             return node
         return self.run(section)
 
@@ -451,6 +442,12 @@ class PrefixManager:
         """Bytes of the idle live set (0 when there is none)."""
         idle = self._idle
         return 0 if idle is None else idle.nbytes
+
+    @property
+    def held_bytes(self) -> int:
+        """What stays held between requests: the snapshots and the idle live set (the sets
+        lent to running requests are theirs)."""
+        return self.trie.nbytes + self.idle_bytes
 
     @property
     def nbytes(self) -> int:
@@ -531,17 +528,14 @@ class PrefixManager:
     def _enforce(self) -> None:
         if not any_rank(self.agree, self.nbytes > self.max_bytes):
             return
-        if self._idle is not None:
-            self._idle.reset()
-            self._idle = None
+        self._drop_idle()
         self._evict(self.max_bytes - self.live_bytes)
 
     def _make_room(self, need: int) -> bool:
         """Evict so ``need`` more bytes fit; False when they cannot (on some rank)."""
         budget = self.max_bytes - self.live_bytes
         if self.trie.nbytes + need > budget and self._idle is not None:
-            self._idle.reset()
-            self._idle = None
+            self._drop_idle()
             budget = self.max_bytes - self.live_bytes
         if self.agree.size == 1 or self.trie.tier is not None:
             if any_rank(self.agree, self.trie.nbytes + need > budget):
@@ -565,7 +559,7 @@ class PrefixManager:
         now, agreed with the other ranks in one collective (with ``defer_budget``, the
         caller's once-a-turn enforcement; every rank must call it at the same point)."""
         def fit() -> None:
-            if limit is not None and self.trie.nbytes + self.idle_bytes > limit:
+            if limit is not None and self.held_bytes > limit:
                 self._drop_idle()  # the trie holds its tokens too: it goes first
             target = self.max_bytes - self.live_bytes
             self._evict(target if limit is None else min(target, limit))
@@ -589,6 +583,12 @@ class PrefixManager:
     def reset_live(self) -> None:
         """Forget the idle live state (the trie keeps every snapshot)."""
         self.run(self._drop_idle)
+
+    def _keep_idle(self, live: LiveSet) -> None:
+        """``live`` becomes the idle set (the one it replaces is freed)."""
+        if self._idle is not None and self._idle is not live:
+            self._idle.reset()
+        self._idle = live
 
     def _drop_idle(self) -> None:
         if self._idle is not None:

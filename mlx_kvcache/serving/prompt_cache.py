@@ -171,7 +171,6 @@ class TriePromptCache:
             return fallback
 
     def fetch_nearest_cache(self, model_key, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:
-        self.busy()
         return self._guard("a prompt cache fetch", lambda: self._fetch(model_key, tokens),
                            (None, list(tokens)), "fetch")
 
@@ -420,7 +419,7 @@ class TriePromptCache:
         st = self._model
         # snapshots, and the last sequential request's caches kept for the next (`adopt`)
         return 0 if st is None or st.manager is None else st.manager.peek(
-            lambda: st.manager.trie.nbytes + st.manager.idle_bytes)
+            lambda: st.manager.held_bytes)
 
     def __len__(self) -> int:
         st = self._model
@@ -452,7 +451,7 @@ class TriePromptCache:
             return (0, 0, 0, 0, self.requests, self.cached_tokens, self.disk_tokens)
         mgr = st.manager
         # Counters only: O(1) in the trie's size (the idle set: O(layers)), under the lock.
-        held, nodes, evicted = mgr.peek(lambda: (mgr.trie.nbytes + mgr.idle_bytes, mgr.trie.node_count,
+        held, nodes, evicted = mgr.peek(lambda: (mgr.held_bytes, mgr.trie.node_count,
                                                  mgr.evicted_bytes))
         disk = st.store.disk_bytes if st.store is not None else 0
         return (held, nodes, disk, evicted, self.requests, self.cached_tokens, self.disk_tokens)
