@@ -316,9 +316,13 @@ class PersistentStore:
                 if not own or not self._swept:
                     _save.sweep(idx, d, self.verifier)
                     self._swept = own
-                budget = self._shared_budget(idx) if own else self.max_disk_bytes
+                # Our budget is recorded only after the write has made room for it: on a
+                # full disk even that one row cannot be committed before files go.
+                budget = self._shared_budget(idx, write=False) if own else self.max_disk_bytes
                 idx.tune((budget or 64 << 20) // 16)
                 out = _save.write(idx, delta, self.verifier, budget)
+                if own:
+                    self._shared_budget(idx)
                 size = idx.files_bytes() + idx.db_bytes()
             finally:
                 if not own:
