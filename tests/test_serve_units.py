@@ -47,7 +47,7 @@ def test_fetch_insert_round_trip_never_aliases(name):
     for _ in range(2):  # the second fetch proves the first one's writes left the trie alone
         got, rest = pc.fetch_nearest_cache(KEY, full + [5, 6])
         assert rest == [5, 6]
-        assert all(type(c) in (mlc.KVCache, mlc.RotatingKVCache, mlc.ArraysCache) for c in got)
+        assert all(isinstance(c, (mlc.KVCache, mlc.RotatingKVCache, mlc.ArraysCache)) for c in got)
         out, _ = served(m, rest, got)  # writes into the fetched arrays
         cold, _ = served(m, full + [5, 6])
         assert [t for t, _ in out] == [t for t, _ in cold]
@@ -56,6 +56,50 @@ def test_fetch_insert_round_trip_never_aliases(name):
     # An exact repeat never returns an empty rest.
     got, rest = pc.fetch_nearest_cache(KEY, prompt)
     assert len(rest) >= 1
+
+
+def test_a_batch_fetch_is_merged_from_the_tries_arrays_like_mlx_lm_merges_copies():
+    """On the batch path a restored attention layer reaches mlx-lm's merge as the arrays
+    the restore would have concatenated (one copy of each reused row, not two); the batch
+    cache is mlx-lm's own, value for value, whatever else is in the batch."""
+    from mlx_kvcache.caches import KVCache
+    from mlx_kvcache.serving.restored_merge import RestoredKVCache
+    m = build("llama")
+    pc = TriePromptCache(provider(m), max_bytes=1 << 30)
+    base = [(5 * i + 1) % V for i in range(40)]
+    for tail in ([3, 4, 5, 6], [9, 8, 7, 6, 5, 4]):  # two branches: a path of two nodes
+        _, cache = served(m, base + tail)
+        pc.insert_cache(KEY, base + tail + [0] * 4, cache)
+    fetched = [pc.fetch_nearest_cache(KEY, base + [3, 4, 5, 6, 1, 2])[0],
+               pc.fetch_nearest_cache(KEY, base[:25] + [2, 2])[0]]
+    assert all(type(c) is RestoredKVCache for f in fetched for c in f)
+    assert len(fetched[0][0].parts[0]) == 2 and len(fetched[1][0].parts[0]) == 1
+    _, plain = served(m, [4] * 7)  # a cache that is not ours in the same batch, and an empty one
+    rows = fetched + [plain, mlc.make_prompt_cache(m)]
+
+    def copied(c):  # what a fetch handed over before: evaluated buffers, mlx-lm's class
+        n = mlc.KVCache()
+        if c.keys is not None:
+            n.keys, n.values, n.offset = mx.array(c.keys), mx.array(c.values), c.offset
+        return n
+    for layer in range(len(rows[0])):
+        layer_rows = [r[layer] for r in rows]
+        ours = layer_rows[0].merge(layer_rows)
+        ref = mlc.BatchKVCache.merge([copied(c) for c in layer_rows])
+        assert type(ours) is type(ref)
+        for a, b in ((ours.keys, ref.keys), (ours.values, ref.values), (ours.offset, ref.offset),
+                     (ours.left_padding, ref.left_padding)):
+            assert a.shape == b.shape and mx.array_equal(a, b).item()
+        assert ours._idx == ref._idx
+    # A layer written after its restore no longer offers the restore's arrays.
+    c = KVCache()
+    c.update_and_fetch(mx.ones((1, 2, 3, 4)), mx.ones((1, 2, 3, 4)))
+    snap = c.snapshot()
+    d = KVCache()
+    assert d.restore_chain([snap], 3) and d.restored_parts() is not None
+    d.update_and_fetch(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))
+    assert d.restored_parts() is None
+    assert d.restore_chain([snap], 2) and d.trim(1) == 1 and d.restored_parts() is None
 
 
 def test_insert_refuses_a_cache_that_does_not_hold_the_tokens(caplog):

@@ -38,9 +38,11 @@ class KVCache(KVBuffers):
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
         self.offset = 0
+        self._parts: Optional[Tuple[Any, ...]] = None  # see `restored_parts`
 
     # -- writing ----------------------------------------------------------------------
     def _write(self, keys: mx.array, values: mx.array) -> None:
+        self._parts = None
         prev = self.offset
         n = keys.shape[2]
         if self.keys is None or prev + n > self.keys.shape[2]:
@@ -73,6 +75,18 @@ class KVCache(KVBuffers):
         """Drop all state; ``offset`` becomes 0."""
         self.keys = self.values = None
         self.offset = 0
+        self._parts = None
+
+    def restored_parts(self) -> Optional[Tuple[List[Tuple[mx.array, int]], List[Tuple[mx.array, int]]]]:
+        """``(keys, values)``: the arrays whose leading rows, in order, are rows ``[0,
+        offset)`` — ``[(array, rows), ...]`` along axis 2 — while the buffers are still
+        the ones `restore_chain` built from them and nothing has been written since;
+        None otherwise. A caller that copies the rows elsewhere anyway (mlx-lm's batch
+        merge) copies them from these, and the buffers, still unevaluated, never are."""
+        p = getattr(self, "_parts", None)  # (a subclass may not run __init__)
+        if p is None or p[0] is not self.keys or p[1] is not self.values or p[2] != self.offset:
+            return None
+        return p[3], p[4]
 
     # -- snapshot face ----------------------------------------------------------------
     def snapshot(self, from_offset: int = 0) -> Optional[KVSnapshot]:
@@ -162,6 +176,7 @@ class KVCache(KVBuffers):
         self.keys = concat_rows(ks, rows - target)
         self.values = concat_rows(vs, rows - target)
         self.offset = target
+        self._parts = (self.keys, self.values, target, ks, vs)
         return True
 
     merge = MergeDispatch()

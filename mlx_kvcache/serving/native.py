@@ -16,23 +16,30 @@ from typing import Any, List, Optional
 
 from mlx_lm.models import cache as mlc
 
-from ..caches import LEAF_TYPES, CacheError, GenericCache, RecurrentCache, convert, leaf_caches
+from ..caches import LEAF_TYPES, CacheError, GenericCache, KVCache, RecurrentCache, convert, leaf_caches
 from .padding import TrackedArraysCache
+from .restored_merge import RestoredKVCache
 
 
-def to_native(caches: List[Any], track_padding: bool = False) -> List[Any]:
+def to_native(caches: List[Any], track_padding: bool = False, merged: bool = False) -> List[Any]:
     """mlx-lm cache objects holding the same state as ``caches`` (ours); with
-    ``track_padding`` recurrent layers are `TrackedArraysCache` (remembers batch padding)."""
-    return [_native(c, track_padding) for c in caches]
+    ``track_padding`` recurrent layers are `TrackedArraysCache` (remembers batch padding).
+    ``merged``: the caches go to mlx-lm's batch merge, which copies them; attention
+    layers just restored are `RestoredKVCache`, copied once from the trie's arrays."""
+    return [_native(c, track_padding, merged) for c in caches]
 
 
-def _native(c: Any, track: bool = False) -> Any:
+def _native(c: Any, track: bool = False, merged: bool = False) -> Any:
     if isinstance(c, mlc.CacheList):
-        return mlc.CacheList(*(_native(x, track) for x in c.caches))
+        return mlc.CacheList(*(_native(x, track, merged) for x in c.caches))
     if not isinstance(c, (*LEAF_TYPES, GenericCache)):
         return c  # the model's own object
     if track and isinstance(c, RecurrentCache):
         return c.to_mlx(TrackedArraysCache)
+    if merged and isinstance(c, KVCache):
+        parts = c.restored_parts()
+        if parts is not None:
+            return RestoredKVCache(c.keys, c.values, c.offset, parts)
     return c.to_mlx()
 
 
@@ -52,13 +59,17 @@ def from_native(caches: List[Any], length: int, quant: Any = None) -> Optional[L
     return ours
 
 
-
 def _untracked(c: Any) -> Any:
-    """A `TrackedArraysCache` as mlx-lm's plain class (same arrays), for `convert`."""
+    """A `TrackedArraysCache` or `RestoredKVCache` (a fetched cache used in place instead
+    of merged) as mlx-lm's plain class (same arrays), for `convert`."""
     if isinstance(c, mlc.CacheList):
         return mlc.CacheList(*(_untracked(x) for x in c.caches))
     if isinstance(c, TrackedArraysCache):
         plain = mlc.ArraysCache(len(c.cache))
         plain.cache, plain.left_padding, plain.lengths = c.cache, c.left_padding, c.lengths
         return plain
+    if isinstance(c, RestoredKVCache):
+        kv = mlc.KVCache()
+        kv.keys, kv.values, kv.offset = c.keys, c.values, c.offset
+        return kv
     return c

@@ -251,7 +251,7 @@ class TriePromptCache:
             if plan.restored == 0 and not st.track_padding:
                 return None, rest
             # Tracking batch padding needs our recurrent class in every row, a miss included.
-            return native.to_native(live.caches, st.track_padding), rest
+            return native.to_native(live.caches, st.track_padding, merged=True), rest
         try:
             handed = self._sequential(st, live, plan, ids, seq)
         except Exception:
