@@ -501,7 +501,8 @@ def main(argv=None):
         else:
             words = args.system_words or (1500 if args.quick else 3600)
             out = run("a", ["--model", str(d)], n, turns, 16, extra, work, words, args.profile)
-            report("a", *out, goals={"p50": "<= 1.0", "held": "<= 0.3", "restart": "<= 0.05 (of cold)"})
+            report("a", *out, goals={"p50": "<= 0.9", "p95": "<= 1.0", "held": "<= 0.3",
+                                     "restart": "<= 0.05 (of cold)"})
     if args.only in (None, "d", "q"):
         d = smollm2_dir(work)
         if d is None:
@@ -512,12 +513,12 @@ def main(argv=None):
                 draft = write_draft_dir(work / "draft", d, sigma=0.08)
                 out = run("d", ["--model", str(d), "--draft-model", str(draft),
                                 "--num-draft-tokens", "3"], n, turns, 16, extra, work, words, args.profile)
-                report("d", *out, goals={"p50": "<= 1.0", "computed": "<= 1.0",
+                report("d", *out, goals={"p50": "<= 1.0", "p95": "<= 1.0", "computed": "<= 1.0",
                                          "held": "<= 1.0"})
             if args.only in (None, "q"):
                 out = run("q", ["--model", str(d), "--kv-bits", "8", "--quantized-kv-start",
                                 "0"], n, turns, 16, extra, work, words, args.profile)
-                report("q", *out, goals={"p50": "<= 1.0", "computed": "<= 1.0",
+                report("q", *out, goals={"p50": "<= 1.0", "p95": "<= 1.0", "computed": "<= 1.0",
                                          "held": "<= 0.3"})
     if args.only in (None, "b"):
         d = write_model_dir(work / "hybrid", "qwen3_next", hidden_size=256, num_hidden_layers=8,
