@@ -58,7 +58,7 @@ def test_fetch_insert_round_trip_never_aliases(name):
     assert len(rest) >= 1
 
 
-def test_a_batch_fetch_is_merged_from_the_tries_arrays_like_mlx_lm_merges_copies():
+def test_a_batch_fetch_is_merged_from_the_tries_arrays_like_mlx_lm_merges_copies(monkeypatch):
     """On the batch path a restored attention layer reaches mlx-lm's merge as the arrays
     the restore would have concatenated (one copy of each reused row, not two); the batch
     cache is mlx-lm's own, value for value, whatever else is in the batch."""
@@ -91,6 +91,21 @@ def test_a_batch_fetch_is_merged_from_the_tries_arrays_like_mlx_lm_merges_copies
                      (ours.left_padding, ref.left_padding)):
             assert a.shape == b.shape and mx.array_equal(a, b).item()
         assert ours._idx == ref._idx
+    # A batch cache laid out otherwise (another mlx-lm) keeps mlx-lm's own copy.
+    real = mlc.BatchKVCache.merge
+    layer_rows = [r[0] for r in rows]
+    want = real([copied(c) for c in layer_rows])
+    built = []
+
+    def other_layout(caches):
+        out = real(caches)
+        out.left_padding = out.left_padding[::-1]
+        built.append(out.keys)
+        return out
+    monkeypatch.setattr(mlc.BatchKVCache, "merge", staticmethod(other_layout))
+    kept = layer_rows[0].merge(layer_rows)
+    assert kept.keys is built[0] and mx.array_equal(kept.keys, want.keys).item()
+    monkeypatch.undo()
     # A layer written after its restore no longer offers the restore's arrays.
     c = KVCache()
     c.update_and_fetch(mx.ones((1, 2, 3, 4)), mx.ones((1, 2, 3, 4)))

@@ -45,6 +45,8 @@ class RestoredKVCache(mlc.KVCache):
         if out.keys is None or not all(type(c) in (mlc.KVCache, RestoredKVCache) for c in caches):
             return out
         length = out.keys.shape[2]
+        if out.left_padding.tolist() != [length - c.offset for c in caches]:
+            return out  # not the layout this fills in (another mlx-lm): its own copy stands
         keys = mx.zeros(out.keys.shape, out.keys.dtype)
         values = mx.zeros(out.values.shape, out.values.dtype)
         for i, c in enumerate(caches):
