@@ -174,14 +174,10 @@ def round_of(server, sessions, max_tokens, staggered=False):
 def quiesce(server: Server, limit: float = 120.0) -> None:
     """Wait for the disk writes a server does once idle (ours), so they do not run during
     the other contender's round: on one machine they would slow it, not the writer's own."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        try:
-            if not server.cache().get("disk_writes_pending"):
-                return
-        except Exception:  # stock has no /v1/cache
-            return
-        time.sleep(0.05)
+    try:
+        server.settled(cap=limit)
+    except Exception:  # stock has no /v1/cache; past ``limit`` the round goes on
+        pass
 
 
 def peak_rss(pid) -> int:

@@ -9,7 +9,6 @@ served."""
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -80,11 +79,8 @@ def test_sessions_round_robin_from_disk_like_stock(tmp_path):
             r = s.chat(hist[i], max_tokens=6)
             # A node the budget evicts before its capture is written is dropped, not
             # parked; on a loaded machine the writer can lag the next request, so each
-            # request waits for the writes (bounded by the module's timeout).
-            rep = s.cache()
-            while rep["disk_writes_pending"]:
-                time.sleep(0.05)
-                rep = s.cache()
+            # request waits for the writes.
+            rep = s.settled()
             same_answer(stock[t][i], r)
             assert rep["bytes_held"] <= rep["max_bytes"] == budget, rep
             assert rep["disk_bytes"] <= rep["max_disk_bytes"] == disk, rep

@@ -83,7 +83,7 @@ class KVCache(KVBuffers):
         the ones `restore_chain` built from them and nothing has been written since;
         None otherwise. A caller that copies the rows elsewhere anyway (mlx-lm's batch
         merge) copies them from these, and the buffers, still unevaluated, never are."""
-        p = getattr(self, "_parts", None)  # (a subclass may not run __init__)
+        p = getattr(self, "_parts", None)  # (an instance made without __init__ has none)
         if p is None or p[0] is not self.keys or p[1] is not self.values or p[2] != self.offset:
             return None
         return p[3], p[4]

@@ -44,18 +44,19 @@ class RestoredKVCache(mlc.KVCache):
         out = mlc.BatchKVCache.merge(caches)
         if out.keys is None or not all(type(c) in (mlc.KVCache, RestoredKVCache) for c in caches):
             return out
-        length = out.keys.shape[2]
-        if out.left_padding.tolist() != [length - c.offset for c in caches]:
+        # Left padding: each row's tokens end at the batch's length.
+        starts = [out.keys.shape[2] - c.offset for c in caches]
+        if out.left_padding.tolist() != starts:
             return out  # not the layout this fills in (another mlx-lm): its own copy stands
         keys = mx.zeros(out.keys.shape, out.keys.dtype)
         values = mx.zeros(out.values.shape, out.values.dtype)
-        for i, c in enumerate(caches):
+        for i, (c, at) in enumerate(zip(caches, starts)):
             if c.keys is None or not c.offset:
                 continue
             kp, vp = c.parts if isinstance(c, RestoredKVCache) else (
                 [(c.keys, c.offset)], [(c.values, c.offset)])
-            _fill(keys, i, length - c.offset, kp)  # left padding: a row ends at ``length``
-            _fill(values, i, length - c.offset, vp)
+            _fill(keys, i, at, kp)
+            _fill(values, i, at, vp)
         out.keys, out.values = keys, values  # mlx-lm's own copies are dropped unevaluated
         return out
 

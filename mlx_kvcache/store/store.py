@@ -321,7 +321,7 @@ class PersistentStore:
                 budget = self._shared_budget(idx, write=False) if own else self.max_disk_bytes
                 idx.tune((budget or 64 << 20) // 16)
                 out = _save.write(idx, delta, self.verifier, budget)
-                if own:
+                if own and self._claim:  # ours is still to be recorded
                     self._shared_budget(idx)
                 size = idx.files_bytes() + idx.db_bytes()
             finally:

@@ -250,6 +250,15 @@ class Server(Client):
             lambda: next((e for e in reversed(self.cache()["recent"])
                           if e["time"] >= sent - 0.001), None))
 
+    def settled(self, cap: Optional[float] = None) -> Dict[str, Any]:
+        """``GET /v1/cache`` once no disk write is pending (ours writes its captures when
+        the generation loop is idle), waiting while the server makes progress."""
+        def report() -> Optional[Dict[str, Any]]:
+            r = self.cache()
+            return None if r.get("disk_writes_pending") else r
+        return self.watch.wait("the disk writes GET /v1/cache lists as pending", cap=cap).until(
+            report, poll=0.05)
+
     def wait_exit(self, cap: Optional[float] = None) -> int:
         """The exit status, once the server has exited (while it makes progress)."""
         self.watch.wait("the server to exit", cap=cap, need_alive=False).until(
