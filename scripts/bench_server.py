@@ -22,7 +22,9 @@ Workloads:
   d. workload a's shape with speculative decoding (``--draft-model``, 3 draft tokens): the
      draft is a copy of SmolLM2 with noise on its weights (a smaller model of the family
      would do in practice; this one accepts about half of the drafts), ~2k-token system
-     prompt. Both servers serve it one request at a time (mlx-lm's sequential path).
+     prompt. Both servers serve it one request at a time (mlx-lm's sequential path). A
+     draft as large as its target never pays for itself: ours' default ``--draft-policy
+     adaptive`` drafts nothing with it (``--fixed-draft``: ours drafts every round too).
   q. workload a's shape with ``--kv-bits 8 --quantized-kv-start 0`` (quantized KV from the
      first token), ~2k-token system prompt; sequential on both servers too.
 
@@ -38,6 +40,7 @@ its cache from disk; stock starts cold). Ratios are ours / stock.
     python scripts/bench_server.py              # every workload, ~20 min on 2 CPU cores
     python scripts/bench_server.py --quick      # ~8 min
     python scripts/bench_server.py --only b     # (or a, d, q)
+    python scripts/bench_server.py --only d --fixed-draft  # ours drafting every round, as stock
     python scripts/bench_server.py --only 2     # two ranks under mlx.launch (~3 min)
     python scripts/bench_server.py --only a --quick --profile [--no-persist] [--sessions 1]
                                                 # + where one request's time goes, ours vs stock
@@ -227,6 +230,12 @@ def run(kind, model_args, sessions_n, turns, max_tokens, ours_extra, work, syste
                   f"{sum(r['cached'] for r in got['stock'])} / ours "
                   f"{sum(r['cached'] for r in got['ours'])} of "
                   f"{sum(r['prompt'] for r in got['ours'])} tokens", flush=True)
+        if "--draft-model" in model_args:
+            spec = [(int(d), int(a)) for d, a in re.findall(
+                r"drafted (\d+) accepted (\d+)", servers["ours"].log.read_text(errors="replace"))]
+            print(f"  ours drafted {sum(d for d, _ in spec)} tokens, {sum(a for _, a in spec)} "
+                  f"accepted, over {len(spec)} requests (stock drafts --num-draft-tokens every "
+                  f"round)", flush=True)
         held = {"stock": stock_bytes(servers["stock"].log),
                 "ours": servers["ours"].cache()["bytes_held"]}
         rss = {k: peak_rss(s.proc.pid) for k, s in servers.items()}
@@ -478,6 +487,9 @@ def main(argv=None):
                     "and the breakdown of one request's time is printed")
     ap.add_argument("--no-persist", action="store_true",
                     help="a, b, d, q: ours without its disk tier")
+    ap.add_argument("--fixed-draft", action="store_true",
+                    help="d: ours with --draft-policy fixed (drafts --num-draft-tokens every "
+                    "round, as stock; default: adaptive)")
     ap.add_argument("--intervals", type=int, nargs="+", default=None,
                     help="2: ours' --checkpoint-interval values, one contender each "
                     f"(default {' '.join(map(str, INTERVALS))})")
@@ -486,7 +498,8 @@ def main(argv=None):
     turns = args.turns or (3 if args.quick else 4)
     print(f"command: python scripts/bench_server.py {shlex.join(argv or sys.argv[1:])}")
     work = Path(tempfile.mkdtemp(prefix="bench_server_"))
-    extra = ["--no-persist"] if args.no_persist else []
+    extra = (["--no-persist"] if args.no_persist else []) + (
+        ["--draft-policy", "fixed"] if args.fixed_draft else [])
     print(f"load average at the start {'{:.1f} / {:.1f} / {:.1f}'.format(*os.getloadavg())} "
           f"(1 / 5 / 15 min)")
     print(f"logs and caches under {work}")

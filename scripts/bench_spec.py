@@ -67,7 +67,10 @@ GOALS = (0.5, 0.9)
 
 # -- runs ------------------------------------------------------------------------------------
 def ours(target, prompt, n, draft=None, k=4):
-    pc = mk.PrefixCache(target, draft_model=draft, num_draft_tokens=k, max_bytes=1 << 30)
+    # fixed: every round drafts k, as mlx-lm (the adaptive default never drafts with a
+    # draft as large as its target: it would measure plain decoding)
+    kw = {} if draft is None else dict(draft_model=draft, num_draft_tokens=k, draft_policy="fixed")
+    pc = mk.PrefixCache(target, max_bytes=1 << 30, **kw)
     t0 = time.perf_counter()
     rs = list(pc.stream_generate(TOK, prompt, n))
     return [r.token for r in rs], rs[-1].cache, time.perf_counter() - t0

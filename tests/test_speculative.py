@@ -92,6 +92,76 @@ def test_greedy_output_is_the_targets(name):
         check_no_leaks(pc)
 
 
+# -- rounds that draft fewer tokens, or none (the draft left behind catches up) -----------------
+class Scripted:
+    """A draft length that follows a script (capped by what the round allows), to reach
+    every transition: drafting after rounds without, a long lag, drafting every round."""
+
+    def __init__(self, script):
+        self.script, self.i, self.seen = list(script), 0, []
+
+    def next(self, most):
+        k = min(most, self.script[self.i % len(self.script)])
+        self.i += 1
+        return k
+
+    def observe(self, proposed, accepted):
+        self.seen.append((proposed, accepted))
+
+
+SCRIPT = [3, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 2, 0, 4]  # a lag past 2 * (k + 1) too
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rounds_without_drafts_keep_output_and_trie_exact(name):
+    m = model(name)
+    prompt, procs, sigma = case(name)
+    ref = cold_with(m, prompt, N, procs)
+    pc = new_cache(m, draft_model=noisy_copy(name, sigma), num_draft_tokens=4,
+                   pre_end_margin=MARGIN)
+    pc.draft_length = Scripted(SCRIPT)
+    got, rs = spec_run(pc, prompt, N, logits_processors=procs)
+    assert_same(ref, got)
+    st = rs[-1].cache
+    assert 0 < st.accepted_tokens < st.drafted_tokens < 4 * N // 2, st
+    assert [p for p, _ in pc.draft_length.seen][:4] == [3, 0, 0, 1]
+    assert sum(a for _, a in pc.draft_length.seen) == st.accepted_tokens
+    # Both models hold every emitted token but the last, as plain decoding records it.
+    seq = prompt + [t for t, _ in got]
+    plan = check_restored_state(pc, seq[:-1] + [3])
+    assert plan.restored == len(seq) - 1, plan
+    check_no_leaks(pc)
+    # Closed mid-answer while the draft lags: what is stored is still exact.
+    pc2 = new_cache(m, draft_model=noisy_copy(name, sigma), num_draft_tokens=4,
+                    pre_end_margin=MARGIN)
+    pc2.draft_length = Scripted([0])
+    gen = pc2.stream_generate(TOK, prompt, N, logits_processors=procs)
+    part = [(r.token, r.logprobs) for _, r in zip(range(7), gen)]
+    gen.close()
+    assert_same(ref[:7], part)
+    check_restored_state(pc2, seq[: len(prompt) + 7] + [5])
+    check_no_leaks(pc2)
+
+
+def test_adaptive_policy_never_drafts_with_a_draft_as_large_as_the_target():
+    """The default policy: a same-size draft cannot pay for itself, so no round drafts;
+    answers, log-probs and what the trie keeps are those of plain decoding."""
+    name = "qwen3_next"
+    m = model(name)
+    prompt, procs, sigma = case(name)
+    pc = mk.PrefixCache(m, draft_model=noisy_copy(name, sigma), num_draft_tokens=4,
+                        pre_end_margin=MARGIN)
+    assert pc.draft_length is not None and pc.draft_length.cost == pytest.approx(1.0)
+    got, rs = spec_run(pc, prompt, 12, logits_processors=procs)
+    assert_same(cold_with(m, prompt, 12, procs), got)
+    st = rs[-1].cache
+    assert st.drafted_tokens == 0 and st.target_passes == 12 and not any(r.from_draft for r in rs)
+    seq = prompt + [t for t, _ in got]
+    assert check_restored_state(pc, seq[:-1] + [2]).restored == len(seq) - 1
+    assert mk.PrefixCache(m, draft_model=noisy_copy(name, sigma),
+                          draft_policy="fixed").draft_length is None
+
+
 # -- what the trie holds afterwards: both models equal cold runs -------------------------------
 def check_restored_state(pc, tokens):
     """Restore ``tokens`` from the trie into a live set, feed both models the rest, and
@@ -358,6 +428,8 @@ def test_bad_draft_arguments_are_named_and_change_nothing():
         mk.PrefixCache(m, draft_model=m)
     with pytest.raises(ValueError, match="num_draft_tokens must be >= 0"):
         mk.PrefixCache(m, draft_model=d, num_draft_tokens=-1)
+    with pytest.raises(ValueError, match="draft_policy must be one of adaptive, fixed, got 'often'"):
+        mk.PrefixCache(m, draft_model=d, draft_policy="often")
     plain = new_cache(m)
     with pytest.raises(ValueError, match="construct PrefixCache"):
         plain.stream_generate(TOK, [1, 2, 3], 3, draft_model=d)
@@ -412,7 +484,7 @@ def test_draft_with_caches_the_trie_cannot_hold():
     m.make_cache = lambda: [_OpaqueStateCache() for _ in m.layers]
     d = noisy_copy("llama", 0.1)
     with pytest.warns(RuntimeWarning, match="cannot be reused"):
-        pc = mk.PrefixCache(m, draft_model=d, num_draft_tokens=3)
+        pc = mk.PrefixCache(m, draft_model=d, num_draft_tokens=3, draft_policy="fixed")
     prompt, procs, _ = case("llama")
     got, rs = spec_run(pc, prompt, 20, logits_processors=procs)
     assert_same(cold_with(build("llama"), prompt, 20, procs), got)
@@ -505,7 +577,7 @@ def test_kv_bits_switch_is_where_plain_decoding_puts_it(start):
     rng = random.Random(start)
     prompt = [rng.randrange(V) for _ in range(20)]
     pc = mk.PrefixCache(m, draft_model=d, num_draft_tokens=4, kv_bits=BITS, kv_group_size=GROUP,
-                        quantized_kv_start=start)
+                        quantized_kv_start=start, draft_policy="fixed")
     got, rs = spec_run(pc, prompt, 30)
     assert_same(canonical(m, prompt, 30, start), got)
     st = rs[-1].cache

@@ -33,6 +33,8 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``chat`` and its options on the command's subparsers."""
+    from ..generation.draft_length import POLICIES
+
     c = sub.add_parser("chat", help="chat with a model, reusing the conversation prefix",
                        description="Chat in the terminal (or from a pipe, one turn per line); "
                        "every turn restores the conversation so far from the prefix cache.",
@@ -51,7 +53,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "hybrid and sliding-window models too, and the prefix cache keeps its "
                    "caches alongside the model's")
     c.add_argument("--num-draft-tokens", type=_non_negative, default=3,
-                   help="tokens the draft model proposes per step (default 3)")
+                   help="the most tokens the draft model proposes per step (default 3)")
+    c.add_argument("--draft-policy", choices=POLICIES, default="adaptive",
+                   help="adaptive (default): each step drafts only as many tokens as pay for "
+                   "themselves, given the draft's size and how often the model accepts its "
+                   "tokens (none with a draft as large as the model); fixed: "
+                   "--num-draft-tokens every step, as mlx-lm. Answers are the same")
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--max-tokens", type=int, default=256, help="answer length limit (default 256)")
     c.add_argument("--temp", type=temperature, default=0.0,
@@ -108,7 +115,8 @@ def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO, d
         kw.update(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                   quantized_kv_start=args.quantized_kv_start)
     if draft is not None:
-        kw.update(draft_model=draft, num_draft_tokens=args.num_draft_tokens)
+        kw.update(draft_model=draft, num_draft_tokens=args.num_draft_tokens,
+                  draft_policy=args.draft_policy)
     params = inspect.signature(PrefixCache.__init__).parameters
     if args.no_persist:
         return PrefixCache(model, **kw)
@@ -228,6 +236,11 @@ def run(args, out: TextIO, err: TextIO) -> int:
     except ValueError as e:  # e.g. the same model given as its own draft
         err.write(f"error: {e}\n")
         return 2
+    length = getattr(cache, "draft_length", None)
+    if length is not None and length.best(1, 1.0) == 0:
+        err.write(f"note: a step of the draft model costs {length.cost:.2f} of a step of the "
+                  f"model (their weight bytes): drafting cannot pay, so no step drafts "
+                  f"(--draft-policy fixed drafts anyway)\n")
     if args.seed is not None:
         cache.seed(args.seed)  # sampling runs on the cache's engine thread
 

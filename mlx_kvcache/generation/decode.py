@@ -16,6 +16,7 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.models import cache as mlc
 
 from ..prefix.stats import RequestStats
+from .draft_length import DraftLength
 from .prefill import Feed, Runner, inline
 from .speculative import Emitted, SpeculativeDecoder
 
@@ -82,10 +83,11 @@ Decoder = Union[PlainDecoder, SpeculativeDecoder]
 
 def decoder(feed: Feed, tokens: Sequence[int], *, num_draft: int, sampler: Callable,
             processors: Sequence[Callable], eos, max_tokens: int,
-            stats: RequestStats) -> Decoder:
+            stats: RequestStats, draft_length: Optional[DraftLength] = None) -> Decoder:
     """The decoder of a request whose caches (``feed``'s) hold ``tokens[:-1]``: plain, or
-    speculative when the pair has a draft (``num_draft`` tokens a round; both models
-    switch to quantized rows exactly at the feed's ``kv_bits`` start)."""
+    speculative when the pair has a draft (``num_draft`` tokens a round, or as many of
+    them as ``draft_length`` finds worth drafting; both models switch to quantized rows
+    exactly at the feed's ``kv_bits`` start)."""
     pair = feed.pair
     if pair.draft is None:
         return PlainDecoder(feed, tokens, sampler=sampler, processors=processors, eos=eos,
@@ -96,7 +98,7 @@ def decoder(feed: Feed, tokens: Sequence[int], *, num_draft: int, sampler: Calla
         pair.model, target, pair.draft, drafted, tokens, num_draft=num_draft, sampler=sampler,
         processors=processors, eos=eos, max_tokens=max_tokens, stats=stats, vocab=pair.vocab,
         draft_vocab=pair.draft_vocab, switch=feed.lists if quantized else None,
-        quant_start=feed.quant_start)
+        quant_start=feed.quant_start, length=draft_length)
 
 
 def emitted(dec: Decoder, run: Runner = inline) -> Iterator[Tuple[int, mx.array, bool, bool]]:

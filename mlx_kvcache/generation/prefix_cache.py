@@ -32,6 +32,7 @@ from ..prefix.stats import CacheStats, RequestStats
 from ..store import PersistentStore
 from . import request, sizing, validation
 from .core import CacheCore, check_cold_bits
+from .draft_length import DraftPolicy, check_policy, draft_length_for
 from .engine import default_engine, materialize
 from .model_pair import ModelPair
 from .request import CachedGenerationResponse
@@ -107,8 +108,13 @@ class PrefixCache:
             and the draft's snapshots together, so a hit skips prefill on both; the
             budget counts both; the persisted cache is keyed on both fingerprints. Every
             request is then speculative (``num_draft_tokens=0`` drafts nothing).
-        num_draft_tokens: tokens the draft proposes per round (default 3, as mlx-lm's
-            ``--num-draft-tokens``); a request may pass its own.
+        num_draft_tokens: the most tokens the draft proposes per round (default 3, as
+            mlx-lm's ``--num-draft-tokens``); a request may pass its own.
+        draft_policy: ``"adaptive"`` (default): each round drafts as many of those as pay
+            for themselves — none while the draft costs too much for how often the target
+            accepts it (a draft as large as the target never pays), so a poor draft costs
+            little more than no draft (`DraftLength`); ``"fixed"``: ``num_draft_tokens``
+            every round, as mlx-lm. Answers are the same either way.
 
     Safe for concurrent use; see the module docstring.
     """
@@ -130,11 +136,13 @@ class PrefixCache:
         quantized_kv_start: int = 5000,
         draft_model: Optional[nn.Module] = None,
         num_draft_tokens: int = 3,
+        draft_policy: DraftPolicy = "adaptive",
         cold_bits: Optional[int] = None,
     ) -> None:
         if cache_dir is not None and not str(cache_dir).strip():
             raise ValueError("cache_dir is empty: pass a directory path, or None for no persistence")
         self.cold_bits = check_cold_bits(cold_bits)
+        check_policy(draft_policy)
         if self.cold_bits is not None and cache_dir is None:
             raise ValueError("cold_bits compresses what is written to disk: give cache_dir "
                              "too, or no cold_bits")
@@ -161,6 +169,8 @@ class PrefixCache:
         else:
             budget = int(max_bytes)
         self.num_draft_tokens = _check_num_draft(num_draft_tokens)
+        #: Each round's draft length (None: ``num_draft_tokens`` every round).
+        self.draft_length = draft_length_for(draft_policy, model, draft_model)
         materialize(model)  # the engine thread cannot evaluate arrays left lazy here
         if draft_model is not None:
             materialize(draft_model)
@@ -334,7 +344,7 @@ class PrefixCache:
         self._prefetch(tokens)  # files of parked nodes start loading now
         return request.run(self, tokenizer, tokens, max_tokens, sampler,
                            list(logits_processors or []), prompt_progress_callback, stops, chunk,
-                           num_draft=k)
+                           num_draft=k, draft_length=self.draft_length)
 
     def _check_kv_kwargs(self, kwargs: dict) -> None:
         """mlx-lm's per-call ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start`` are

@@ -34,6 +34,7 @@ from mlx_lm.models import cache as mlc
 
 from ..caches import settle
 from ..prefix.stats import RequestStats
+from .draft_length import DraftLength
 from .model_pair import clamp_ids
 
 __all__ = ["SpeculativeDecoder", "Emitted"]
@@ -213,6 +214,9 @@ class SpeculativeDecoder:
     the check-in and drops the checkpoints.
 
     Args:
+        num_draft: the most tokens a round drafts (every round's count without ``length``).
+        length: picks each round's count (`draft_length`); a round that drafts nothing is
+            a plain target step, and the draft, left behind, catches up in its next pass.
         vocab: the target's vocabulary size (see `_target_width`).
         draft_vocab: the draft's, when smaller than the target's (see `clamp_ids`).
     """
@@ -222,7 +226,8 @@ class SpeculativeDecoder:
                  processors: Sequence[Callable], eos, max_tokens: int, stats: RequestStats,
                  vocab: Optional[int] = None, draft_vocab: Optional[int] = None,
                  switch: Optional[Callable[[], Tuple[List[Any], List[Any]]]] = None,
-                 quant_start: Optional[int] = None) -> None:
+                 quant_start: Optional[int] = None,
+                 length: Optional[DraftLength] = None) -> None:
         self.seq: List[int] = np.asarray(tokens).tolist()  # Python ints (a numpy prompt too)
         n = len(self.seq) - 1
         self.t = _Side(target, target_caches, n)
@@ -240,6 +245,7 @@ class SpeculativeDecoder:
             for side in (self.t, self.d):
                 side.quant_start, side.before = quant_start, before
         self.k, self.max_carry = int(num_draft), 2 * (int(num_draft) + 1)
+        self.length = length
         self.sampler, self.processors, self.eos = sampler, list(processors), eos
         self.max_tokens, self.stats, self.vocab = max_tokens, stats, vocab
         self.generated = 0
@@ -298,7 +304,8 @@ class SpeculativeDecoder:
         seq, t, st = self.seq, self.t, self.stats
         base = len(seq)
         left = math.inf if self.max_tokens < 0 else self.max_tokens - self.generated
-        k = int(min(self.k, left - 1))
+        most = int(min(self.k, left - 1))
+        k = most if self.length is None else self.length.next(most)
         qs = self.quant_start
         if qs is not None and base <= qs:
             k = min(k, qs - base)  # drafted positions stay below the kv_bits switch
@@ -324,20 +331,24 @@ class SpeculativeDecoder:
         self.generated += len(out)
         st.drafted_tokens += k
         st.accepted_tokens += n
-        self._settle(t, base, proposed, done)
-        self._settle(self.d, base, proposed[: max(k - 1, 0)], done)
+        if self.length is not None:
+            self.length.observe(k, n)
+        self._settle(t, base, proposed, replay=not done)
+        # A draft left behind by a round without drafts catches up in its next pass.
+        self._settle(self.d, base, proposed[: max(k - 1, 0)], replay=not done and k > 0)
         st.target_passes, st.replayed_tokens = t.passes, t.replayed
         return [(tok, row, fd) for (tok, fd), row in zip(out, rows)], done
 
-    def _settle(self, side: _Side, base: int, absorbed: List[int], done: bool) -> None:
-        """Keep what the emitted tokens confirm (never the last one: no model has seen it)."""
+    def _settle(self, side: _Side, base: int, absorbed: List[int], replay: bool) -> None:
+        """Keep what the emitted tokens confirm (never the last one: no model has seen it);
+        with ``replay``, feed a carry longer than ``max_carry`` now."""
         end = len(self.seq) - 1
         keep = min(base + _common(absorbed, self.seq[base:]), end) if side.extra else side.n
         if keep != side.n + side.extra:
             side.rollback(keep)
         else:
             side.n, side.extra = keep, 0
-        if not done and end - side.n > self.max_carry:  # replay a long carry on its own
+        if replay and end - side.n > self.max_carry:  # replay a long carry on its own
             side.forward(mx.array(self.seq[side.n:end], mx.uint32), end - side.n)
 
     # -- the end ---------------------------------------------------------------------------

@@ -92,6 +92,7 @@ def add_options(parser) -> None:
     size, mlx-lm's ``--prompt-cache-bytes`` included, is read as the chat command reads it
     (`parse_bytes`: 512M, 4G, 4GB, 2GiB; mlx-lm's own reader knows only M/G/MB/GB, all
     decimal, and raises a traceback on anything else)."""
+    from ..generation.draft_length import POLICIES
     from ..prefix.stats import parse_bytes
     from ..store import default_root
     from .admin import TOKEN_ENV
@@ -169,6 +170,12 @@ def add_options(parser) -> None:
                    metavar="SECONDS",
                    help="how long a request waits for memory before its 503 (default: "
                    f"{DEFAULT_WAIT:g})")
+    g.add_argument("--draft-policy", choices=POLICIES, default="adaptive",
+                   help="with --draft-model: adaptive (default) drafts each step only as many "
+                   "of --num-draft-tokens as pay for themselves, given the draft's size and "
+                   "how often the model accepts its tokens (none with a draft as large as the "
+                   "model); fixed: --num-draft-tokens every step, as mlx-lm. Answers are "
+                   "the same")
     g.add_argument("--prompt-excerpts", choices=("auto", "on", "off"), default="auto",
                    help="show prompt text around where reuse stopped (GET /v1/cache 'recent' "
                    "and the log lines); off: offsets and reasons only. auto (default): off when "

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mlx_lm.server import CompletionRequest, GenerationContext, ResponseGenerator
 
+from ..generation.draft_length import DraftLengths
 from . import extract, sequential
 from .answer_turn import answer_extends_prompt
 from .lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
@@ -167,6 +168,9 @@ class ServerResponseGenerator(ResponseGenerator):
         self._gate = AdmissionQueue(self.memory, self._request_size,
                                     lambda item: isinstance(item[1], Control),
                                     lambda item: self._sized.pop(id(item[1]), None))
+        # (--draft-policy; mlx-lm refuses a draft model under mlx.launch)
+        policy = getattr(getattr(model_provider, "cli_args", None), "draft_policy", "adaptive")
+        self._draft_lengths = None if policy == "fixed" else DraftLengths(policy)
         if hasattr(prompt_cache, "checkpoints"):  # ours: it copies only the rows it lacks
             extract.install()
         super().__init__(model_provider, prompt_cache)
@@ -255,7 +259,8 @@ class ServerResponseGenerator(ResponseGenerator):
         rqueue, req, args = request
         seq = sequential.SequentialRequest(
             progress=lambda done, total: rqueue.put((done, total)), stream=stream,
-            prefill_step=int(getattr(self.cli_args, "prefill_step_size", None) or 2048))
+            prefill_step=int(getattr(self.cli_args, "prefill_step_size", None) or 2048),
+            draft_lengths=self._draft_lengths)
         with sequential.serving(seq):
             super()._serve_single((_SequentialQueue(rqueue, seq, self._is_distributed), req, args),
                                   stream)

@@ -305,9 +305,12 @@ class TriePromptCache:
             # A draft-model generation: its caches hold a prefix of the key (both models
             # at one committed offset), or nothing consistent (-1).
             tokens = key[: max(seq.absorbed, 0)]
-            if seq.stats.drafted_tokens:
-                note = (f" | drafted {seq.stats.drafted_tokens} accepted "
-                        f"{seq.stats.accepted_tokens}")
+            note = f" | drafted {seq.stats.drafted_tokens} accepted {seq.stats.accepted_tokens}"
+            length = None if seq.draft_lengths is None else seq.draft_lengths.current
+            if length is not None and not seq.stats.drafted_tokens:
+                note += (f" (--draft-policy adaptive: a draft step costs "
+                         f"{length.cost:.2f} of a target step; acceptance "
+                         f"{length.acceptance:.2f})")
         caches = (native.from_native(prompt_cache, len(tokens), st.manager.kv_quant)
                   if len(tokens) else None)
         if caches is not None and st.track_padding and was_padded(prompt_cache):

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..generation.draft_length import DraftLengths
 from ..generation.model_pair import ModelPair
 from ..generation.prefill import Feed, on_stream
 from ..generation.prefill import prefill as run_prefill
@@ -71,6 +72,8 @@ class SequentialRequest:
     absorbed: Optional[int] = None
     #: Speculative decoding counters of a draft-model generation.
     stats: RequestStats = field(default_factory=RequestStats)
+    #: Each round's draft length (``--draft-policy``; None: ``--num-draft-tokens`` each).
+    draft_lengths: Optional[DraftLengths] = None
 
 
 def current() -> Optional[SequentialRequest]:

@@ -21,6 +21,9 @@ mlx-lm builds it on a miss and the prompt cache hands it back on a hit — runs 
 classes sharing its arrays, puts mlx-lm's classes back into that list at the end (the
 server inserts it), and yields mlx-lm's `GenerationResponse`, ``from_draft`` included.
 With ``--kv-bits`` both models switch to quantized rows exactly at ``quantized_kv_start``.
+Each round drafts at most ``--num-draft-tokens``: as many as pay for themselves under
+``--draft-policy adaptive`` (the request's `SequentialRequest.draft_lengths`), all of them
+under ``fixed``.
 """
 
 from __future__ import annotations
@@ -122,11 +125,12 @@ def _speculative(model, tokenizer, rest: List[int], max_tokens: int, draft, stre
     prefill(feed, seq, pos, n - 1, step=int(kwargs.get("prefill_step_size") or 2048),
             progress=None if progress is None else
             lambda at: progress(at - req.restored, n - req.restored), run=run)
+    length = None if req.draft_lengths is None else req.draft_lengths.for_pair(model, draft)
     spec = run(lambda: decoder(
         feed, seq, num_draft=int(kwargs.get("num_draft_tokens") or 0),
         sampler=kwargs.get("sampler") or (lambda x: mx.argmax(x, axis=-1)),
         processors=kwargs.get("logits_processors") or [], eos=tokenizer.eos_token_ids,
-        max_tokens=max_tokens, stats=stats))
+        max_tokens=max_tokens, stats=stats, draft_length=length))
     respond = Responses(tokenizer, prompt_tokens=len(rest), computed=len(rest), since=tic)
     return _responses(spec, feed, respond, run, req, cache)
 

@@ -1,0 +1,157 @@
+"""How many tokens the draft model proposes in the next round of speculative decoding.
+
+mlx-lm drafts ``num_draft_tokens`` every round, whatever they earn. A round of ``k``
+drafts costs ``k`` draft steps and one target pass over ``k + 1`` tokens (about one
+target step where decoding is bound by reading the weights, as it is on Apple Silicon),
+and emits ``1 + a + a^2 + ... + a^k`` tokens on average when the target accepts each
+proposal with probability ``a`` (a round stops at the first rejection). With ``c`` the
+cost of a draft step relative to a target step, the round's speed relative to plain
+decoding is ``(1 - a^(k+1)) / (1 - a) / (1 + k c)``. `DraftLength` drafts the ``k`` (at
+most the request's ``num_draft_tokens``) that maximises it, with ``a`` estimated from the
+rounds so far and ``c`` the ratio of the two models' weight bytes. When no ``k > 0`` pays
+(a draft as large as the target never does; a poor one stops paying), the round is a
+plain target step and the draft is left behind: it catches up in one pass when drafting
+resumes, or at the end of the request (what the trie stores is unchanged). While not
+drafting, a one-token probe every 8, 16, ... 128 rounds re-measures the acceptance (one
+that comes true is followed by another at once).
+
+Which tokens are emitted never depends on ``k`` (every emitted token is the target's own
+sample: see `speculative`), only how fast they come. The choice depends only on the
+tokens and the models' sizes, so a request replays identically.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Literal, Optional
+
+from .sizing import model_bytes
+
+__all__ = ["DraftLength", "DraftLengths", "DraftPolicy", "POLICIES", "check_policy",
+           "draft_cost", "draft_length_for"]
+
+DraftPolicy = Literal["adaptive", "fixed"]
+#: ``adaptive``: `DraftLength`; ``fixed``: ``num_draft_tokens`` every round (mlx-lm's).
+POLICIES = ("adaptive", "fixed")
+
+
+def draft_cost(target: Any, draft: Any) -> float:
+    """A draft step's cost relative to a target step: the ratio of their weight bytes
+    (decoding reads every weight once a step)."""
+    t = model_bytes(target)
+    return model_bytes(draft) / t if t else 1.0
+
+
+def check_policy(policy: Any) -> str:
+    """``policy`` if it is one of `POLICIES`, else a ValueError naming the choices."""
+    if policy not in POLICIES:
+        raise ValueError(f"draft_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    return policy
+
+
+class DraftLength:
+    """The draft length of each round, learned from the acceptance of the rounds before.
+
+    One instance serves every request of a model pair (the acceptance carries over to the
+    next request); `next` and `observe` may be called from any thread.
+
+    Args:
+        cost: a draft step's cost relative to a target step (`draft_cost`).
+        prior: the acceptance assumed before any round, worth ``weight`` proposals.
+        memory: each observation's weight decays by this factor per round, so the
+            estimate follows a conversation whose text becomes easier or harder to draft.
+    """
+
+    PROBE_FIRST, PROBE_MOST = 8, 128
+
+    def __init__(self, cost: float, *, prior: float = 0.6, weight: float = 4.0,
+                 memory: float = 0.95) -> None:
+        if not cost >= 0:
+            raise ValueError(f"cost must be >= 0, got {cost!r}")
+        self.cost = float(cost)
+        self._prior, self._weight, self._memory = float(prior), float(weight), float(memory)
+        self._accepted = self._trials = 0.0
+        self._idle, self._wait = 0, self.PROBE_FIRST
+        self._lock = threading.Lock()
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated probability that the target accepts a proposal."""
+        with self._lock:
+            return self._estimate()
+
+    def _estimate(self) -> float:
+        return (self._accepted + self._prior * self._weight) / (self._trials + self._weight)
+
+    def speed(self, k: int, acceptance: Optional[float] = None) -> float:
+        """Tokens per target-step cost of a round of ``k`` drafts (1.0: plain decoding)."""
+        a = self.acceptance if acceptance is None else acceptance
+        return sum(a ** i for i in range(k + 1)) / (1 + k * self.cost)
+
+    def best(self, most: int, acceptance: Optional[float] = None) -> int:
+        """The ``k`` in ``0..most`` with the highest `speed` (the smallest on a tie)."""
+        a = self.acceptance if acceptance is None else acceptance
+        speeds = [self.speed(k, a) for k in range(max(0, int(most)) + 1)]
+        return max(range(len(speeds)), key=lambda k: (speeds[k], -k))
+
+    def next(self, most: int) -> int:
+        """Drafts for the next round, at most ``most``."""
+        if most <= 0:
+            return 0
+        with self._lock:
+            k = self.best(most, self._estimate())
+            if k:
+                self._idle, self._wait = 0, self.PROBE_FIRST
+                return k
+            if self.best(1, 1.0) == 0:  # not even a draft that is always right would pay
+                return 0
+            self._idle += 1
+            if self._idle < self._wait:
+                return 0
+            self._idle, self._wait = 0, min(2 * self._wait, self.PROBE_MOST)
+            return 1
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """A round's outcome: ``accepted`` of ``proposed`` drafts (a round stops at its
+        first rejection, so each accepted draft and that rejection are the trials)."""
+        if proposed <= 0:
+            return
+        trials = accepted + (1 if accepted < proposed else 0)
+        with self._lock:
+            m = self._memory
+            self._accepted = m * self._accepted + accepted
+            self._trials = m * self._trials + trials
+            if accepted == proposed:  # a probe that came true: the next round probes again
+                self._wait = 1
+
+
+def draft_length_for(policy: str, target: Any, draft: Any) -> Optional[DraftLength]:
+    """A `DraftLength` for the pair under ``policy`` (None: ``fixed``, or no draft)."""
+    if draft is None or check_policy(policy) == "fixed":
+        return None
+    return DraftLength(draft_cost(target, draft))
+
+
+class DraftLengths:
+    """The `DraftLength` of whichever model pair is in use under one policy (a server that
+    switches models starts learning again; the last pair's is kept)."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = check_policy(policy)
+        self._lock = threading.Lock()
+        self._pair: Any = None
+        self._length: Optional[DraftLength] = None
+
+    @property
+    def current(self) -> Optional[DraftLength]:
+        """The `DraftLength` of the pair used last (None: none yet, or ``fixed``)."""
+        with self._lock:
+            return self._length
+
+    def for_pair(self, target: Any, draft: Any) -> Optional[DraftLength]:
+        """The pair's `DraftLength` (None: ``fixed``, or no draft)."""
+        with self._lock:
+            if self._pair is None or self._pair[0] is not target or self._pair[1] is not draft:
+                self._pair = (target, draft)
+                self._length = draft_length_for(self.policy, target, draft)
+            return self._length
