@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import signal
+import time
 
 import pytest
 
@@ -61,9 +62,12 @@ def ask(server: Server, url: str, max_tokens: int = 8):
     return server.chat(conversation(url), max_tokens=max_tokens)
 
 
-def last_reuse(server: Server):
-    """The newest request's entry in ``GET /v1/cache`` (its `recent` list)."""
-    return server.cache()["recent"][-1]
+def ask_listed(server: Server, url: str):
+    """`ask`, and the request's entry in ``GET /v1/cache`` (its `recent` list: made at the
+    request's final insert, just after the answer reached the client)."""
+    sent = time.time()
+    r = ask(server, url)
+    return r, server.entry_since(sent)
 
 
 @pytest.fixture(scope="module")
@@ -98,25 +102,22 @@ def test_image_prompts_answer_as_stock_and_are_reused(persist, model_dir, stock,
     cache_dir = tmp_path / "cache"
     store = ["--cache-dir", str(cache_dir)] if persist else ["--no-persist"]
     with Server.ours(model_dir, tmp_path / "ours.log", tmp_path, TRUST, *store) as s:
-        one = ask(s, image(1))
+        one, entry = ask_listed(s, image(1))
         same_answer(stock[1], one)
         assert answer(one)[2] == 0
-        entry = last_reuse(s)
         assert entry["path"] == "sequential" and entry["prompt_tokens"] == PROMPT_TOKENS
 
         # The same request again: the whole prompt (keyed with its image) is restored, all
         # but the last token, which is computed for its logits; the same answer.
-        again = ask(s, image(1))
+        again, entry = ask_listed(s, image(1))
         same_answer(one, again)
-        entry = last_reuse(s)
         assert answer(again)[2] == entry["cached_tokens"] == PROMPT_TOKENS - 1, (entry, s.tail())
         assert entry["reuse"]["kind"] == "hit", entry
 
         # Another image, same text: stock's answer for that image, not the first image's
         # rows; only the text before the image is reused (up to its first patch token).
-        two = ask(s, image(2))
+        two, entry = ask_listed(s, image(2))
         same_answer(stock[2], two)
-        entry = last_reuse(s)
         assert 0 < answer(two)[2] <= FIRST_PATCH, (answer(two)[2], entry, s.tail())
         assert entry["cached_tokens"] == answer(two)[2]
         assert entry["reuse"]["kind"] == "image", entry
