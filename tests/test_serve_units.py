@@ -38,7 +38,9 @@ def test_fetch_insert_round_trip_never_aliases(name):
     m = build(name)
     pc = TriePromptCache(provider(m), max_bytes=1 << 30, checkpoint_interval=8)
     prompt = [(7 * i + 3) % V for i in range(30)]
-    assert pc.fetch_nearest_cache(KEY, prompt) == (None, prompt)  # a miss
+    miss, rest = pc.fetch_nearest_cache(KEY, prompt)
+    assert rest == prompt and (miss is None or all(
+        getattr(c, "offset", 0) == 0 and getattr(c, "keys", None) is None for c in miss))
     ref, cache = served(m, prompt)
     # mlx-lm's generate_step is one step ahead: its cache holds every yielded token.
     full = prompt + [t for t, _ in ref]
@@ -75,6 +77,8 @@ def test_a_batch_fetch_is_merged_from_the_tries_arrays_like_mlx_lm_merges_copies
     assert all(type(c) is RestoredKVCache for f in fetched for c in f)
     assert len(fetched[0][0].parts[0]) == 2 and len(fetched[1][0].parts[0]) == 1
     _, plain = served(m, [4] * 7)  # a cache that is not ours in the same batch, and an empty one
+    miss, rest = pc.fetch_nearest_cache(KEY, [V - 1] * 5)
+    assert rest == [V - 1] * 5 and all(type(c) is RestoredKVCache and c.offset == 0 for c in miss)
     rows = fetched + [plain, mlc.make_prompt_cache(m)]
 
     def copied(c):  # what a fetch handed over before: evaluated buffers, mlx-lm's class
@@ -91,6 +95,12 @@ def test_a_batch_fetch_is_merged_from_the_tries_arrays_like_mlx_lm_merges_copies
                      (ours.left_padding, ref.left_padding)):
             assert a.shape == b.shape and mx.array_equal(a, b).item()
         assert ours._idx == ref._idx
+        # A batch led by a miss (an empty cache of ours) merges the same way.
+        led = miss[layer].merge([miss[layer]] + layer_rows)
+        ref = mlc.BatchKVCache.merge([copied(c) for c in [miss[layer]] + layer_rows])
+        for a, b in ((led.keys, ref.keys), (led.values, ref.values), (led.offset, ref.offset),
+                     (led.left_padding, ref.left_padding)):
+            assert a.shape == b.shape and mx.array_equal(a, b).item()
     # A batch cache laid out otherwise (another mlx-lm) keeps mlx-lm's own copy.
     real = mlc.BatchKVCache.merge
     layer_rows = [r[0] for r in rows]
@@ -115,6 +125,32 @@ def test_a_batch_fetch_is_merged_from_the_tries_arrays_like_mlx_lm_merges_copies
     d.update_and_fetch(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 2, 1, 4)))
     assert d.restored_parts() is None
     assert d.restore_chain([snap], 2) and d.trim(1) == 1 and d.restored_parts() is None
+
+
+def test_eviction_writes_what_the_idle_batch_would_have_before_dropping_it(tmp_path):
+    """The server captures for the disk only while its batch is idle; a budget that
+    evicts before then (a queue that never idles) captures and writes those inserts
+    first, so their nodes are parked, not dropped, and the next request reads them back."""
+    m = build("llama")
+    pc = TriePromptCache(provider(m), max_bytes=1 << 30, cache_dir=str(tmp_path / "cache"))
+    pc.prepare(KEY)
+    prompt = [(3 * i + 2) % V for i in range(40)]
+    out, cache = served(m, prompt)
+    full = prompt + [t for t, _ in out]
+    pc.insert_cache(KEY, full, cache)
+    before = pc.report()
+    assert before["disk_writes_pending"] and before["nodes"] > 0 and before["disk_nodes"] == 0
+    pc.trim_to(n_bytes=0)  # (no idle moment came)
+    after = pc.report()
+    assert after["nodes"] == after["disk_nodes"] == before["nodes"], after
+    assert after["bytes_held"] == 0 and not after["disk_writes_pending"]
+    got, rest = pc.fetch_nearest_cache(KEY, full + [5, 6])
+    assert rest == [5, 6] and pc.report()["disk_tokens"] == len(full)
+    ref, _ = served(m, full + [5, 6])
+    mine, _ = served(m, rest, got)
+    assert [t for t, _ in mine] == [t for t, _ in ref]
+    assert max(mx.abs(a - b).max().item() for (_, a), (_, b) in zip(mine, ref)) < 1e-4
+    pc.close()
 
 
 def test_insert_refuses_a_cache_that_does_not_hold_the_tokens(caplog):

@@ -155,7 +155,9 @@ def test_a_model_rewritten_in_place_gets_no_cache_of_the_old_one(model_dir, tmp_
     pc2 = TriePromptCache(prov2, max_bytes=1 << 30, cache_dir=cache_dir)
     pc2.prepare(key2)
     got, rest = pc2.fetch_nearest_cache(key2, prompt + [9, 10])
-    assert got is None and rest == prompt + [9, 10], "the old model's cache was applied"
+    # (a miss hands over empty caches or none: nothing restored)
+    assert rest == prompt + [9, 10] and (got is None or all(
+        getattr(c, "offset", 0) == 0 for c in got)), "the old model's cache was applied"
     answer, _ = _served(prov2.model, rest, got)
     cold, _ = _served(prov2.model, prompt + [9, 10])
     assert max(mx.abs(a - b).max().item() for (_, a), (_, b) in zip(answer, cold)) < 1e-4

@@ -144,6 +144,36 @@ def test_round_robin_sessions_are_served_from_disk(tmp_path, name):
     fresh.close()
 
 
+def test_a_node_whose_write_is_in_progress_is_parked_not_dropped(tmp_path):
+    """The writer lags (a slow disk): the budget evicts the last request's nodes while
+    their capture is still being written. Eviction waits for that write and parks them;
+    the same prompt then reads them back from disk."""
+    import time
+
+    m = model("llama")
+    rng = random.Random(11)
+    p = [rng.randrange(V) for _ in range(40)]
+    pc = new_cache(m, cache_dir=str(tmp_path), max_bytes=1 << 30)
+
+    def slow(write):
+        def run_slowly(*a, **kw):
+            time.sleep(0.5)
+            return write(*a, **kw)
+        return run_slowly
+    pc.core.autosaver.wrap_write(slow)
+    got, _ = run(pc, p, N)
+    assert pc.core.autosaver.pending  # submitted, not yet written
+    nodes = pc.stats.nodes
+    pc.manager.fit_bytes(0)  # the budget takes everything now
+    st = pc.stats
+    assert st.nodes == nodes > 0 and st.disk_nodes == nodes and st.snapshot_bytes == 0, st
+    again, st = run(pc, p, N)
+    assert_same(got, again)
+    assert st.disk_tokens == st.restored_tokens == len(p) - 1, st
+    check_no_leaks(pc)
+    pc.close()
+
+
 # -- memory, measured -------------------------------------------------------------------------
 def test_parking_frees_memory_and_placeholders_allocate_nothing(tmp_path):
     m = model("llama")
@@ -207,14 +237,20 @@ def test_demotion_and_promotion_accounting_on_the_trie():
     t.check_invariants()
 
     class Tier:
-        def __init__(self, copies):
-            self.copies = copies
+        def __init__(self, copies, writing=()):
+            self.copies, self.writing, self.waits = copies, set(writing), 0
 
         def demotable(self, n):
             return n in self.copies
 
         def demote(self, n):
             return park(t, n)
+
+        def await_copies(self):  # the writes in progress finish
+            self.waits += 1
+            done, self.writing = self.writing, set()
+            self.copies |= done
+            return bool(done)
     t.tier = Tier({branch, a})
     for n in (a, b, c, branch):
         t.touch(n)
@@ -222,6 +258,41 @@ def test_demotion_and_promotion_accounting_on_the_trie():
     t.check_invariants()
     assert branch.parked and a.parked and not branch.detached and not a.detached
     assert b.detached and c.detached  # no copy: dropped as without a tier
+    assert t.nbytes == 0
+    assert t.tier.waits == 1  # asked once, before the first drop
+
+
+def test_eviction_waits_for_a_copy_being_written_before_dropping_its_node():
+    """A node whose capture is still being written when the budget evicts it is parked
+    once the write is done, not dropped; a node never captured is dropped after that one
+    wait (never one wait per node)."""
+    env = Env(("kv", "state"))
+    t = env.trie
+    a, b, c = env.insert([1, 2, 3]), env.insert([4, 5, 6]), env.insert([7, 8])
+
+    class Tier:
+        def __init__(self):
+            self.copies, self.writing, self.waits = {a}, {b}, 0
+
+        def demotable(self, n):
+            return n in self.copies
+
+        def demote(self, n):
+            return park(t, n)
+
+        def await_copies(self):
+            self.waits += 1
+            done, self.writing = self.writing, set()
+            self.copies |= done
+            return bool(done)
+    t.tier = Tier()
+    t.candidates.rebuild()
+    for n in (c, b, a):  # c oldest: the first victim has no copy yet
+        t.touch(n)
+    t.evict(0)
+    t.check_invariants()
+    assert a.parked and b.parked and not b.detached  # b's write finished: parked
+    assert c.detached and t.tier.waits == 1  # never captured: dropped after one wait
     assert t.nbytes == 0
 
 
@@ -416,6 +487,9 @@ class FakeDisk:
 
     def demotable(self, n):
         return self.pick(tuple(self.trie.tokens_to(n)))
+
+    def await_copies(self):
+        return False  # nothing is being written
 
     def demote(self, n):
         for s in n.snapshots:

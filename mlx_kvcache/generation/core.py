@@ -32,6 +32,9 @@ __all__ = ["CacheCore", "COLD_BITS", "check_cold_bits"]
 
 #: ``cold_bits`` accepted: `QuantizedSnapshot` widths worth storing.
 COLD_BITS = (4, 8)
+#: Seconds an eviction waits for the background writer before it drops an unwritten node
+#: (a write is one request's capture: well under a second on a working disk).
+WRITE_WAIT = 10.0
 
 
 def check_cold_bits(bits: Any) -> Optional[int]:
@@ -93,6 +96,10 @@ class CacheCore:
         #: The disk tier (`attach_store`), and its background writer.
         self.store: Optional[PersistentStore] = None
         self.autosaver: Optional[Autosaver] = None
+        #: An owner that defers captures (the server captures while its batch is idle)
+        #: puts here the call that captures what it deferred (inside the trie's critical
+        #: section, as `autosave`): an eviction about to drop unwritten nodes makes it.
+        self.capture_deferred: Callable[[], None] = lambda: None
         #: The disk budget in force, and how its default was chosen (None: given).
         self.max_disk_bytes: Optional[int] = None
         self.disk_budget_note: Optional[str] = None
@@ -206,9 +213,20 @@ class CacheCore:
         # Half the memory budget held: the tier parks only written nodes, so writes that
         # waited for an idle moment go now (a full budget would drop unwritten ones). Read
         # from the writer's thread: a counter, no lock.
-        self.autosaver = Autosaver(store.write, pressing=lambda: mgr is not None and (
+        saver = self.autosaver = Autosaver(store.write, pressing=lambda: mgr is not None and (
             2 * mgr.snapshot_bytes >= mgr.max_bytes))
+        store.tier.set_writer(self._write_now)
         return n
+
+    def _write_now(self) -> bool:
+        """Eviction parks only written nodes: before it drops one, what was deferred is
+        captured and every capture not yet written is written (the last requests', on a
+        writer that lags), waited for at most `WRITE_WAIT`. Whether any was pending."""
+        saver = self.autosaver
+        if saver is None:
+            return False
+        self.capture_deferred()
+        return saver.pending and saver.flush(timeout=WRITE_WAIT)
 
     def autosave(self) -> None:
         """Hand what changed in the trie to the background writer (inside a critical

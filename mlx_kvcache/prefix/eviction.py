@@ -38,6 +38,12 @@ class Tier(Protocol):
         """Park ``node`` (its copies registered, `PrefixTrie.recount` told); bytes freed."""
         ...
 
+    def await_copies(self) -> bool:
+        """Wait (bounded) for copies being written to this tier now; whether any were.
+        Eviction asks once before it drops a node without a copy: a node captured at the
+        end of a request whose write has not finished yet is then parked, not lost."""
+        ...
+
 
 class Evictable(Protocol):
     """What eviction reads and calls of a trie (`PrefixTrie` is one): the trie holds its
@@ -179,17 +185,23 @@ def evict(trie: Evictable, max_bytes: int) -> int:
     single-child nodes are merged into their child (frees whole-state snapshots; for
     KV it frees nothing but shortens the chain so the leaf can go next). Each step
     drops one node, so the loop ends. With a tier, nodes it holds copies of are parked
-    instead (any node, branch points included). Returns the bytes freed. O(log n) per
-    step.
+    instead (any node, branch points included); before the first node without a copy
+    is dropped, the tier finishes the writes in progress (`Tier.await_copies`). Returns
+    the bytes freed. O(log n) per step.
     """
     before = trie.nbytes
     kept: List[TrieNode] = []
+    waited = False
     while trie.nbytes > max_bytes:
         victim = trie.candidates.pop_lru()
         if victim is None:
             break
         tier = trie.tier
-        if not _step(trie, victim, tier is not None and tier.demotable(victim)):
+        park = tier is not None and tier.demotable(victim)
+        if tier is not None and not park and not waited:
+            waited = True  # once a call: a write in progress, not one never started
+            park = tier.await_copies() and tier.demotable(victim)
+        if not _step(trie, victim, park):
             kept.append(victim)
     for n in kept:  # (their copies may be written by the next call)
         trie.candidates.push(n)

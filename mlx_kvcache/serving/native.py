@@ -25,7 +25,8 @@ def to_native(caches: List[Any], track_padding: bool = False, merged: bool = Fal
     """mlx-lm cache objects holding the same state as ``caches`` (ours); with
     ``track_padding`` recurrent layers are `TrackedArraysCache` (remembers batch padding).
     ``merged``: the caches go to mlx-lm's batch merge, which copies them; attention
-    layers just restored are `RestoredKVCache`, copied once from the trie's arrays."""
+    layers just restored are `RestoredKVCache`, copied once from the trie's arrays, and
+    so are empty ones (a miss leading a batch merges the others' rows that way too)."""
     return [_native(c, track_padding, merged) for c in caches]
 
 
@@ -37,6 +38,8 @@ def _native(c: Any, track: bool = False, merged: bool = False) -> Any:
     if track and isinstance(c, RecurrentCache):
         return c.to_mlx(TrackedArraysCache)
     if merged and isinstance(c, KVCache):
+        if c.keys is None:  # a miss: mlx-lm merges a batch with its first row's class
+            return RestoredKVCache(None, None, 0, ([], []))
         parts = c.restored_parts()
         if parts is not None:
             return RestoredKVCache(c.keys, c.values, c.offset, parts)

@@ -56,6 +56,7 @@ from .idle_writes import IdleWrites
 from .model_state import ModelState, open_model
 from . import native  # called through the module: a profile probes it (`profile`)
 from .padding import was_padded
+from .restored_merge import RestoredKVCache
 from .profile import Profile, probe_request_path
 from .rank_turn import RankTurn
 from .recent import RequestLog
@@ -143,6 +144,8 @@ class TriePromptCache:
                 cache_dir=self.cache_dir, max_disk_bytes=self.max_disk_bytes,
                 sharding=self.sharding, cold_bits=self.cold_bits)
         self.max_bytes = self._model.max_bytes
+        if self.agree.size == 1:  # (sharded: captured once a turn, `end_turn`)
+            self._model.core.capture_deferred = self._capture_deferred
         self._explainer = Explainer(_decoder(getattr(self.provider, "tokenizer", None))
                                     if self.excerpts else None)
         if self.profile.timing:
@@ -248,10 +251,14 @@ class TriePromptCache:
             mgr.forget(live)  # the server owns these caches from here on
             self._fetched(st, ids, plan, plan.restored, "batch")
             rest = list(tokens[plan.restored:])
-            if plan.restored == 0 and not st.track_padding:
+            # A miss too: mlx-lm merges a batch with its first row's classes, so a miss's
+            # empty `RestoredKVCache` copies the hits' rows once when it leads the batch,
+            # and tracking batch padding needs our recurrent class in every row.
+            out = native.to_native(live.caches, st.track_padding, merged=True)
+            if plan.restored == 0 and not st.track_padding and not any(
+                    isinstance(c, RestoredKVCache) for c in out):
                 return None, rest
-            # Tracking batch padding needs our recurrent class in every row, a miss included.
-            return native.to_native(live.caches, st.track_padding, merged=True), rest
+            return out, rest
         try:
             handed = self._sequential(st, live, plan, ids, seq)
         except Exception:
@@ -374,6 +381,14 @@ class TriePromptCache:
             return
         self._guard("capturing the prompt cache for the disk", lambda: self._capture(st),
                     None, "idle")
+
+    def _capture_deferred(self) -> None:
+        """Capture the inserts waiting for an idle batch now (an eviction is about to drop
+        what they made: inside the trie's critical section, where it runs)."""
+        st = self._model
+        if st is not None and self._writes.pending and st.writer is not None:
+            self._writes.taken()
+            st.core.autosave()
 
     def _capture(self, st: ModelState) -> None:
         """Hand what changed in the trie to the background writer."""

@@ -13,8 +13,10 @@ instead of 1.6–2.1 s a round and 0.4 GiB less at the peak (docs/request-path.m
 
 Nothing else about the batch cache changes: mlx-lm's own ``merge`` still builds it (its
 layout, padding and bookkeeping), and only its two unevaluated arrays are replaced by
-ones holding the same values. A batch whose first cache is not ours is merged by
-mlx-lm alone (it reads ``keys`` / ``values``: the restore's buffers, computed then).
+ones holding the same values. mlx-lm calls the ``merge`` of the batch's first row, so a
+miss is handed an empty `RestoredKVCache` too (a batch led by a miss copies the hits'
+rows once as well); a batch whose first cache is still not ours (caching off) is merged
+by mlx-lm alone (it reads ``keys`` / ``values``: the restore's buffers, computed then).
 """
 
 from __future__ import annotations

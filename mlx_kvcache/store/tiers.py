@@ -62,6 +62,7 @@ class DiskTier:
         #: Cumulative bytes parked (moved out of RAM) and filled back from disk.
         self.demoted_bytes = 0
         self.promoted_bytes = 0
+        self._await_writes: Callable[[], bool] = lambda: False
 
     # -- the memory budget's side (prefix.eviction.Tier) ----------------------------------
     def demotable(self, node: TrieNode) -> bool:
@@ -69,6 +70,15 @@ class DiskTier:
         d = self.directory()
         v = self.verifier
         return all(s is None or s.closed or v.written(s, d) for s in node.snapshots)
+
+    def set_writer(self, await_writes: Callable[[], bool]) -> None:
+        """``await_writes()``: waits (bounded) for the captures submitted so far to be
+        written; whether any were pending (the background writer's owner wires it)."""
+        self._await_writes = await_writes
+
+    def await_copies(self) -> bool:
+        """The captures being written now, on disk (bounded); whether any were pending."""
+        return self._await_writes()
 
     def demote(self, node: TrieNode) -> int:
         """Park ``node``: free its arrays, register its files to be checked when filled."""
