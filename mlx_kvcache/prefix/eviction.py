@@ -200,7 +200,10 @@ def evict(trie: Evictable, max_bytes: int) -> int:
         park = tier is not None and tier.demotable(victim)
         if tier is not None and not park and not waited:
             waited = True  # once a call: a write in progress, not one never started
-            park = tier.await_copies() and tier.demotable(victim)
+            wrote = tier.await_copies()
+            if not evictable(trie, victim):  # (a capture may drop a bad parked subtree)
+                continue
+            park = wrote and tier.demotable(victim)
         if not _step(trie, victim, park):
             kept.append(victim)
     for n in kept:  # (their copies may be written by the next call)
