@@ -237,7 +237,7 @@ def run(args, out: TextIO, err: TextIO) -> int:
         err.write(f"error: {e}\n")
         return 2
     length = getattr(cache, "draft_length", None)
-    if length is not None and length.best(1, 1.0) == 0:
+    if length is not None and not length.ever_pays:
         err.write(f"note: a step of the draft model costs {length.cost:.2f} of a step of the "
                   f"model (their weight bytes): drafting cannot pay, so no step drafts "
                   f"(--draft-policy fixed drafts anyway)\n")

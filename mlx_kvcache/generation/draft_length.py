@@ -94,6 +94,12 @@ class DraftLength:
         speeds = [self.speed(k, a) for k in range(max(0, int(most)) + 1)]
         return max(range(len(speeds)), key=lambda k: (speeds[k], -k))
 
+    @property
+    def ever_pays(self) -> bool:
+        """Whether drafting could pay at all: a draft the target always accepted would
+        (false from a draft step costing a target step on)."""
+        return self.best(1, 1.0) > 0
+
     def next(self, most: int) -> int:
         """Drafts for the next round, at most ``most``."""
         if most <= 0:
@@ -103,7 +109,7 @@ class DraftLength:
             if k:
                 self._idle, self._wait = 0, self.PROBE_FIRST
                 return k
-            if self.best(1, 1.0) == 0:  # not even a draft that is always right would pay
+            if not self.ever_pays:
                 return 0
             self._idle += 1
             if self._idle < self._wait:

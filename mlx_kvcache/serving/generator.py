@@ -169,8 +169,8 @@ class ServerResponseGenerator(ResponseGenerator):
                                     lambda item: isinstance(item[1], Control),
                                     lambda item: self._sized.pop(id(item[1]), None))
         # (--draft-policy; mlx-lm refuses a draft model under mlx.launch)
-        policy = getattr(getattr(model_provider, "cli_args", None), "draft_policy", "adaptive")
-        self._draft_lengths = None if policy == "fixed" else DraftLengths(policy)
+        self._draft_lengths = DraftLengths(
+            getattr(getattr(model_provider, "cli_args", None), "draft_policy", "adaptive"))
         if hasattr(prompt_cache, "checkpoints"):  # ours: it copies only the rows it lacks
             extract.install()
         super().__init__(model_provider, prompt_cache)
