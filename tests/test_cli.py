@@ -242,13 +242,17 @@ def test_draft_model_same_answers_same_reuse(tiny_dir, noisy_dir, tmp_path):
     assert 0 < sum(a for _, a in drafted) < sum(d for d, _ in drafted)
     assert re.search(r"^\[stats\] drafted \d+ \| accepted \d+", spec, re.M)
     assert not DRAFTED.search(plain)
-    # The default policy: this draft is as large as the model, so no step drafts, and the
-    # chat says so once; the answers are the same.
+    # The default policy: this draft is as large as the model, so it is not used, and the
+    # chat says so once (in this command's terms); the answers and the reuse are the same.
     rc, adaptive, err = run_chat(args + ["--draft-model", str(noisy_dir)], lines, tmp_path,
                                  timeout=120)
     assert rc == 0, err
-    assert "costs 1.00 of a step of the model" in err and "no step drafts" in err, err
+    assert err.count("note: the draft model is not used: a step of the draft model costs "
+                     "1.00 of a step of the model") == 1, err
+    assert "--draft-policy fixed drafts with it anyway" in err and "draft_policy=" not in err
     assert answers(adaptive) == answers(plain) and not DRAFTED.search(adaptive)
+    assert [(t["prompt"], t["reused"]) for t in status_lines(adaptive)] == \
+        [(t["prompt"], t["reused"]) for t in status_lines(plain)]
 
 
 def test_draft_model_bad_arguments_exit_2(tiny_dir, tmp_path, capsys):

@@ -2,14 +2,16 @@
 
 The rule: the ``k`` (at most the request's ``num_draft_tokens``) with the most tokens per
 unit of cost, ``(1 + a + ... + a^k) / (1 + k c)``; none while no ``k`` pays, with probes
-that re-measure the acceptance; a draft as large as the target never drafts.
+that re-measure the acceptance; a draft as large as the target never drafts, and the
+front ends set it aside (`draft_set_aside`).
 """
 
 import threading
 
 import pytest
 
-from mlx_kvcache.generation.draft_length import DraftLength, DraftLengths, draft_cost
+from mlx_kvcache.generation.draft_length import (DraftLength, DraftLengths, draft_cost,
+                                                 draft_set_aside)
 from mlx_kvcache.testing import build
 
 
@@ -88,6 +90,20 @@ def test_cost_is_the_ratio_of_weight_bytes():
     assert draft_cost(big, big) == 1.0
     assert 0 < draft_cost(big, small) < 0.6
     assert draft_cost(small, big) > 1
+
+
+def test_only_a_draft_that_could_never_pay_is_set_aside():
+    big, small = build("llama"), build("llama", hidden_size=32, intermediate_size=64)
+    why = draft_set_aside("adaptive", big, build("llama"))
+    assert why == ("a step of the draft model costs 1.00 of a step of the model (their weight "
+                   "bytes), so drafting can never pay for itself")
+    assert draft_set_aside("adaptive", small, big).startswith(
+        f"a step of the draft model costs {draft_cost(small, big):.2f} of")
+    assert draft_set_aside("adaptive", big, small) is None  # it may pay: it is used
+    assert draft_set_aside("fixed", big, big) is None  # fixed drafts whatever it costs
+    assert draft_set_aside("adaptive", big, None) is None
+    with pytest.raises(ValueError, match="draft_policy must be one of"):
+        draft_set_aside("never", big, big)
 
 
 def test_bad_arguments_are_named():

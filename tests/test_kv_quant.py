@@ -332,3 +332,46 @@ def test_sliding_window_model_quantizes_only_its_full_attention_layers():
     got, st = ask(pc, hist, m, conv[:17] + prompt_of(rng, 4), 4, start, chunk=5)
     assert 8 < st.restored_tokens <= 17
     check_no_leaks(pc)
+
+
+def test_passes_of_many_tokens_attend_over_the_dequantized_rows():
+    """From two tokens a pass on, our quantized caches meet the model as plain ones
+    (`DequantizedView`): the rows are written quantized as always, attention reads them
+    dequantized (the same attention: a quantized matmul is a matmul with the dequantized
+    matrix); one-token passes and mlx-lm's own caches keep mlx-lm's quantized path."""
+    from mlx_kvcache.caches import QuantizedKVCache
+    from mlx_kvcache.caches.quantized import DequantizedView
+    from mlx_kvcache.generation.model_pair import attention_views
+
+    m = model()
+    rng = random.Random(5)
+    prompt = [rng.randrange(V) for _ in range(40)]
+
+    def cached(n):
+        cs = [QuantizedKVCache(GROUP, BITS, 0) for _ in m.layers]
+        m(mx.array(prompt[:n])[None], cache=cs)
+        mx.eval([c.state for c in cs])
+        return cs
+
+    quant, plain = cached(24), cached(24)
+    x = mx.array(prompt[24:])[None]
+    views = attention_views(plain, 16)
+    assert all(type(v) is DequantizedView and not hasattr(v, "bits") for v in views)
+    assert views[0].offset == 24 and views[0].make_mask(16) is not None
+    a, b = m(x, cache=quant)[0], m(x, cache=views)[0]
+    a, b = a - mx.logsumexp(a, axis=-1, keepdims=True), b - mx.logsumexp(b, axis=-1, keepdims=True)
+    assert mx.abs(a - b).max().item() < 1e-4
+    # What they store: quantized rows, the first layer's identical (the same inputs), the
+    # later ones' at most a quantization step apart (their inputs differ by float noise).
+    for i, (q, p) in enumerate(zip(quant, plain)):
+        assert type(p) is QuantizedKVCache and p.offset == q.offset == 40
+        for u, w in ((q.keys, p.keys), (q.values, p.values)):
+            if i == 0:
+                assert all(mx.array_equal(s[..., :40, :], t[..., :40, :]) for s, t in zip(u, w))
+            du = mx.dequantize(*(t[..., :40, :] for t in u), group_size=GROUP, bits=BITS)
+            dw = mx.dequantize(*(t[..., :40, :] for t in w), group_size=GROUP, bits=BITS)
+            step = mx.abs(u[1][..., :40, :]).max().item()
+            assert mx.abs(du - dw).max().item() <= 1.01 * step + 1e-6
+    assert attention_views(plain, 1) == plain  # one token: mlx-lm's quantized path
+    native = [mlc.QuantizedKVCache(group_size=GROUP, bits=BITS)]
+    assert attention_views(native, 8) == native

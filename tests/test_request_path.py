@@ -214,3 +214,34 @@ def test_a_sequential_request_continues_from_the_last_ones_caches_in_place(kind)
     assert mgr.idle_bytes == 0 and mgr.trie.nbytes == held
     out, _, _ = sequential_turn(pc, m, c)
     close_to(out, decode(m, c, n=3))
+
+
+def test_with_kv_bits_the_sequential_fetch_prefills_all_but_the_last_token():
+    """``--kv-bits``: the fetch prefills the prompt but its last token itself (its passes
+    attend over the dequantized rows), and mlx-lm gets that one token; the first step
+    equals a canonical cold run. Without kv-bits mlx-lm still prefills what follows the
+    last stop."""
+    from mlx_kvcache.caches import QuantizedKVCache
+
+    m, rng = build("llama", head_dim=32), random.Random(11)
+    prompt = [rng.randrange(1, V) for _ in range(150)]
+    quant = types.SimpleNamespace(kv_bits=8, kv_group_size=32, quantized_kv_start=0)
+    pc = TriePromptCache(types.SimpleNamespace(**vars(provider(m)), cli_args=quant),
+                         max_bytes=1 << 30, checkpoint_interval=64)
+    seq = sequential.SequentialRequest(prompt=list(prompt), prefill_step=64)
+    with sequential.serving(seq):
+        caches, rest = pc.fetch_nearest_cache(KEY, prompt)
+    assert rest == prompt[-1:] and seq.handed == len(prompt) - 1
+    assert all(type(c) is mlc.QuantizedKVCache and c.offset == len(prompt) - 1 for c in caches)
+    got = m(mx.array([rest]), cache=caches)[0, -1]
+    cold = [QuantizedKVCache(32, 8, 0) for _ in m.layers]
+    m(mx.array([prompt[:-1]]), cache=cold)
+    want = m(mx.array([prompt[-1:]]), cache=cold)[0, -1]
+    assert mx.abs((got - mx.logsumexp(got)) - (want - mx.logsumexp(want))).max().item() < 1e-4
+    pc.close()
+    plain = TriePromptCache(provider(m), max_bytes=1 << 30, checkpoint_interval=64)
+    seq = sequential.SequentialRequest(prompt=list(prompt), prefill_step=64)
+    with sequential.serving(seq):
+        _, rest = plain.fetch_nearest_cache(KEY, prompt)
+    assert len(rest) > 1  # mlx-lm prefills past the last stop, as before
+    plain.close()

@@ -170,20 +170,26 @@ def test_draft_model_llama_same_as_plain_decoding_and_cached(dirs, tmp_path):
     spec = drafting(log)
     assert len(spec) == len(REQUESTS)
     assert 0 < sum(a for _, a in spec) < sum(d for d, _ in spec), spec  # accepts and rejects
-    restart_hits(d, tmp_path, cache, ours[0], "--draft-model", str(dd))
-    # The default policy: a draft as large as the target does not pay, so nothing is
-    # drafted; the answers are the same, and the log says why.
-    alog = tmp_path / "adaptive.log"
-    with Server.ours(d, alog, tmp_path, "--no-persist", "--draft-model", str(dd)) as s:
-        adaptive, _ = play(s)
-    for a, b in zip(plain, adaptive):
-        same_answer(a, b)
-    assert drafting(alog) == [(0, 0)] * len(REQUESTS)
-    assert "(--draft-policy adaptive: a draft step costs 1.00 of a target step" in alog.read_text()
+    restart_hits(d, tmp_path, cache, ours[0], "--draft-model", str(dd), "--draft-policy", "fixed")
     # the disk cache is keyed on both models: another draft never reads it
     with Server.ours(d, tmp_path / "other.log", tmp_path, "--cache-dir", str(cache),
-                     "--draft-model", str(dirs["hd32_draft"])) as s:
+                     "--draft-model", str(dirs["hd32_draft"]), "--draft-policy", "fixed") as s:
         assert answer(s.chat(REQUESTS[0], max_tokens=TOKENS))[2] == 0
+    # The default policy: a draft as large as the target could never pay, so it is not used
+    # at all (the log says why): the answers are plain decoding's, the cache holds the
+    # target's layers and is keyed as without a draft (a server without one reads it).
+    alog, acache = tmp_path / "adaptive.log", tmp_path / "acache"
+    with Server.ours(d, alog, tmp_path, "--cache-dir", str(acache), "--draft-model", str(dd)) as s:
+        adaptive, _ = play(s)
+        areport = s.cache()
+    for a, b in zip(plain, adaptive):
+        same_answer(a, b)
+    check_reuse(adaptive, stock, areport)
+    assert areport["layers"] == 2 and drafting(alog) == []
+    text = alog.read_text(errors="replace")
+    assert f"the draft model {dd} is not used: a step of the draft model costs 1.00 of a step " \
+        "of the model" in text and "--draft-policy fixed drafts with it anyway" in text
+    restart_hits(d, tmp_path, acache, adaptive[0], name="nodraft")
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "gemma3_text"])
@@ -215,8 +221,8 @@ def test_draft_model_where_stock_raises_or_is_wrong(kind, dirs, tmp_path):
     assert report["layers"] == {"qwen3_5": 6, "gemma3_text": 8}[kind]
     spec = drafting(log)
     assert 0 < sum(a for _, a in spec) < sum(d for d, _ in spec), spec
-    restart_hits(d, tmp_path, cache, ours[0], "--draft-model", str(dd), "--checkpoint-interval",
-                 "16")
+    restart_hits(d, tmp_path, cache, ours[0], "--draft-model", str(dd), "--draft-policy", "fixed",
+                 "--checkpoint-interval", "16")
 
 
 # -- quantized KV --------------------------------------------------------------------------------

@@ -545,3 +545,51 @@ def test_model_names_installed_on_the_provider_load(monkeypatch):
     assert prov.load("claude-sonnet-5", None, "default_model") == ("model", "tok")
     assert prov.load("org/other") == ("model", "tok")
     assert calls == [("default_model", None, "default_model"), ("org/other", None, None)]
+
+
+class _Provider:
+    """mlx-lm's ``ModelProvider`` as `draft_use` sees it: ``load`` (re)loads the target and
+    the draft only when the key changes."""
+
+    def __init__(self, target, drafts):
+        self.model, self.draft_model, self.model_key = None, None, None
+        self._target, self._drafts = target, drafts
+
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        key = (model_path, adapter_path, draft_model_path)
+        if key != self.model_key:
+            self.model_key, self.model = key, self._target
+            self.draft_model = self._drafts.get(draft_model_path)
+        return self.model, "tok"
+
+
+def test_a_draft_that_could_never_pay_is_set_aside_when_it_loads(monkeypatch, caplog):
+    from mlx_kvcache.serving import draft_use
+
+    weighed = []
+    real = draft_use.draft_set_aside
+    monkeypatch.setattr(draft_use, "draft_set_aside",
+                        lambda *a: weighed.append(a[2]) or real(*a))
+    target, small = build("llama"), build("llama", hidden_size=32, intermediate_size=64)
+    same = build("llama")
+    prov = _Provider(target, {"same": same, "small": small})
+    draft_use.install(prov, "adaptive")
+    with caplog.at_level("WARNING", logger="mlx_kvcache"):
+        for _ in range(3):  # every request goes through load
+            assert prov.load("m", None, "same") == (target, "tok")
+            assert prov.draft_model is None
+    said = [r.getMessage() for r in caplog.records if "is not used" in r.getMessage()]
+    assert said == ["mlx_kvcache: the draft model same is not used: a step of the draft model "
+                    "costs 1.00 of a step of the model (their weight bytes), so drafting can "
+                    "never pay for itself; requests are served by the model alone, one at a "
+                    "time (--draft-policy fixed drafts with it anyway)"]
+    # a draft that may pay is kept, and weighed once, not every request
+    for _ in range(3):
+        prov.load("m", None, "small")
+        assert prov.draft_model is small
+    assert weighed == [same, small]
+    # fixed keeps whatever it is given
+    fixed = _Provider(target, {"same": same})
+    draft_use.install(fixed, "fixed")
+    fixed.load("m", None, "same")
+    assert fixed.draft_model is same

@@ -8,6 +8,7 @@ a cold run for *both* models; sampling must give the target's distribution.
 
 import math
 import random
+import warnings
 from collections import Counter
 
 import mlx.core as mx
@@ -143,23 +144,32 @@ def test_rounds_without_drafts_keep_output_and_trie_exact(name):
     check_no_leaks(pc2)
 
 
-def test_adaptive_policy_never_drafts_with_a_draft_as_large_as_the_target():
-    """The default policy: a same-size draft cannot pay for itself, so no round drafts;
-    answers, log-probs and what the trie keeps are those of plain decoding."""
+def test_adaptive_policy_sets_aside_a_draft_as_large_as_the_target():
+    """The default policy: a same-size draft could never pay for itself, so it is not used
+    at all (a warning says why): answers and log-probs are plain decoding's, the trie
+    holds the target's layers only, and the draft may still be passed per request."""
     name = "qwen3_next"
     m = model(name)
     prompt, procs, sigma = case(name)
-    pc = mk.PrefixCache(m, draft_model=noisy_copy(name, sigma), num_draft_tokens=4,
-                        pre_end_margin=MARGIN)
-    assert pc.draft_length is not None and pc.draft_length.cost == pytest.approx(1.0)
-    got, rs = spec_run(pc, prompt, 12, logits_processors=procs)
+    draft = noisy_copy(name, sigma)
+    with pytest.warns(RuntimeWarning, match="the draft model is not used: a step of the draft "
+                      "model costs 1.00 of a step of the model"):
+        pc = mk.PrefixCache(m, draft_model=draft, num_draft_tokens=4, pre_end_margin=MARGIN)
+    assert "never pay" in pc.draft_set_aside
+    assert pc.draft_model is None and pc.draft_length is None
+    got, rs = spec_run(pc, prompt, 12, logits_processors=procs, draft_model=draft)
     assert_same(cold_with(m, prompt, 12, procs), got)
-    st = rs[-1].cache
-    assert st.drafted_tokens == 0 and st.target_passes == 12 and not any(r.from_draft for r in rs)
+    assert rs[-1].cache.drafted_tokens == 0 and not any(r.from_draft for r in rs)
     seq = prompt + [t for t, _ in got]
     assert check_restored_state(pc, seq[:-1] + [2]).restored == len(seq) - 1
-    assert mk.PrefixCache(m, draft_model=noisy_copy(name, sigma),
-                          draft_policy="fixed").draft_length is None
+    live, _ = pc.manager.checkout(seq[:4])
+    assert len(live.caches) == pc.target_entries == len(mlx_make_prompt_cache(m))  # no draft
+    pc.manager.checkin(live, [])
+    with pytest.raises(ValueError, match="is not the draft model"):
+        spec_run(pc, prompt, 2, draft_model=noisy_copy(name, sigma))
+    fixed = mk.PrefixCache(m, draft_model=draft, draft_policy="fixed")
+    assert fixed.draft_length is None and fixed.draft_set_aside is None
+    assert fixed.draft_model is draft
 
 
 # -- what the trie holds afterwards: both models equal cold runs -------------------------------
@@ -175,6 +185,8 @@ def check_restored_state(pc, tokens):
         parts = (live.caches[: pc.target_entries], live.caches[pc.target_entries:])
         diffs = []
         for m, caches in zip((pc.model, pc.draft_model), parts):
+            if m is None:  # no draft model in use
+                continue
             out = m(rest, cache=caches)[0, -1]
             mk.settle(caches, rest.shape[1])
             diffs.append(mx.abs(out - mx.logsumexp(out) - cold_logits(m, tokens)).max().item())
@@ -426,8 +438,10 @@ def test_bad_draft_arguments_are_named_and_change_nothing():
     d = noisy_copy("llama", 0.1)
     with pytest.raises(ValueError, match="target model itself"):
         mk.PrefixCache(m, draft_model=m)
-    with pytest.raises(ValueError, match="num_draft_tokens must be >= 0"):
-        mk.PrefixCache(m, draft_model=d, num_draft_tokens=-1)
+    with warnings.catch_warnings():  # the error alone: no "draft not used" warning first
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="num_draft_tokens must be >= 0"):
+            mk.PrefixCache(m, draft_model=d, num_draft_tokens=-1)
     with pytest.raises(ValueError, match="draft_policy must be one of adaptive, fixed, got 'often'"):
         mk.PrefixCache(m, draft_model=d, draft_policy="often")
     plain = new_cache(m)
@@ -449,17 +463,20 @@ def test_persisted_cache_is_keyed_on_both_models(tmp_path):
     m = model("qwen3_next")
     d1, d2 = noisy_copy("qwen3_next", 0.01), noisy_copy("qwen3_next", 0.02)
     prompt = list(range(30, 60))
-    pc = mk.PrefixCache(m, draft_model=d1, cache_dir=str(tmp_path), pre_end_margin=MARGIN)
+    # (fixed: these drafts are as large as their target, which adaptive sets aside)
+    pc = mk.PrefixCache(m, draft_model=d1, cache_dir=str(tmp_path), pre_end_margin=MARGIN,
+                        draft_policy="fixed")
     spec_run(pc, prompt, 4)
     pc.close()
     others = [mk.PrefixCache(m, cache_dir=str(tmp_path)),
-              mk.PrefixCache(m, draft_model=d2, cache_dir=str(tmp_path))]
+              mk.PrefixCache(m, draft_model=d2, cache_dir=str(tmp_path), draft_policy="fixed")]
     paths = {str(pc.cache_path)} | {str(o.cache_path) for o in others}
     assert len(paths) == 3
     for o in others:
         assert o.stats.nodes == 0
         o.close()
-    again = mk.PrefixCache(m, draft_model=d1, cache_dir=str(tmp_path), pre_end_margin=MARGIN)
+    again = mk.PrefixCache(m, draft_model=d1, cache_dir=str(tmp_path), pre_end_margin=MARGIN,
+                           draft_policy="fixed")
     got, rs = spec_run(again, prompt, 4)
     assert rs[-1].cache.restored_tokens >= len(prompt) - MARGIN - 1
     assert_same(cold(m, prompt, 4), got)

@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TextIO
 
@@ -57,7 +58,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--draft-policy", choices=POLICIES, default="adaptive",
                    help="adaptive (default): each step drafts only as many tokens as pay for "
                    "themselves, given the draft's size and how often the model accepts its "
-                   "tokens (none with a draft as large as the model); fixed: "
+                   "tokens (a draft as large as the model is not used at all); fixed: "
                    "--num-draft-tokens every step, as mlx-lm. Answers are the same")
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--max-tokens", type=int, default=256, help="answer length limit (default 256)")
@@ -232,15 +233,16 @@ def run(args, out: TextIO, err: TextIO) -> int:
     err.write(f"loaded {name} in {time.perf_counter() - t0:.1f} s; /help for commands\n")
     err.flush()
     try:
-        cache = _make_cache(PrefixCache, model, tokenizer, args, out, err, draft)
+        with warnings.catch_warnings():  # said below, with this command's option
+            warnings.filterwarnings("ignore", "mlx_kvcache: the draft model is not used")
+            cache = _make_cache(PrefixCache, model, tokenizer, args, out, err, draft)
     except ValueError as e:  # e.g. the same model given as its own draft
         err.write(f"error: {e}\n")
         return 2
-    length = getattr(cache, "draft_length", None)
-    if length is not None and not length.ever_pays:
-        err.write(f"note: a step of the draft model costs {length.cost:.2f} of a step of the "
-                  f"model (their weight bytes): drafting cannot pay, so no step drafts "
-                  f"(--draft-policy fixed drafts anyway)\n")
+    aside = getattr(cache, "draft_set_aside", None)
+    if aside is not None:
+        err.write(f"note: the draft model is not used: {aside} (--draft-policy fixed drafts "
+                  f"with it anyway)\n")
     if args.seed is not None:
         cache.seed(args.seed)  # sampling runs on the cache's engine thread
 

@@ -8,12 +8,14 @@ proposal with probability ``a`` (a round stops at the first rejection). With ``c
 cost of a draft step relative to a target step, the round's speed relative to plain
 decoding is ``(1 - a^(k+1)) / (1 - a) / (1 + k c)``. `DraftLength` drafts the ``k`` (at
 most the request's ``num_draft_tokens``) that maximises it, with ``a`` estimated from the
-rounds so far and ``c`` the ratio of the two models' weight bytes. When no ``k > 0`` pays
-(a draft as large as the target never does; a poor one stops paying), the round is a
-plain target step and the draft is left behind: it catches up in one pass when drafting
-resumes, or at the end of the request (what the trie stores is unchanged). While not
-drafting, a one-token probe every 8, 16, ... 128 rounds re-measures the acceptance (one
-that comes true is followed by another at once).
+rounds so far and ``c`` the ratio of the two models' weight bytes. A draft that no
+acceptance could make pay (``c >= 1``: one as large as the target) is set aside by every
+front end: not run and not cached at all (`draft_set_aside`). When no ``k > 0`` pays (a
+poor draft stops paying), the round is a plain target step and the draft is left
+behind: it catches up in one pass when drafting resumes, or at the end of the request
+(what the trie stores is unchanged). While not drafting, a one-token probe every 8, 16,
+... 128 rounds re-measures the acceptance (one that comes true is followed by another at
+once).
 
 Which tokens are emitted never depends on ``k`` (every emitted token is the target's own
 sample: see `speculative`), only how fast they come. The choice depends only on the
@@ -28,7 +30,7 @@ from typing import Any, Literal, Optional
 from .sizing import model_bytes
 
 __all__ = ["DraftLength", "DraftLengths", "DraftPolicy", "POLICIES", "check_policy",
-           "draft_cost", "draft_length_for"]
+           "draft_cost", "draft_length_for", "draft_set_aside"]
 
 DraftPolicy = Literal["adaptive", "fixed"]
 #: ``adaptive``: `DraftLength`; ``fixed``: ``num_draft_tokens`` every round (mlx-lm's).
@@ -136,6 +138,22 @@ def draft_length_for(policy: str, target: Any, draft: Any) -> Optional[DraftLeng
     if draft is None or check_policy(policy) == "fixed":
         return None
     return DraftLength(draft_cost(target, draft))
+
+
+def draft_set_aside(policy: str, target: Any, draft: Any) -> Optional[str]:
+    """Why ``draft`` is not used beside ``target`` under ``policy`` (None: it is).
+
+    Under ``adaptive`` a draft whose step costs at least a target step can never pay
+    (`DraftLength.ever_pays`), whatever the target accepts: kept, it would draft nothing
+    and still prefill every prompt and hold its layers in every cached prefix. The front
+    ends then serve the target alone; answers are the target's either way."""
+    if draft is None or check_policy(policy) == "fixed":
+        return None
+    cost = draft_cost(target, draft)
+    if DraftLength(cost).ever_pays:
+        return None
+    return (f"a step of the draft model costs {cost:.2f} of a step of the model (their weight "
+            f"bytes), so drafting can never pay for itself")
 
 
 class DraftLengths:

@@ -32,7 +32,7 @@ from ..prefix.stats import CacheStats, RequestStats
 from ..store import PersistentStore
 from . import request, sizing, validation
 from .core import CacheCore, check_cold_bits
-from .draft_length import DraftPolicy, check_policy, draft_length_for
+from .draft_length import DraftPolicy, check_policy, draft_length_for, draft_set_aside
 from .engine import default_engine, materialize
 from .model_pair import ModelPair
 from .request import CachedGenerationResponse
@@ -112,9 +112,11 @@ class PrefixCache:
             mlx-lm's ``--num-draft-tokens``); a request may pass its own.
         draft_policy: ``"adaptive"`` (default): each round drafts as many of those as pay
             for themselves — none while the draft costs too much for how often the target
-            accepts it (a draft as large as the target never pays), so a poor draft costs
-            little more than no draft (`DraftLength`); ``"fixed"``: ``num_draft_tokens``
-            every round, as mlx-lm. Answers are the same either way.
+            accepts it, so a poor draft costs little more than no draft (`DraftLength`);
+            a draft that could never pay (one as large as the target) is set aside with a
+            warning: not run, its layers not cached (`draft_set_aside` says why);
+            ``"fixed"``: ``num_draft_tokens`` every round, as mlx-lm. Answers are the same
+            either way.
 
     Safe for concurrent use; see the module docstring.
     """
@@ -153,14 +155,24 @@ class PrefixCache:
             if max_disk_bytes < 0:
                 raise ValueError(f"max_disk_bytes must be >= 0 (or None for the default), "
                                  f"got {max_disk_bytes}")
-        #: The target and the draft model (`ModelPair`): one cache list holds both.
-        self.pair = ModelPair(model, draft_model)
-        self.model, self.draft_model = model, draft_model
+        #: The target and the draft model in use (`ModelPair`): one cache list holds both.
+        self.pair = ModelPair(model, draft_model)  # (checks the pair even if set aside below)
         #: The ``kv_bits`` schedule (None: full precision); raises ValueError when invalid.
         self.kv_quant = KVQuantization.of(kv_bits, kv_group_size, quantized_kv_start)
         self.prefill_step_size = validation.check_positive(
             "prefill_step_size",
             default_prefill_step() if prefill_step_size is None else prefill_step_size)
+        self.num_draft_tokens = _check_num_draft(num_draft_tokens)
+        #: Why the draft model is not used (None: it is, or none was given).
+        self.draft_set_aside: Optional[str] = draft_set_aside(draft_policy, model, draft_model)
+        self._given_draft = draft_model  # still accepted by `stream_generate` once set aside
+        if self.draft_set_aside is not None:
+            warnings.warn(f"mlx_kvcache: the draft model is not used: {self.draft_set_aside} "
+                          f"(draft_policy='fixed' drafts with it anyway)", RuntimeWarning,
+                          stacklevel=2)
+            draft_model = None
+            self.pair = ModelPair(model, None)
+        self.model, self.draft_model = model, draft_model
         #: How the default memory budget was chosen (None when ``max_bytes`` was given).
         self.ram_budget_note: Optional[str] = None
         if max_bytes is None:
@@ -168,7 +180,6 @@ class PrefixCache:
                 sizing.model_bytes(model, draft_model))
         else:
             budget = int(max_bytes)
-        self.num_draft_tokens = _check_num_draft(num_draft_tokens)
         #: Each round's draft length (None: ``num_draft_tokens`` every round).
         self.draft_length = draft_length_for(draft_policy, model, draft_model)
         materialize(model)  # the engine thread cannot evaluate arrays left lazy here
@@ -307,7 +318,8 @@ class PrefixCache:
         so a later prompt that diverges there restores exactly on any model.
 
         Speculative decoding uses the draft model given to the constructor (the trie holds
-        its layers); ``draft_model``, if passed, must be that model. ``num_draft_tokens``
+        its layers; none once set aside: `draft_set_aside`); ``draft_model``, if passed,
+        must be that model. ``num_draft_tokens``
         overrides the instance's default for this request. Every cache kind works
         (recurrent and sliding-window layers roll back from snapshots); greedy output is
         the output without a draft; ``from_draft`` says which tokens the draft proposed.
@@ -324,11 +336,11 @@ class PrefixCache:
         self._check_kv_kwargs(kwargs)
         if kwargs:
             raise TypeError(f"unsupported arguments: {sorted(kwargs)}")
-        if draft_model is not None and draft_model is not self.draft_model:
+        if draft_model is not None and draft_model is not self._given_draft:
             raise ValueError(
                 "draft_model must be the draft model this PrefixCache was built with (its trie "
                 "holds that model's layers): construct PrefixCache(model, draft_model=...)"
-                if self.draft_model is None else
+                if self._given_draft is None else
                 "draft_model is not the draft model this PrefixCache was built with (its trie "
                 "holds that model's layers); use another PrefixCache for another draft model")
         k = self.num_draft_tokens if num_draft_tokens is None else _check_num_draft(num_draft_tokens)

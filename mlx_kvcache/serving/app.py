@@ -173,9 +173,9 @@ def add_options(parser) -> None:
     g.add_argument("--draft-policy", choices=POLICIES, default="adaptive",
                    help="with --draft-model: adaptive (default) drafts each step only as many "
                    "of --num-draft-tokens as pay for themselves, given the draft's size and "
-                   "how often the model accepts its tokens (none with a draft as large as the "
-                   "model); fixed: --num-draft-tokens every step, as mlx-lm. Answers are "
-                   "the same")
+                   "how often the model accepts its tokens (a draft as large as the model "
+                   "is not used at all); fixed: --num-draft-tokens every step, as mlx-lm. "
+                   "Answers are the same")
     g.add_argument("--prompt-excerpts", choices=("auto", "on", "off"), default="auto",
                    help="show prompt text around where reuse stopped (GET /v1/cache 'recent' "
                    "and the log lines); off: offsets and reasons only. auto (default): off when "
@@ -200,6 +200,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from ..store import default_root
     from .admin import AdminPolicy
     from .distributed import agreement
+    from .draft_use import install as install_draft_use
     from .generator import ServerResponseGenerator
     from .handler import CacheAPIHandler
     from .lifecycle import Lifecycle
@@ -278,6 +279,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
         started.ready()
     model_provider.load_default = load_then_open_cache
     install_model_names(model_provider)
+    install_draft_use(model_provider, args.draft_policy)
     generator = ServerResponseGenerator(model_provider, cache, lifecycle=life, agree=agree,
                                         memory=memory)
     # Nothing is served before the model is loaded and checked (a signal still stops).

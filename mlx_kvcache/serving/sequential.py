@@ -132,15 +132,17 @@ def outside_images(live, start: int, runs: Sequence[Tuple[int, int]]) -> int:
 
 def prefill(live, pair: ModelPair, tokens: Sequence[int], start: int, stops: Sequence[int], *,
             step: int, checkpoint: Callable[[int], bool],
-            progress: Optional[Callable[[int, int], None]] = None, stream: Any = None) -> int:
-    """Feed ``tokens[start:stops[-1]]`` to ``live`` (a live set holding ``tokens[:start]``;
-    with a draft model its caches follow the target's) on ``stream`` through the one
-    chunked prefill (`generation.prefill`: chunks of at most ``step`` ending exactly at
-    each stop, the ``kv_bits`` switch at its start), calling ``checkpoint(offset)`` at each
-    stop. Returns the offset the caches hold."""
+            progress: Optional[Callable[[int, int], None]] = None, stream: Any = None,
+            end: Optional[int] = None) -> int:
+    """Feed ``tokens[start:stops[-1]]`` (or on to ``end`` when it is further) to ``live``
+    (a live set holding ``tokens[:start]``; with a draft model its caches follow the
+    target's) on ``stream`` through the one chunked prefill (`generation.prefill`: chunks
+    of at most ``step`` ending exactly at each stop, the ``kv_bits`` switch at its start),
+    calling ``checkpoint(offset)`` at each stop. Returns the offset the caches hold."""
     total = len(tokens) - start
+    last = max([start, *stops] + ([] if end is None else [end]))
     return run_prefill(
-        Feed(pair, live, tokens[:start]), tokens, start, max(stops, default=start),
-        step=step, stops=stops, checkpoint=checkpoint,
+        Feed(pair, live, tokens[:start]), tokens, start, last, step=step, stops=stops,
+        checkpoint=checkpoint,
         progress=None if progress is None else lambda at: progress(at - start, total),
         run=on_stream(stream))
