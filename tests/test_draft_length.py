@@ -124,6 +124,21 @@ def test_lengths_per_pair_and_policy():
     assert DraftLengths("fixed").for_pair(t, d) is None
 
 
+def test_lengths_do_not_keep_a_switched_out_pair_alive():
+    import gc
+    import weakref
+
+    t, d = build("llama"), build("llama", hidden_size=32, intermediate_size=64)
+    lengths = DraftLengths("adaptive")
+    one = lengths.for_pair(t, d)
+    assert lengths.for_pair(t, d) is one
+    gone = weakref.ref(d), weakref.ref(t)
+    del t, d
+    gc.collect()
+    assert gone[0]() is None and gone[1]() is None  # freed: a model switch returns the weights
+    assert lengths.current is one
+
+
 def test_shared_by_threads():
     dl = DraftLength(0.1)
 

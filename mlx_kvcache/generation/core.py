@@ -213,7 +213,7 @@ class CacheCore:
         # Half the memory budget held: the tier parks only written nodes, so writes that
         # waited for an idle moment go now (a full budget would drop unwritten ones). Read
         # from the writer's thread: a counter, no lock.
-        saver = self.autosaver = Autosaver(store.write, pressing=lambda: mgr is not None and (
+        self.autosaver = Autosaver(store.write, pressing=lambda: mgr is not None and (
             2 * mgr.snapshot_bytes >= mgr.max_bytes))
         store.tier.set_writer(self._write_now)
         return n

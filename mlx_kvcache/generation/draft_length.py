@@ -25,6 +25,7 @@ tokens and the models' sizes, so a request replays identically.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Literal, Optional
 
 from .sizing import model_bytes
@@ -156,9 +157,15 @@ def draft_set_aside(policy: str, target: Any, draft: Any) -> Optional[str]:
             f"bytes), so drafting can never pay for itself")
 
 
+def _ref(model: Any) -> Any:
+    """A weak reference to ``model`` (None: a callable answering None)."""
+    return (lambda: None) if model is None else weakref.ref(model)
+
+
 class DraftLengths:
     """The `DraftLength` of whichever model pair is in use under one policy (a server that
-    switches models starts learning again; the last pair's is kept)."""
+    switches models starts learning again; the last pair's is kept). The pair is held
+    weakly: a model switch frees the old models' weights."""
 
     def __init__(self, policy: str) -> None:
         self.policy = check_policy(policy)
@@ -175,7 +182,8 @@ class DraftLengths:
     def for_pair(self, target: Any, draft: Any) -> Optional[DraftLength]:
         """The pair's `DraftLength` (None: ``fixed``, or no draft)."""
         with self._lock:
-            if self._pair is None or self._pair[0] is not target or self._pair[1] is not draft:
-                self._pair = (target, draft)
+            held = None if self._pair is None else (self._pair[0](), self._pair[1]())
+            if held is None or held[0] is not target or held[1] is not draft:
+                self._pair = (_ref(target), _ref(draft))
                 self._length = draft_length_for(self.policy, target, draft)
             return self._length
