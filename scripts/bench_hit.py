@@ -9,7 +9,7 @@ A first turn (``--prefix`` tokens, then ``--answer`` generated ones) is computed
 contender and inserted as the server inserts it; then ``--repeats`` times, alternating,
 the next turn (the same prefix, the answer, ``--new`` more tokens) is fetched and run to
 its first token. Seconds per phase: the fetch (the restore), mlx-lm's prompt passes (timed
-by the server's own probe, `mlx_kvcache.serving.profile.probe_mlx_lm`) and the rest of the
+by the server's own probe, `mlx_kvcache.serving.cache.profile.probe_mlx_lm`) and the rest of the
 way to the first token (the batch's merge, the split into the decode batch, the first step).
 
     python scripts/bench_hit.py [--prefix 2500 --new 45 --answer 16 --repeats 5]
@@ -34,7 +34,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache
 
 from mlx_kvcache.serving import TriePromptCache
-from mlx_kvcache.serving.profile import Profile, probe_mlx_lm
+from mlx_kvcache.serving.cache.profile import Profile, probe_mlx_lm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server import load_smollm2  # noqa: E402

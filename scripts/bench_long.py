@@ -70,7 +70,7 @@ from mlx_kvcache.caches import (  # noqa: E402
 )
 from mlx_kvcache.caches.buffers import concat_rows  # noqa: E402
 from mlx_kvcache.generation import validation  # noqa: E402
-from mlx_kvcache.serving.prompt_cache import TriePromptCache  # noqa: E402
+from mlx_kvcache.serving.cache.prompt_cache import TriePromptCache  # noqa: E402
 from mlx_kvcache.testing import V, TokenIdTokenizer, build  # noqa: E402
 
 #: Wall time by default; ``--cpu-time`` uses the process's CPU time (every thread, user and

@@ -286,8 +286,8 @@ def run_two_ranks(work, sessions_n, turns, intervals=INTERVALS, plans=None):
     """Stock and ours (one per checkpoint interval), each under ``mlx.launch -n 2 --backend
     ring`` (pipeline parallel, a hybrid model split unevenly over the ranks), all started
     at once and interleaved round by round (as `run`), workload b's shape. Every rank
-    profiles itself (``MLX_KVCACHE_PROFILE=1``: `mlx_kvcache.serving.profile`)."""
-    from mlx_kvcache.serving.profile import ENV
+    profiles itself (``MLX_KVCACHE_PROFILE=1``: `mlx_kvcache.serving.cache.profile`)."""
+    from mlx_kvcache.serving.cache.profile import ENV
     from mlx_kvcache.testing.launch import LaunchedServer
 
     d = write_model_dir(work / "hybrid2", "qwen3_5", text_config=dict(
@@ -359,7 +359,7 @@ def rank_profiles(output: str):
 
 
 #: The prompt cache's phases (``coll.<phase>``: its collectives; ``time.<phase>``: time in
-#: it), `mlx_kvcache.serving.profile`.
+#: it), `mlx_kvcache.serving.cache.profile`.
 PHASES = ("plan", "fetch", "checkpoint", "final", "trim", "settle", "stats", "turn")
 
 
@@ -396,7 +396,7 @@ def breakdown(profiles, requests):
 
 PROFILE_ENV = "MLX_KVCACHE_PROFILE"
 
-#: The request path on one machine (`mlx_kvcache.serving.profile.probe_request_path`): the
+#: The request path on one machine (`mlx_kvcache.serving.cache.profile.probe_request_path`): the
 #: generation thread's phases (``time.*`` less nested phases), mlx-lm's passes, and the
 #: disk writer's thread.
 REQUEST_PHASES = (

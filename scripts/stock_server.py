@@ -12,7 +12,7 @@ import mlx_kvcache  # noqa: F401  (the same fast BLAS the other contender gets)
 import mlx.core as mx
 from mlx_lm import server as S
 
-from mlx_kvcache.serving.profile import from_env, probe_server_loop
+from mlx_kvcache.serving.cache.profile import from_env, probe_server_loop
 
 PROFILE = from_env()
 if PROFILE.timing:

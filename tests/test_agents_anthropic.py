@@ -374,7 +374,7 @@ def test_budget_tokens_caps_the_reasoning(tmp_path, path):
 def test_a_reasoning_budget_reads_where_the_reasoning_opened():
     import mlx.core as mx
 
-    from mlx_kvcache.serving.reasoning_budget import ReasoningBudget
+    from mlx_kvcache.serving.engine.reasoning_budget import ReasoningBudget
 
     b = ReasoningBudget(2, start_id=5, end_id=6)
     logits = mx.zeros((1, 8))
@@ -391,7 +391,7 @@ def test_a_reasoning_budget_reads_where_the_reasoning_opened():
 def test_thinking_switch_reaches_a_template_that_honours_it(tmp_path):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlx_kvcache.serving.agents import conversation as cv
+    from mlx_kvcache.serving.routes.agents import conversation as cv
 
     plain = write_thinking_dir(tmp_path / "plain")
     model = write_thinking_dir(tmp_path / "switch", switch=True)

@@ -14,8 +14,8 @@ anthropic = pytest.importorskip("anthropic")
 
 from mlx_lm.tokenizer_utils import load as load_tokenizer  # noqa: E402
 
-from mlx_kvcache.serving.agents import conversation as cv  # noqa: E402
-from mlx_kvcache.serving.answer_turn import answer_extends_prompt  # noqa: E402
+from mlx_kvcache.serving.routes.agents import conversation as cv  # noqa: E402
+from mlx_kvcache.serving.engine.answer_turn import answer_extends_prompt  # noqa: E402
 from mlx_kvcache.testing import write_model_dir  # noqa: E402
 from mlx_kvcache.testing.agent_dirs import (write_refusing_dir,  # noqa: E402
                                            write_thinking_dir, write_tool_template_dir)
@@ -391,7 +391,7 @@ def test_mlx_lm_takes_the_prompt_the_layout_encoded(tokenizers):
 
     from mlx_lm.server import ResponseGenerator
 
-    from mlx_kvcache.serving.generator import MarkedRequest
+    from mlx_kvcache.serving.engine.generator import MarkedRequest
 
     tok = tokenizers["in_place"]
     conv = cv.Conversation.from_call([{"role": "system", "content": LONG_SYSTEM},

@@ -10,8 +10,8 @@ import json
 import pytest
 from pydantic import TypeAdapter
 
-from mlx_kvcache.serving.agents.bridge import AgentRequestError, Event, Usage
-from mlx_kvcache.serving.agents.responses import ResponseBuilder, parse_request, render
+from mlx_kvcache.serving.routes.agents.bridge import AgentRequestError, Event, Usage
+from mlx_kvcache.serving.routes.agents.responses import ResponseBuilder, parse_request, render
 
 openai = pytest.importorskip("openai")
 from openai.lib.streaming.responses._responses import ResponseStreamState  # noqa: E402
@@ -509,7 +509,7 @@ class FakeHandler:
 
 
 def serve_with(monkeypatch, body, events=None, refusal=None, raw=None):
-    from mlx_kvcache.serving.agents import responses
+    from mlx_kvcache.serving.routes.agents import responses
     closed = []
 
     def fake_run_chat(handler, call):
@@ -577,7 +577,7 @@ def test_glue_client_gone_ends_the_generation(monkeypatch):
                 def flush(_):
                     pass
             self.wfile = W()
-    from mlx_kvcache.serving.agents import responses
+    from mlx_kvcache.serving.routes.agents import responses
     closed = []
 
     def fake_run_chat(handler, call):

@@ -193,7 +193,7 @@ def test_a_model_that_cannot_be_split_is_refused_at_start_on_every_rank(plan, tm
     and exits 1 before serving."""
     import sys
 
-    from mlx_kvcache.serving.sharding import sharding_problem
+    from mlx_kvcache.serving.guards.sharding import sharding_problem
     from mlx_kvcache.testing.launch import Launch
 
     d = write_model_dir(tmp_path / "m", "llama", num_attention_heads=9, num_key_value_heads=3,

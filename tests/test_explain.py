@@ -14,8 +14,8 @@ from mlx_lm.models import cache as mlc
 
 import mlx_kvcache as mk
 from mlx_kvcache.prefix.explain import Explainer, excerpt
-from mlx_kvcache.serving import sequential
-from mlx_kvcache.serving.prompt_cache import TriePromptCache
+from mlx_kvcache.serving.cache import sequential
+from mlx_kvcache.serving.cache.prompt_cache import TriePromptCache
 from models import V, build
 from reference import new_cache, run, track_snapshots  # noqa: F401
 

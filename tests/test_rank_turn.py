@@ -19,7 +19,7 @@ import mlx_kvcache as mk
 from mlx_kvcache.prefix import planner
 from mlx_kvcache.prefix.agreement import any_rank
 from mlx_kvcache.prefix.manager import PrefixManager
-from mlx_kvcache.serving.rank_turn import RankTurn
+from mlx_kvcache.serving.cache.rank_turn import RankTurn
 from models import V, build
 from test_agreement import ThreadGroup, shape
 

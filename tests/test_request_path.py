@@ -15,8 +15,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlc
 
 from mlx_kvcache.serving import TriePromptCache, extract, sequential
-from mlx_kvcache.serving.idle_writes import IdleWrites
-from mlx_kvcache.serving.profile import Profile
+from mlx_kvcache.serving.cache.idle_writes import IdleWrites
+from mlx_kvcache.serving.cache.profile import Profile
 from mlx_kvcache.store.autosave import Autosaver
 from models import V, build
 

@@ -391,7 +391,7 @@ def test_a_burst_that_would_exceed_the_memory_limit_is_served_within_it(tmp_path
 
 
 def test_memory_footprint_and_admission_units():
-    from mlx_kvcache.serving.memory import Footprint, MemoryGuard, default_limit
+    from mlx_kvcache.serving.guards.memory import Footprint, MemoryGuard, default_limit
 
     assert default_limit(1 << 30, 16 << 30)[0] == int((16 << 30) * 0.85)
     big = default_limit(15 << 30, 16 << 30)

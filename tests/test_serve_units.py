@@ -12,8 +12,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlc
 
 from mlx_kvcache.serving import TriePromptCache
-from mlx_kvcache.serving import app, seam
-from mlx_kvcache.serving.generator import split_segments
+from mlx_kvcache.serving import app; from mlx_kvcache.serving import seam
+from mlx_kvcache.serving.engine.generator import split_segments
 from models import V, build
 
 KEY = ("model", None, None)
@@ -65,7 +65,7 @@ def test_a_batch_fetch_is_merged_from_the_tries_arrays_like_mlx_lm_merges_copies
     the restore would have concatenated (one copy of each reused row, not two); the batch
     cache is mlx-lm's own, value for value, whatever else is in the batch."""
     from mlx_kvcache.caches import KVCache
-    from mlx_kvcache.serving.restored_merge import RestoredKVCache
+    from mlx_kvcache.serving.cache.restored_merge import RestoredKVCache
     m = build("llama")
     pc = TriePromptCache(provider(m), max_bytes=1 << 30)
     base = [(5 * i + 1) % V for i in range(40)]
@@ -254,7 +254,7 @@ def test_serve_options_join_mlx_lm_parser():
 
 # -- hardening: request checks, the admin route, the stop, padded batch rows -----------------
 def test_request_fields_that_would_end_the_generation_thread():
-    from mlx_kvcache.serving.validation import body_problem, generation_problem
+    from mlx_kvcache.serving.guards.validation import body_problem, generation_problem
 
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     assert body_problem("chat", chat) is None
@@ -284,7 +284,7 @@ def test_request_fields_that_would_end_the_generation_thread():
 
 
 def test_admin_policy():
-    from mlx_kvcache.serving.admin import AdminPolicy
+    from mlx_kvcache.serving.guards.admin import AdminPolicy
 
     open_ = AdminPolicy.make(None, "127.0.0.1")
     ok = {"Host": "127.0.0.1:8080"}
@@ -308,7 +308,7 @@ def test_admin_policy():
 
 
 def test_admin_policy_decides_by_the_peer_address():
-    from mlx_kvcache.serving.admin import AdminPolicy, is_loopback, listens_beyond_loopback
+    from mlx_kvcache.serving.guards.admin import AdminPolicy, is_loopback, listens_beyond_loopback
 
     open_ = AdminPolicy.make(None, "0.0.0.0")
     for peer in ("127.0.0.1", "127.3.4.5", "::1", "::ffff:127.0.0.1"):
@@ -352,7 +352,7 @@ def test_excerpts_off_leave_no_prompt_text(caplog):
 def test_admission_queue_keeps_order_lets_commands_pass_and_refuses_clearly():
     from queue import Empty, Queue
 
-    from mlx_kvcache.serving.memory import AdmissionQueue, Footprint, MemoryGuard, MemoryRefused
+    from mlx_kvcache.serving.guards.memory import AdmissionQueue, Footprint, MemoryGuard, MemoryRefused
 
     g = MemoryGuard(limit=10_000, wait=3600, active_memory=lambda: 0)
     g.footprint = Footprint(weights=1000, kv_fixed=0, kv_per_token=1.0, act_per_token=0.0, step=8)
@@ -394,7 +394,7 @@ def test_an_empty_admin_token_is_refused_at_start(monkeypatch, capsys):
     import subprocess
     import sys
 
-    from mlx_kvcache.serving.admin import TOKEN_ENV, AdminPolicy
+    from mlx_kvcache.serving.guards.admin import TOKEN_ENV, AdminPolicy
 
     def parser():
         p = argparse.ArgumentParser()
@@ -427,7 +427,7 @@ def test_an_empty_admin_token_is_refused_at_start(monkeypatch, capsys):
 def test_lifecycle_admits_until_stopping():
     import time
 
-    from mlx_kvcache.serving.lifecycle import Lifecycle
+    from mlx_kvcache.serving.guards.lifecycle import Lifecycle
 
     life = Lifecycle(grace=5)
     assert life.admit() and life.inflight == 1
@@ -444,7 +444,7 @@ def test_lifecycle_admits_until_stopping():
 
 
 def test_tracked_arrays_cache_remembers_padded_rows():
-    from mlx_kvcache.serving.padding import TrackedArraysCache, was_padded
+    from mlx_kvcache.serving.cache.padding import TrackedArraysCache, was_padded
 
     rows = [TrackedArraysCache(2) for _ in range(3)]
     b = TrackedArraysCache.merge(rows)
@@ -468,7 +468,7 @@ def test_a_padded_batch_row_is_stored_only_where_exact(name, exact):
     state is stored only where the check at load found padded rows exact."""
     from mlx_lm.generate import BatchGenerator
 
-    from mlx_kvcache.serving.padding import padded_rows_exact
+    from mlx_kvcache.serving.cache.padding import padded_rows_exact
 
     m = build(name)
     assert all(padded_rows_exact(m, V).values()) == exact
@@ -496,7 +496,7 @@ def test_a_padded_batch_row_is_stored_only_where_exact(name, exact):
 def test_model_names_answer_unknown_names_with_the_served_model(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from mlx_kvcache.serving import model_names as mn
+    from mlx_kvcache.serving.routes import model_names as mn
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the Hub reachable
     d = tmp_path / "exported"
@@ -534,7 +534,7 @@ def test_model_names_answer_unknown_names_with_the_served_model(tmp_path, monkey
 def test_model_names_installed_on_the_provider_load(monkeypatch):
     import huggingface_hub
 
-    from mlx_kvcache.serving import model_names as mn
+    from mlx_kvcache.serving.routes import model_names as mn
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
 
@@ -564,7 +564,7 @@ class _Provider:
 
 
 def test_a_draft_that_could_never_pay_is_set_aside_when_it_loads(monkeypatch, caplog):
-    from mlx_kvcache.serving import draft_use
+    from mlx_kvcache.serving.engine import draft_use
 
     weighed = []
     real = draft_use.draft_set_aside

@@ -7,7 +7,7 @@ be the same on every rank, or the ranks run different prompts and hang. Decision
 from rank-local quantities — bytes (pipeline ranks hold different layers), which files are
 intact, which layers a rank has — go through an `Agreement`: each rank contributes its
 local view and all get the combined one. A single process uses `SOLO`, where agreeing is
-the identity. The collective implementation lives with the server (`serving.distributed`).
+the identity. The collective implementation lives with the server (`serving.cache.agreement`).
 """
 
 from __future__ import annotations

@@ -6,6 +6,6 @@
 probe of mlx-lm's server and the patch of its ``main``), ``app`` (running it all).
 """
 
-from .prompt_cache import TriePromptCache
+from .cache.prompt_cache import TriePromptCache
 
 __all__ = ["TriePromptCache"]

@@ -56,7 +56,7 @@ def admin_token(s: str) -> str:
     """``--admin-token`` (and ``$MLX_KVCACHE_ADMIN_TOKEN``, its default): never empty."""
     import argparse
 
-    from .admin import checked_token
+    from .guards.admin import checked_token
 
     try:
         return checked_token(s)
@@ -95,9 +95,9 @@ def add_options(parser) -> None:
     from ..generation.draft_length import POLICIES
     from ..prefix.stats import parse_bytes
     from ..store import default_root
-    from .admin import TOKEN_ENV
-    from .lifecycle import DEFAULT_GRACE
-    from .memory import DEFAULT_WAIT, SHARE
+    from .guards.admin import TOKEN_ENV
+    from .guards.lifecycle import DEFAULT_GRACE
+    from .guards.memory import DEFAULT_WAIT, SHARE
 
     g = parser.add_argument_group(
         "mlx_kvcache", "the prefix-trie prompt cache (replaces mlx-lm's LRU prompt cache; "
@@ -186,7 +186,7 @@ def excerpts_shown(choice: str, host: str, token: Optional[str]) -> bool:
     """``--prompt-excerpts``: ``auto`` shows them unless the server listens beyond loopback
     without an admin token (then ``GET /v1/cache`` is closed to other machines, but its
     log may be read by others on a shared host or collected off it)."""
-    from .admin import listens_beyond_loopback
+    from .guards.admin import listens_beyond_loopback
 
     if choice != "auto":
         return choice == "on"
@@ -198,21 +198,21 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from mlx_lm.server import ThreadingHTTPServer
 
     from ..store import default_root
-    from .admin import AdminPolicy
-    from .distributed import agreement
-    from .draft_use import install as install_draft_use
-    from .generator import ServerResponseGenerator
-    from .handler import CacheAPIHandler
-    from .lifecycle import Lifecycle
-    from .model_names import install as install_model_names
-    from .prompt_cache import TriePromptCache
-    from .profile import from_env as profile_from_env
-    from .sharding import sharding_problem
+    from .guards.admin import AdminPolicy
+    from .cache.agreement import agreement
+    from .engine.draft_use import install as install_draft_use
+    from .engine.generator import ServerResponseGenerator
+    from .routes.handler import CacheAPIHandler
+    from .guards.lifecycle import Lifecycle
+    from .routes.model_names import install as install_model_names
+    from .cache.prompt_cache import TriePromptCache
+    from .cache.profile import from_env as profile_from_env
+    from .guards.sharding import sharding_problem
     from ..caches import make_prompt_cache
     from ..generation.sizing import memory_bytes
-    from .memory import MemoryGuard, measure
+    from .guards.memory import MemoryGuard, measure
     from .seam import DraftLoadError
-    from .startup import StartCheck, first_line, kv_quant_problem
+    from .guards.startup import StartCheck, first_line, kv_quant_problem
 
     args = model_provider.cli_args
     life = Lifecycle(args.shutdown_grace)

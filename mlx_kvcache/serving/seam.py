@@ -124,8 +124,8 @@ def patched(add_options: Callable[[argparse.ArgumentParser], None],
 
     from mlx_lm import server as S
 
-    from .reasoning_budget import with_budgets
-    from .stream import make_stream_generate
+    from .engine.reasoning_budget import with_budgets
+    from .engine.stream import make_stream_generate
 
     parsed: List[argparse.Namespace] = []
 

@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..prefix.agreement import SOLO
+from ...prefix.agreement import SOLO
 from .profile import Profile
 
 

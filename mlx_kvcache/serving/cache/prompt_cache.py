@@ -47,9 +47,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..prefix.agreement import SOLO, Agreement
-from ..prefix.explain import Explainer, Reuse
-from ..prefix.tokens import as_tokens
+from ...prefix.agreement import SOLO, Agreement
+from ...prefix.explain import Explainer, Reuse
+from ...prefix.tokens import as_tokens
 from . import sequential
 from .extract import release
 from .idle_writes import IdleWrites
@@ -59,7 +59,7 @@ from .padding import was_padded
 from .restored_merge import RestoredKVCache
 from .profile import Profile, probe_request_path
 from .rank_turn import RankTurn
-from .recent import RequestLog
+from .request_log import RequestLog
 
 __all__ = ["TriePromptCache"]
 

@@ -15,11 +15,11 @@ from typing import Any, Callable, Dict, Optional
 
 from mlx_lm.server import APIHandler
 
-from ..generation.model_pair import vocab_size
-from .admin import AdminPolicy
-from .lifecycle import current_ticket, set_ticket
+from ...generation.model_pair import vocab_size
+from ..guards.admin import AdminPolicy
+from ..guards.lifecycle import current_ticket, set_ticket
 from .model_names import DEFAULT, model_entry, models_listing, resolve
-from .validation import body_problem
+from ..guards.validation import body_problem
 
 #: The agent routes (any query string accepted: Claude Code sends ``?beta=true``):
 #: path -> (module, function taking the live handler).

@@ -43,8 +43,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
-from .bridge import (AgentRequestError, ChatCall, ChatEvents, Event, Route, count_tokens,
-                     read_body, restrict_tools, run_chat, send_json, serve, served_model)
+from .bridge import (AgentRequestError, ChatCall, ChatEvents, Event, Route, count_tokens, read_body, restrict_tools, run_chat, send_json, serve, served_model)
 
 __all__ = ["parse_request", "MessageBuilder", "serve_messages", "serve_count_tokens",
            "error_body", "ROUTE"]

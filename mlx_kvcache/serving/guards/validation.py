@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from ..generation import model_pair
+from ...generation import model_pair
 
 #: ``mx.random.seed`` takes an unsigned 64-bit integer.
 SEED_LIMIT = 1 << 64

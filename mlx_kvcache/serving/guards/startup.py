@@ -51,7 +51,7 @@ def kv_quant_problem(args: Any, *models: Any) -> Optional[str]:
     server will do once a prompt reaches ``--quantized-kv-start``."""
     import mlx.core as mx
 
-    from ..caches import CacheError, KVQuantization, make_prompt_cache
+    from ...caches import CacheError, KVQuantization, make_prompt_cache
 
     bits = getattr(args, "kv_bits", None)
     if bits is None:

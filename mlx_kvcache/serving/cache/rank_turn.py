@@ -28,9 +28,9 @@ from __future__ import annotations
 import struct
 from typing import Dict, List, Optional, Sequence
 
-from ..prefix.agreement import Agreement
-from ..prefix.manager import PrefixManager
-from ..prefix.node import TrieNode
+from ...prefix.agreement import Agreement
+from ...prefix.manager import PrefixManager
+from ...prefix.node import TrieNode
 
 _SEQ = struct.Struct("<q")
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.server import GenerationContext
 
-from ..prefix.stats import human_bytes
+from ...prefix.stats import human_bytes
 
 __all__ = ["AdmissionQueue", "Footprint", "MemoryGuard", "MemoryRefused", "default_limit",
            "measure"]
@@ -97,7 +97,7 @@ class Footprint:
 def measure(models: List[Any], make_caches: Callable[[Any], List[Any]], step: int) -> Footprint:
     """The `Footprint` of ``models`` (a target and maybe its draft, used together), from a
     few forward passes; run on the models' MLX thread."""
-    from ..generation.sizing import checkpoint_bytes, model_bytes
+    from ...generation.sizing import checkpoint_bytes, model_bytes
 
     models = [m for m in models if m is not None]
     step = max(int(step), 1)

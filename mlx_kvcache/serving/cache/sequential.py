@@ -30,11 +30,11 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..generation.draft_length import DraftLengths
-from ..generation.model_pair import ModelPair
-from ..generation.prefill import Feed, on_stream
-from ..generation.prefill import prefill as run_prefill
-from ..prefix.stats import RequestStats
+from ...generation.draft_length import DraftLengths
+from ...generation.model_pair import ModelPair
+from ...generation.prefill import Feed, on_stream
+from ...generation.prefill import prefill as run_prefill
+from ...prefix.stats import RequestStats
 
 __all__ = ["SequentialRequest", "current", "serving", "image_runs", "outside_images", "plan_stops",
            "prefill"]

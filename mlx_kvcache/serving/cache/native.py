@@ -16,7 +16,7 @@ from typing import Any, List, Optional
 
 from mlx_lm.models import cache as mlc
 
-from ..caches import LEAF_TYPES, CacheError, GenericCache, KVCache, RecurrentCache, convert, leaf_caches
+from ...caches import (LEAF_TYPES, CacheError, GenericCache, KVCache, RecurrentCache, convert, leaf_caches)
 from .padding import TrackedArraysCache
 from .restored_merge import RestoredKVCache
 

@@ -33,8 +33,7 @@ import time
 import uuid
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from .bridge import (AgentRequestError, ChatCall, Event, Route, restrict_tools, run_chat, serve,
-                     served_model)
+from .bridge import (AgentRequestError, ChatCall, Event, Route, restrict_tools, run_chat, serve, served_model)
 
 __all__ = ["serve_responses", "parse_request", "ResponseBuilder", "error_body", "ROUTE"]
 

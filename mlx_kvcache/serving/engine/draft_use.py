@@ -17,7 +17,7 @@ import weakref
 
 import mlx.core as mx
 
-from ..generation.draft_length import draft_set_aside
+from ...generation.draft_length import draft_set_aside
 
 __all__ = ["install"]
 

@@ -19,8 +19,8 @@ from typing import Any, Deque, Dict, List, Optional
 
 import numpy as np
 
-from ..prefix.explain import Reuse
-from ..prefix.stats import human_bytes
+from ...prefix.explain import Reuse
+from ...prefix.stats import human_bytes
 
 __all__ = ["RequestLog", "RECENT"]
 

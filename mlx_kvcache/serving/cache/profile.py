@@ -263,7 +263,7 @@ def probe_request_path(prof: Profile, state: Any, explainer: Any) -> None:
 
 def _probe_modules(prof: Profile) -> None:
     """Module-level functions of the request path and the writer, wrapped once per process."""
-    from ..store import save
+    from ...store import save
     from . import native
 
     def wrap(mod: Any, name: str, phase: str) -> None:

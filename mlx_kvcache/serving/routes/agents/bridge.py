@@ -56,10 +56,10 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Prot
 
 from mlx_lm.server import APIHandler
 
-from ..answer_turn import answer_extends_prompt
-from ..generator import MarkedRequest
+from ...engine.answer_turn import answer_extends_prompt
+from ...engine.generator import MarkedRequest
 from ..handler import CacheAPIHandler, send_json
-from ..lifecycle import current_ticket
+from ...guards.lifecycle import current_ticket
 from . import conversation
 
 __all__ = ["ChatCall", "Usage", "Event", "AgentRequestError", "ChatEvents", "run_chat",

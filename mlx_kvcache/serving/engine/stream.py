@@ -35,13 +35,13 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.models import cache as mlc
 
-from ..caches import KVQuantization
-from ..generation.decode import Responses, decoder, emitted
-from ..generation.model_pair import ModelPair
-from ..generation.prefill import Feed, Runner, on_stream, prefill
-from ..prefix.live import LiveSet
-from . import sequential
-from .native import from_native, to_native
+from ...caches import KVQuantization
+from ...generation.decode import Responses, decoder, emitted
+from ...generation.model_pair import ModelPair
+from ...generation.prefill import Feed, Runner, on_stream, prefill
+from ...prefix.live import LiveSet
+from ..cache import sequential
+from ..cache.native import from_native, to_native
 
 __all__ = ["make_stream_generate"]
 

@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mlx_lm.server import convert_chat, process_message_content
 
-from ..template_probe import decided
+from ...engine.template_probe import decided
 
 __all__ = ["Conversation", "Layout", "line_filter", "system_policy", "honours_thinking",
            "layout", "BILLING_LINE",

@@ -29,14 +29,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mlx_lm.server import CompletionRequest, GenerationContext, ResponseGenerator
 
-from ..generation.draft_length import DraftLengths
-from . import extract, sequential
+from ...generation.draft_length import DraftLengths
+from ..cache import extract, sequential
 from .answer_turn import answer_extends_prompt
-from .lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
-from .memory import AdmissionQueue, MemoryGuard, MemoryRefused
-from .profile import count_share, loop_phase
+from ..guards.lifecycle import (Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket)
+from ..guards.memory import AdmissionQueue, MemoryGuard, MemoryRefused
+from ..cache.profile import count_share, loop_phase
 from .reasoning_budget import ReasoningBudget
-from .validation import generation_problem
+from ..guards.validation import generation_problem
 
 log = logging.getLogger("mlx_kvcache")
 

@@ -15,15 +15,15 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from ..caches import CacheError, KVQuantization
-from ..generation import sizing
-from ..generation.core import CacheCore
-from ..generation.model_pair import ModelPair, vocab_size
-from ..prefix.agreement import Agreement, any_rank, every
-from ..prefix.manager import PrefixManager
-from ..prefix.stats import human_bytes
-from ..store import PersistentStore, directory_fingerprint, directory_identity, model_fingerprint
-from ..store.autosave import Autosaver
+from ...caches import CacheError, KVQuantization
+from ...generation import sizing
+from ...generation.core import CacheCore
+from ...generation.model_pair import ModelPair, vocab_size
+from ...prefix.agreement import Agreement, any_rank, every
+from ...prefix.manager import PrefixManager
+from ...prefix.stats import human_bytes
+from ...store import PersistentStore, directory_fingerprint, directory_identity, model_fingerprint
+from ...store.autosave import Autosaver
 from .padding import padded_rows_exact, recurrent_kinds
 
 log = logging.getLogger("mlx_kvcache")
