@@ -381,13 +381,56 @@ def test_a_burst_that_would_exceed_the_memory_limit_is_served_within_it(tmp_path
         assert m["reserved_bytes"] == 0 and m["waiting_requests"] == 0, m
         for a, b in zip(ours, stock):
             same_answer(a, b)
-        # A request that cannot fit even alone: a clear 503 at once, the server goes on.
+        # A request that can never fit: a clear 400 at once, the server goes on.
         status, r = s.request("POST", "/v1/completions",
-                              {"prompt": prompts[0], "max_tokens": 100_000})
-        assert status == 503 and "memory limit" in r["error"], (status, r)
-        assert s.cache()["memory"]["refused"] == 1
+                              {"prompt": prompts[0] * 40, "max_tokens": 6})
+        assert status == 400 and "memory limit" in r["error"]["message"], (status, r)
+        assert r["error"]["type"] == "invalid_request_error", r
+        assert s.cache()["memory"]["never_fit"] == 1
         same_answer(s.complete(prompts[1], max_tokens=6), stock[1])
     assert "memory limit 48.0 MiB (--memory-limit)" in (tmp_path / "a.log").read_text()
+
+
+def test_the_guard_reserves_what_answers_use_and_refuses_the_impossible_at_once(tmp_path):
+    import re
+
+    model = write_model_dir(tmp_path / "m", "llama", hidden_size=256, num_attention_heads=4,
+                            num_key_value_heads=4, head_dim=64, num_hidden_layers=4)
+    limit = 64 << 20
+    log = tmp_path / "a.log"
+    with Server.ours(model, log, tmp_path, "--no-persist", "--memory-limit", str(limit)) as s:
+        longest = int(re.search(r"a prompt of more than (\d+) tokens can never fit",
+                                log.read_text()).group(1))
+        # Claude Code's max_tokens on a short prompt: its caches for 32,000 answer tokens
+        # would pass the limit many times over; admitted on its prompt and a headroom.
+        stream = s.stream_chat(HELLO, max_tokens=32_000)
+        first = next(stream)
+        assert first["choices"], first
+        m = s.cache()["memory"]
+        admitted = m["reserved_bytes"]
+        assert m["running_requests"] == 1 and 0 < admitted < limit - m["weights_bytes"], m
+        # A request that can never fit, on each API, while that answer runs: 400 at once
+        # in the API's shape with the numbers, never queued.
+        big = [{"role": "user", "content": "x" * (2 * longest)}]
+        status, r = s.request("POST", "/v1/chat/completions", {"messages": big, "max_tokens": 8})
+        assert status == 400 and r["error"]["type"] == "invalid_request_error", (status, r)
+        assert "prompt tokens" in r["error"]["message"] and "--memory-limit" in r["error"]["message"]
+        status, r = s.request("POST", "/v1/messages",
+                              {"model": "m", "max_tokens": 8, "messages": big})
+        assert status == 400 and r["type"] == "error", (status, r)
+        assert r["error"]["type"] == "invalid_request_error" and "--memory-limit" in r["error"]["message"]
+        status, r = s.request("POST", "/v1/responses", {"model": "m", "input": big})
+        assert status == 400 and r["error"]["type"] == "invalid_request_error", (status, r)
+        m = s.cache()["memory"]
+        # The long answer is still running: the refusals did not wait for it.
+        assert m["never_fit"] == 3 and m["refused"] == 0 and m["running_requests"] == 1, m
+        # Its reservation grows with the tokens it decodes.
+        s.watch.wait("the reservation to grow").until(
+            lambda: s.cache()["memory"]["reserved_bytes"] > admitted)
+        assert s.cache()["memory"]["peak_bytes"] <= limit
+        stream.close()  # the client leaves: its reservation goes
+        s.watch.wait("the answer to leave").until(
+            lambda: s.cache()["memory"]["running_requests"] == 0)
 
 
 def test_memory_footprint_and_admission_units():
@@ -413,7 +456,7 @@ def test_memory_footprint_and_admission_units():
     g.hold(Held())
     need = g.need(100, 100)
     assert g.try_admit(need) and held["n"] == 20_000 - 1000 - need  # the cache gave way
-    release = g.reserve(need, 200)
+    res = g.reserve(need, 100, 100)
     assert g.room() == 20_000 - 1000 - need
     # A longer request pads the running row to its length too.
     assert g.need(300, 100) == fp.need(300, 100) + 10 * (400 - 200)
@@ -421,8 +464,8 @@ def test_memory_footprint_and_admission_units():
     active["n"] = 40_000  # MLX holds more than was reserved (less the cache): that counts
     assert g.room() == 0 and not g.try_admit(1)
     active["n"] = 0
-    release()
-    release()  # idempotent
+    res.release()
+    res.release()  # idempotent
     assert g.running() == 0 and g.room() == 20_000 - 1000
 
 

@@ -349,44 +349,126 @@ def test_excerpts_off_leave_no_prompt_text(caplog):
         assert ("GHIJ" in reuse["cached"]) is shown and ("UVW" in reuse["prompt"]) is shown
 
 
-def test_admission_queue_keeps_order_lets_commands_pass_and_refuses_clearly():
-    from queue import Empty, Queue
+def _guard_and_queue(limit, sizes, kv_per_token=1.0, wait=3600.0, active=lambda: 0):
+    from mlx_kvcache.serving.guards.memory import AdmissionQueue, Footprint, MemoryGuard
 
-    from mlx_kvcache.serving.guards.memory import AdmissionQueue, Footprint, MemoryGuard, MemoryRefused
-
-    g = MemoryGuard(limit=10_000, wait=3600, active_memory=lambda: 0)
-    g.footprint = Footprint(weights=1000, kv_fixed=0, kv_per_token=1.0, act_per_token=0.0, step=8)
-    sizes = {"small": (100, 100), "big": (1000, 1000), "huge": (100_000, 1)}
+    g = MemoryGuard(limit=limit, wait=wait, active_memory=active)
+    g.footprint = Footprint(weights=1000, kv_fixed=0, kv_per_token=kv_per_token,
+                            act_per_token=0.0, step=8)
     q = AdmissionQueue(g, lambda item: sizes[item[1]], lambda item: item[1] == "cmd")
 
     def req(kind):
+        from queue import Queue
+
         out = Queue()
         q.put((out, kind, None))
         return out
-    a, b, c, d = req("big"), req("big"), req("big"), req("small")  # 4096 B each (twice)
+    return g, q, req
+
+
+def test_admission_passes_a_waiting_request_lets_commands_pass_and_refuses_clearly():
+    from queue import Empty, Queue
+
+    from mlx_kvcache.serving.guards.memory import MemoryNeverFits, MemoryRefused
+
+    # 1 B per token, twice, rounded to 256 tokens, every row as long as the longest: a
+    # "mid" reserves its prompt and the first 256 answer tokens (1280 tokens: 2560 B), not
+    # its max_tokens; a "small" beside it as much (padded); a "big" 6144 B and the rows it
+    # pads. The limit leaves 7780 B beside the weights.
+    sizes = {"mid": (1000, 32_000), "big": (3000, 1), "small": (100, 100),
+             "huge": (100_000, 1)}
+    g, q, req = _guard_and_queue(8780, sizes)
+    req("mid"), req("mid")
     q.put((Queue(), "cmd", None))
     assert q.get(timeout=0)[1] == "cmd"  # a command passes the line
-    first = q.get(timeout=0)  # mlx-lm's loop waits (blocks) only with an empty batch ...
-    assert first[1] == "big" and q.get_nowait()[1] == "big"  # ... then takes without waiting
-    with pytest.raises(Empty):  # the third does not fit while two run: it waits ...
+    running = [q.get(timeout=0)]  # mlx-lm's loop waits (blocks) only with an empty batch ...
+    running.append(q.get_nowait())  # ... then takes without waiting
+    assert [r[1] for r in running] == ["mid", "mid"]
+    req("big")
+    with pytest.raises(Empty):  # the big one does not fit while two run: it waits ...
         q.get_nowait()
-    with pytest.raises(Empty):  # ... and the small one behind it keeps its place
-        q.get_nowait()
-    assert q.qsize() == 2 and g.report()["waiting_requests"] == 2
-    first[0].put(None)  # an answer ends: its memory is released
-    third = q.get_nowait()
-    assert third[1] == "big"
-    with pytest.raises(Empty):  # a short row in a batch is as long as the longest
-        q.get_nowait()
-    third[0].put(None)
-    assert q.get_nowait()[1] == "small"
-    assert g.report()["admitted_after_waiting"] == 2
-    e = req("huge")  # cannot fit even alone: refused once nothing runs
+    req("small")
+    running.append(q.get_nowait())  # ... and a small one behind it goes first
+    assert running[-1][1] == "small"
+    m = g.report()
+    assert m["admitted_past_waiting"] == 1 and m["waiting_requests"] == 1, m
+    # Never fits: refused at once with 400 while others run, never queued.
+    h = req("huge")
     with pytest.raises(Empty):
-        q.get(timeout=0)  # the loop idles: nothing runs any more
-    refused = e.get_nowait()
-    assert isinstance(refused, MemoryRefused) and "memory limit" in str(refused)
-    assert g.report()["refused"] == 1 and q.qsize() == 0
+        q.get_nowait()
+    refused = h.get_nowait()
+    assert isinstance(refused, MemoryNeverFits) and refused.status == 400
+    assert "100000 prompt tokens" in str(refused) and "--memory-limit" in str(refused)
+    m = g.report()
+    assert m["never_fit"] == 1 and m["refused"] == 0 and q.qsize() == 1, m
+    for r in running:  # the answers end: their memory is released
+        r[0].put(None)
+    assert q.get_nowait()[1] == "big"  # the waiting one goes as soon as it fits
+    assert g.report()["admitted_after_waiting"] == 1
+    assert not isinstance(MemoryRefused("x"), MemoryNeverFits) and MemoryRefused.status == 503
+
+
+def test_admission_fairness_is_bounded():
+    from queue import Empty
+
+    from mlx_kvcache.serving.guards.memory import PASS_LIMIT
+
+    sizes = {"small": (100, 100), "big": (4000, 1)}
+    g, q, req = _guard_and_queue(10_000, sizes)
+    smalls = [req("small")]
+    held = [q.get(timeout=0)]  # one runs: the big one cannot fit beside it
+    req("big")
+    for _ in range(PASS_LIMIT):
+        req("small")
+        held.append(q.get_nowait())
+        assert held[-1][1] == "small"
+    assert g.report()["admitted_past_waiting"] == PASS_LIMIT
+    req("small")
+    with pytest.raises(Empty):  # passed enough: nothing behind it goes first
+        q.get_nowait()
+    for h in held:
+        h[0].put(None)
+    assert q.get_nowait()[1] == "big"  # it goes first once it fits
+
+
+def test_the_reservation_follows_the_decoded_tokens():
+    from mlx_lm.server import Response
+
+    from mlx_kvcache.serving.guards.memory import DECODE_HEADROOM
+
+    # 10 B per token (twice): a 100-token prompt with max_tokens 32,000 reserves 2 x 512
+    # tokens at admission (prompt + 256 rounded), not 32,100 — which would never fit.
+    sizes = {"long": (100, 32_000), "late": (100, 32_000)}
+    active = {"n": 0}
+    g, q, req = _guard_and_queue(35_000, sizes, kv_per_token=10.0, active=lambda: active["n"])
+    out = req("long")
+    first = q.get(timeout=0)
+    assert g.report()["reserved_bytes"] == 2 * 10 * 512
+    tok = Response("a", 1, 0.0, None, ())
+    for _ in range(DECODE_HEADROOM - 1):  # within its reservation: no growth
+        first[0].put(tok)
+    assert g.report()["reserved_bytes"] == 2 * 10 * 512
+    first[0].put(tok)  # its answer reached the reservation: 256 more tokens
+    assert g.report()["reserved_bytes"] == 2 * 10 * 768
+    # MLX's active memory counts beside the reservations: what is in use is the larger.
+    active["n"] = 25_000
+    assert g.in_use() == 25_000 and g.room() == 10_000
+    active["n"] = 0
+    late_out = req("late")
+    late = q.get_nowait()
+    late[0].put(tok)  # the second decodes too
+    for _ in range(DECODE_HEADROOM * 2):
+        first[0].put(tok)
+    # The reservations would pass the limit: the newest decoding request ends there,
+    # with finish_reason length and its end, and the first goes on.
+    assert g.report()["ended_at_limit"] == 1
+    late[0].put(tok)
+    got = [late_out.get_nowait() for _ in range(late_out.qsize())]
+    assert got[-1] is None and got[-2].finish_reason == "length"
+    assert all(r.finish_reason is None for r in got[:-2])
+    late[0].put(tok)  # mlx-lm's last step for it: dropped
+    assert late_out.qsize() == 0 and g.running() == 1
+    assert out.qsize() == DECODE_HEADROOM * 3 and g.report()["reserved_bytes"] > 2 * 10 * 768
 
 
 def test_an_empty_admin_token_is_refused_at_start(monkeypatch, capsys):

@@ -163,8 +163,12 @@ def add_options(parser) -> None:
                    "a web page)")
     g.add_argument("--memory-limit", type=parse_bytes, default=None, metavar="BYTES",
                    help="keep MLX's active memory (weights, the batch's caches, the prompt "
-                   "cache) under this: a request whose caches would cross it waits (the prompt "
-                   "cache gives way first), or gets 503 after --memory-wait. 0: no limit. "
+                   "cache) under this: a request is admitted on its prompt and its first "
+                   "answer tokens, its reservation grows as it decodes (the newest answer "
+                   "ends with finish_reason length where memory does); one that would cross "
+                   "it waits (the prompt cache gives way first; a smaller one may go first), "
+                   "or gets 503 after --memory-wait; one that can never fit gets 400 at "
+                   "once. 0: no limit. "
                    f"Default: {SHARE * 100:.0f}%% of the machine's memory (more when the model takes "
                    "more: the model and half of what it leaves)")
     g.add_argument("--memory-wait", type=non_negative_float, default=DEFAULT_WAIT,

@@ -34,7 +34,7 @@ from ..cache import extract, sequential
 from ..cache.profile import count_share, loop_phase
 from ..cache.prompt_cache import TriePromptCache
 from ..guards.lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
-from ..guards.memory import AdmissionQueue, MemoryGuard, MemoryRefused
+from ..guards.memory import AdmissionQueue, MemoryGuard, MemoryNeverFits, MemoryRefused
 from ..guards.validation import generation_problem
 from .templates import answer_extends_prompt
 from .reasoning_budget import ReasoningBudget
@@ -355,8 +355,12 @@ class ServerResponseGenerator(ResponseGenerator):
             self._refuse(ticket)
         try:
             ctx, response = super().generate(request, generation_args, progress_callback)
-        except MemoryRefused:
-            ticket.refused = True  # answered 503, not mlx-lm's 404
+        except MemoryRefused as e:
+            ticket.refused = True  # answered 503 (or 400: it never fits), not mlx-lm's 404
+            ticket.status = e.status
+            if isinstance(e, MemoryNeverFits):
+                ticket.error = {"message": str(e), "type": "invalid_request_error",
+                                "param": None, "code": "memory_limit_exceeded"}
             raise
         if self.lifecycle.cut.is_set():  # it started just as the stop cut everything
             ctx.stop()

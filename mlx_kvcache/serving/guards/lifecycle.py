@@ -38,16 +38,20 @@ class Control:
 
 class Ticket:
     """One HTTP request's standing: whether its answer started streaming, was cut short by
-    the stop, or was refused before it started; mlx-lm's ``GenerationContext`` of it
+    the stop, or was refused before it started (``status``: the HTTP status it is
+    answered with, ``error``: its body in OpenAI's error shape, when mlx-lm's own would
+    not do); mlx-lm's ``GenerationContext`` of it
     (its prompt, what the cache restored); and the last tokens its answer produced (which
     stop sequence ended it, if one did)."""
 
-    __slots__ = ("started", "cut", "refused", "ctx", "last_tokens")
+    __slots__ = ("started", "cut", "refused", "status", "error", "ctx", "last_tokens")
 
     def __init__(self) -> None:
         self.started = False
         self.cut = False
         self.refused = False
+        self.status = 503
+        self.error: Optional[dict] = None
         self.ctx = None
         self.last_tokens: tuple = ()
 

@@ -5,23 +5,42 @@ mlx-lm's server admits every request into its batch as it arrives; a burst of lo
 prompts allocates their caches and prefill activations all at once, and on a Mac —
 unified memory, shared with the weights — a burst that does not fit is killed by the OS,
 not queued. The guard stands where mlx-lm's generation thread takes its next request (its
-request queue, `AdmissionQueue`): a request enters the batch only when its estimated
-need fits under the limit next to what is in use; otherwise it waits in line (the batch
-goes on and frees memory as answers finish), and after ``--memory-wait`` seconds — or at
-once when nothing is running that could free memory — it is refused with a 503 that says
-why. Requests keep their order; commands (``DELETE /v1/cache``, the stop) pass at once.
+request queue, `AdmissionQueue`).
 
-The prompt cache gives way first: a request that fits only without some of the cached
-snapshots trims them (parked to disk with a disk tier), and while requests run the cache
-holds at most what the limit leaves beside them (`MemoryGuard.room`).
+The rules, in the order a request meets them:
+
+1. *Never fits*: a request whose admission need exceeds what the limit leaves beside the
+   weights — with an empty prompt cache and nothing running — is refused at once with a
+   400 that names the numbers (`MemoryNeverFits`), never queued.
+2. *Admission*: a request enters the batch when its need fits next to what is in use; the
+   prompt cache gives way first (trimmed, parked to disk with a disk tier). Its need is
+   the caches of its prompt plus a small decode headroom (`DECODE_HEADROOM` tokens, or
+   ``max_tokens`` if less) — not ``max_tokens`` up front: Claude Code asks for 32,000 on
+   every request, and reserving that would refuse prompts that fit.
+3. *No head-of-line blocking*: a request that does not fit yet waits, and the line is
+   scanned past it: a later request that fits is admitted first. Fairness is bounded: once
+   `PASS_LIMIT` later requests have been admitted past a waiting one, nothing behind it is
+   admitted before it (it goes as soon as running answers free its room).
+4. *Waiting ends*: after ``--memory-wait`` seconds — or at once when nothing is running
+   that could free memory — a waiting request is refused with a 503 that says why.
+5. *Growth*: a running request's reservation follows what it really holds: every
+   `DECODE_HEADROOM` decoded tokens it grows by that much more (the hook is the answer
+   queue, `_Released`: one count per token). The prompt cache gives way first; when the
+   reservations themselves would pass the limit, the newest decoding request is ended
+   there with ``finish_reason: "length"`` and a log line (older conversations keep going;
+   what it generated so far is sent). A request whose ``max_tokens`` can never fit is
+   so ended, not refused: it may well stop sooner.
+
+Commands (``DELETE /v1/cache``, the stop) pass at once. While requests run, every insert
+keeps the prompt cache within what the limit leaves beside them (`MemoryGuard.room`).
 
 A request's need is measured, not guessed: at start one forward pass of the model gives
 the bytes of its caches per token and of its prefill activations per prompt token
-(`Footprint`); a request needs the caches of its prompt plus ``max_tokens`` (as long as
-the longest running one: a batch pads its rows to one length) plus the activations of one
-prefill step. What is in use is the larger of MLX's active memory (less the prompt
-cache's snapshots, which can give way) and the weights plus every admitted request's need
-(an admitted request has not allocated all of it yet).
+(`Footprint`); a request needs the caches of its reserved tokens (as long as the longest
+running one: a batch pads its rows to one length) plus the activations of one prefill
+step. What is in use is the larger of MLX's active memory (less the prompt cache's
+snapshots, which can give way) and the weights plus every reservation (an admitted
+request has not allocated all of it yet).
 """
 
 from __future__ import annotations
@@ -30,17 +49,17 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from queue import Empty, Queue
 from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 import mlx.core as mx
-from mlx_lm.server import GenerationContext
+from mlx_lm.server import GenerationContext, Response
 
 from ...prefix.stats import human_bytes
 
-__all__ = ["AdmissionQueue", "Footprint", "MemoryGuard", "MemoryRefused", "default_limit",
-           "measure"]
+__all__ = ["AdmissionQueue", "Footprint", "MemoryGuard", "MemoryNeverFits", "MemoryRefused",
+           "Reservation", "default_limit", "measure"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -52,10 +71,26 @@ SHARE = 0.85
 _POLL = 0.05
 #: mlx-lm's batch caches grow in steps of this many tokens.
 _STEP = 256
+#: Answer tokens reserved beyond what a request holds: at admission (or ``max_tokens``
+#: if less), then again each time its answer reaches its reservation.
+DECODE_HEADROOM = 256
+#: A waiting request lets at most this many later requests be admitted past it; then
+#: nothing behind it goes first (bounded unfairness, no starvation).
+PASS_LIMIT = 8
 
 
 class MemoryRefused(RuntimeError):
     """A request the memory limit could not take in time (answered with 503)."""
+
+    #: The HTTP status the request is answered with.
+    status = 503
+
+
+class MemoryNeverFits(MemoryRefused):
+    """A request the memory limit can never take, whatever runs or is cached (400: the
+    same request would be refused again; the message names the numbers)."""
+
+    status = 400
 
 
 def default_limit(weights: int, total: int) -> Tuple[int, str]:
@@ -130,10 +165,45 @@ class Held(Protocol):
                 n_bytes: Optional[int] = None) -> None: ...
 
 
+def _rounded(tokens: int) -> int:
+    return -(-int(tokens) // _STEP) * _STEP
+
+
+class Reservation:
+    """What one admitted request holds of the limit: ``nbytes`` for ``tokens`` tokens (its
+    prompt and the answer tokens reserved so far), grown as its answer decodes
+    (`decoded`); ``cut`` once the guard decided this request ends here (rule 5)."""
+
+    __slots__ = ("guard", "key", "prompt", "max_tokens", "tokens", "nbytes", "answered",
+                 "cut", "released")
+
+    def __init__(self, guard: "MemoryGuard", key: int, prompt: int, max_tokens: int,
+                 tokens: int, nbytes: int) -> None:
+        self.guard, self.key = guard, key
+        self.prompt, self.max_tokens = int(prompt), max(int(max_tokens), 0)
+        self.tokens, self.nbytes = int(tokens), int(nbytes)
+        self.answered = 0
+        self.cut = False
+        self.released = False
+
+    def decoded(self) -> bool:
+        """One more answer token; grows the reservation when the answer reached it.
+        Returns whether this request must end now (`cut`). O(1) but at a growth."""
+        self.answered += 1
+        if not self.cut and self.prompt + self.answered >= self.tokens:
+            self.guard.grow(self)
+        return self.cut
+
+    def release(self) -> None:
+        """Give the reservation back (idempotent)."""
+        self.released = True
+        self.guard.unreserve(self.key)
+
+
 class MemoryGuard:
     """The limit, what admitted requests reserved, and the counters of
-    ``GET /v1/cache``'s ``memory``. Admission runs on the generation thread; `report` may
-    be read from any thread.
+    ``GET /v1/cache``'s ``memory``. Admission and growth run on the generation thread;
+    `report` may be read from any thread.
 
     Args:
         limit: ``--memory-limit`` in bytes (None: the default, set by `configure`).
@@ -150,11 +220,14 @@ class MemoryGuard:
         self.footprint: Optional[Footprint] = None
         self._held: Optional[Held] = None  # the prompt cache that gives way (`hold`)
         self._mu = threading.Lock()
-        self._reserved: Dict[int, Tuple[int, int]] = {}  # id -> (bytes, tokens)
+        self._reserved: Dict[int, Reservation] = {}  # admission order (ids ascending)
         self._ids = 0
         self.admitted = 0
         self.waited = 0  # admitted after waiting for memory
-        self.refused = 0
+        self.refused = 0  # 503: waited too long, or nothing running could free memory
+        self.never_fit = 0  # 400: could never fit
+        self.passed = 0  # admitted past a request waiting for memory
+        self.cut = 0  # ended with finish_reason length: the reservations reached the limit
         self.waiting = 0
         self.trimmed_bytes = 0  # prompt cache bytes given way to requests
 
@@ -167,10 +240,11 @@ class MemoryGuard:
             why = "--memory-limit"
         mx.reset_peak_memory()
         if self.limit <= footprint.weights + footprint.need(1, 1):
-            why += "; NOT ENOUGH for the model and one short request: every request gets 503"
+            why += "; NOT ENOUGH for the model and one short request: every request gets 400"
         return (f"memory limit {human_bytes(self.limit)} ({why}): weights "
                 f"{human_bytes(footprint.weights)}, a request's caches "
-                f"{human_bytes(int(footprint.kv_per_token * 1024))} per 1k tokens; requests "
+                f"{human_bytes(int(footprint.kv_per_token * 1024))} per 1k tokens; a prompt "
+                f"of more than {self.largest_prompt()} tokens can never fit (400); requests "
                 f"that would cross it wait up to {self.wait:g} s (--memory-wait), the prompt "
                 f"cache gives way first")
 
@@ -186,27 +260,59 @@ class MemoryGuard:
     def _cache_bytes(self) -> int:
         return self._held.nbytes if self._held is not None else 0
 
+    def _give_way(self, keep: int) -> None:
+        """Trim the prompt cache to ``keep`` bytes, when it holds more."""
+        cached = self._cache_bytes()
+        if cached > keep and self._held is not None:
+            self._held.trim_to(n_bytes=max(keep, 0))
+            self.trimmed_bytes += max(cached - self._cache_bytes(), 0)
+
     # -- accounting -----------------------------------------------------------------------
+    def reserved(self) -> int:
+        """Bytes every admitted request reserved."""
+        with self._mu:
+            return sum(r.nbytes for r in self._reserved.values())
+
     def in_use(self) -> int:
         """Bytes in use that the prompt cache cannot free: the larger of MLX's active
         memory less the cache's snapshots, and the weights plus every reservation."""
         fp = self.footprint
-        with self._mu:
-            reserved = sum(b for b, _ in self._reserved.values())
-        accounted = (fp.weights if fp is not None else 0) + reserved
+        accounted = (fp.weights if fp is not None else 0) + self.reserved()
         return max(self._active_memory() - self._cache_bytes(), accounted)
 
-    def need(self, prompt_tokens: int, max_tokens: int) -> int:
-        """What admitting a request adds: its caches, padded to the batch's longest row
-        (and the running rows padded to its length when it is the longest: a batch's
-        cache is one tensor, every row as long as the longest), and its prefill."""
+    @staticmethod
+    def first_answer(max_tokens: int) -> int:
+        """Answer tokens reserved at admission (rule 2)."""
+        return min(max(int(max_tokens), 0), DECODE_HEADROOM)
+
+    def need(self, prompt_tokens: int, answer_tokens: int) -> int:
+        """What admitting a request of ``prompt_tokens`` with ``answer_tokens`` reserved
+        adds: its caches, padded to the batch's longest row (and the running rows padded
+        to its length when it is the longest: a batch's cache is one tensor, every row as
+        long as the longest), and its prefill."""
         fp = self.footprint
         with self._mu:
-            lengths = [t for _, t in self._reserved.values()]
-        tokens = int(prompt_tokens) + max(int(max_tokens), 0)
+            lengths = [r.tokens for r in self._reserved.values()]
+        tokens = int(prompt_tokens) + max(int(answer_tokens), 0)
         longest = max(lengths, default=0)
         grown = sum(max(tokens - t, 0) for t in lengths) if tokens > longest else 0
-        return fp.need(prompt_tokens, max_tokens, longest) + int(fp.kv_per_token * grown)
+        return fp.need(prompt_tokens, answer_tokens, longest) + int(fp.kv_per_token * grown)
+
+    def never_fits(self, prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether a request's admission need passes what the limit leaves beside the
+        weights with an empty prompt cache and nothing running (rule 1)."""
+        fp = self.footprint
+        return fp.weights + fp.need(prompt_tokens, self.first_answer(max_tokens)) > self.limit
+
+    def largest_prompt(self) -> int:
+        """The longest prompt (tokens) that can ever be admitted, with a full headroom."""
+        lo, hi = 0, 1
+        while not self.never_fits(hi, DECODE_HEADROOM) and hi < 1 << 40:
+            lo, hi = hi, hi * 2
+        while lo + 1 < hi:  # lo fits (or is 0), hi does not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if not self.never_fits(mid, DECODE_HEADROOM) else (lo, mid)
+        return lo
 
     def running(self) -> int:
         with self._mu:
@@ -224,25 +330,64 @@ class MemoryGuard:
         other = self.in_use()
         if other + need > self.limit:
             return False
-        cached = self._cache_bytes()
-        if other + need + cached > self.limit and self._held is not None:
-            keep = max(self.limit - other - need, 0)
-            self._held.trim_to(n_bytes=keep)
-            self.trimmed_bytes += max(cached - self._cache_bytes(), 0)
+        self._give_way(self.limit - other - need)
         return True
 
-    def reserve(self, need: int, tokens: int) -> Callable[[], None]:
-        """Hold ``need`` bytes for an admitted request; returns its release (idempotent)."""
+    def reserve(self, need: int, prompt_tokens: int, answer_tokens: int,
+                max_tokens: Optional[int] = None) -> Reservation:
+        """Hold ``need`` bytes for an admitted request of ``prompt_tokens`` with
+        ``answer_tokens`` reserved (of at most ``max_tokens``); `Reservation.release`
+        gives them back."""
         with self._mu:
             self._ids += 1
-            key = self._ids
-            self._reserved[key] = (int(need), int(tokens))
+            r = Reservation(self, self._ids, prompt_tokens,
+                            answer_tokens if max_tokens is None else max_tokens,
+                            int(prompt_tokens) + int(answer_tokens), need)
+            self._reserved[r.key] = r
             self.admitted += 1
+        return r
 
-        def release() -> None:
-            with self._mu:
-                self._reserved.pop(key, None)
-        return release
+    def unreserve(self, key: int) -> None:
+        with self._mu:
+            self._reserved.pop(key, None)
+
+    def grow(self, r: Reservation) -> None:
+        """``r``'s answer reached its reservation: reserve `DECODE_HEADROOM` more tokens
+        (up to its ``max_tokens``). The prompt cache gives way first; if the reservations
+        would still pass the limit, the newest decoding request is `cut` (rule 5)."""
+        fp = self.footprint
+        if fp is None or self.limit is None:
+            return
+        with self._mu:
+            if r.key not in self._reserved:
+                return  # released, or forgotten by `idle`
+            want = min(r.prompt + r.answered + DECODE_HEADROOM, r.prompt + r.max_tokens)
+            if want <= r.tokens:
+                return  # its max_tokens ends it first
+            others = [o.tokens for o in self._reserved.values() if o is not r]
+            longest = max(others, default=0)
+            pad = (sum(max(want - max(t, r.tokens), 0) for t in others)
+                   if want > longest else 0)
+            extra = int(2 * fp.kv_per_token * (_rounded(want) - _rounded(r.tokens))
+                        + fp.kv_per_token * pad)
+            # (one already cut gives its reservation back at its next token)
+            kept = [o for o in self._reserved.values() if not o.cut]
+            reserved = sum(o.nbytes for o in kept)
+            victim = None
+            if fp.weights + reserved + extra > self.limit:
+                # the newest that decodes (``r`` decodes: there is one)
+                victim = max((o for o in kept if o.answered), key=lambda o: o.key)
+            if victim is None or victim is not r:
+                r.tokens, r.nbytes = want, r.nbytes + extra
+        if victim is not None:
+            victim.cut = True
+            self.cut += 1
+            log.warning("mlx_kvcache: ending a request at %d answer tokens (finish_reason "
+                        "length): the running requests' caches would pass the memory limit "
+                        "%s (--memory-limit; %s reserved beside the model's %s)",
+                        victim.answered, human_bytes(self.limit), human_bytes(reserved),
+                        human_bytes(fp.weights))
+        self._give_way(self.limit - self.in_use())
 
     def idle(self) -> None:
         """Nothing runs (mlx-lm's loop waits for a request with an empty batch): what
@@ -254,15 +399,28 @@ class MemoryGuard:
         fp = self.footprint
         return (f"the server's memory limit ({human_bytes(self.limit)}, --memory-limit) "
                 f"cannot take this request{' after waiting %.0f s' % waited if waited >= 1 else ''}"
-                f": its {prompt_tokens} prompt and up to {max_tokens} answer tokens need about "
+                f": its {prompt_tokens} prompt tokens and the first "
+                f"{self.first_answer(max_tokens)} answer tokens need about "
                 f"{human_bytes(need)} and {human_bytes(self.in_use())} is in use (the model "
-                f"{human_bytes(fp.weights if fp else 0)}); retry later, or with fewer tokens")
+                f"{human_bytes(fp.weights if fp else 0)}); retry later")
+
+    def too_large(self, prompt_tokens: int, max_tokens: int) -> str:
+        """The 400's message for a request that can never fit (rule 1)."""
+        fp = self.footprint
+        need = fp.need(prompt_tokens, self.first_answer(max_tokens))
+        return (f"this request can never fit in the server's memory limit: its "
+                f"{prompt_tokens} prompt tokens need about {human_bytes(need)} "
+                f"({human_bytes(int(fp.kv_per_token * 1024))} of caches per 1k tokens, "
+                f"twice, and its prefill), and the limit {human_bytes(self.limit)} "
+                f"(--memory-limit) leaves {human_bytes(max(self.limit - fp.weights, 0))} beside "
+                f"the model's {human_bytes(fp.weights)}; the longest prompt it can take is "
+                f"about {self.largest_prompt()} tokens")
 
     def report(self) -> Dict[str, Any]:
         """``GET /v1/cache``'s ``memory``: the limit, MLX's active and peak memory, what
         admitted requests reserved, and the admission counters."""
         with self._mu:
-            reserved = sum(b for b, _ in self._reserved.values())
+            reserved = sum(r.nbytes for r in self._reserved.values())
             running = len(self._reserved)
         fp = self.footprint
         return {"limit_bytes": self.limit, "active_bytes": int(mx.get_active_memory()),
@@ -270,27 +428,43 @@ class MemoryGuard:
                 "weights_bytes": fp.weights if fp else None, "reserved_bytes": reserved,
                 "running_requests": running, "waiting_requests": self.waiting,
                 "admitted": self.admitted, "admitted_after_waiting": self.waited,
-                "refused": self.refused, "cache_given_way_bytes": self.trimmed_bytes,
-                "wait_seconds": self.wait}
+                "admitted_past_waiting": self.passed, "refused": self.refused,
+                "never_fit": self.never_fit, "ended_at_limit": self.cut,
+                "cache_given_way_bytes": self.trimmed_bytes, "wait_seconds": self.wait}
 
 
 class _Released:
-    """A request's answer queue that releases its reservation when the answer ends
-    (its end or an error is put), or when its client leaves (its context's ``stop``)."""
+    """A request's answer queue, where its reservation lives: each answer token put
+    grows it (`Reservation.decoded`), and a request the guard cuts ends here with
+    ``finish_reason: "length"`` (its end put, its context stopped, anything mlx-lm puts
+    after that dropped). The reservation is released when the answer ends (its end or
+    an error is put) or its client leaves (its context's ``stop``)."""
 
-    def __init__(self, queue: Queue, release: Callable[[], None]) -> None:
-        self._queue, self._release = queue, release
+    def __init__(self, queue: Queue, reservation: Reservation) -> None:
+        self._queue, self._res = queue, reservation
+        self._stop: Optional[Callable[[], None]] = None
+        self._ended = False
 
     def put(self, item, *args, **kwargs) -> None:
+        if self._ended:
+            return  # cut: the client has its end already
         if item is None or isinstance(item, BaseException):
-            self._release()
+            self._res.release()
         elif isinstance(item, GenerationContext):
-            stop = item.stop  # its client left: the request leaves the batch
+            stop = self._stop = item.stop  # its client left: the request leaves the batch
 
             def stopped():
-                self._release()
+                self._res.release()
                 stop()
             item.stop = stopped
+        elif isinstance(item, Response) and self._res.decoded() and item.finish_reason is None:
+            self._queue.put(replace(item, finish_reason="length"), *args, **kwargs)
+            self._ended = True
+            self._res.release()
+            if self._stop is not None:
+                self._stop()  # mlx-lm takes it out of the batch at the end of this step
+            self._queue.put(None, *args, **kwargs)
+            return
         self._queue.put(item, *args, **kwargs)
 
     def __getattr__(self, name):
@@ -305,12 +479,14 @@ class _Waiting:
     size: Optional[Tuple[int, int]] = None  # (prompt tokens, max tokens)
     sized: bool = False
     told: bool = False
+    passed: int = 0  # later requests admitted past this one
 
 
 class AdmissionQueue(Queue):
     """mlx-lm's request queue, gated by a `MemoryGuard`: HTTP threads put as before; the
-    generation thread's ``get`` hands out the first request in line once it fits (see the
-    module doc). Items whose request is not a request (``is_command``) pass at once.
+    generation thread's ``get`` hands out the first request in line that fits (see the
+    module doc's rules). Items whose request is not a request (``is_command``) pass at
+    once.
 
     Args:
         guard: the limit and its accounting.
@@ -376,41 +552,58 @@ class AdmissionQueue(Queue):
             self._line.append(_Waiting(got, time.monotonic(), self._seq))
         self.guard.waiting = len(self._line)
 
+    def _refuse(self, w: _Waiting, error: MemoryRefused) -> None:
+        self._line.remove(w)
+        self._forget(w.item)
+        log.warning("mlx_kvcache: refused a request (%d): %s", error.status, error)
+        w.item[0].put(error)
+
     def _admit(self):
+        """The first request in line that may go now (rules 1-4), or None."""
         guard = self.guard
         try:
-            while self._line:
-                first = self._line[0]
-                if not first.sized:
-                    first.size, first.sized = self._size(first.item), True
-                if first.size is None:  # cannot tell: mlx-lm reports the request's problem
-                    self._line.popleft()
-                    return first.item
-                prompt, max_tokens = first.size
-                tokens = prompt + max(max_tokens, 0)
-                need = guard.need(prompt, max_tokens)
+            ahead: List[_Waiting] = []  # waiting requests a later one would pass
+            for w in list(self._line):
+                if not w.sized:
+                    w.size, w.sized = self._size(w.item), True
+                if w.size is None:  # cannot tell: mlx-lm reports the request's problem
+                    self._line.remove(w)
+                    return w.item
+                prompt, max_tokens = w.size
+                if guard.never_fits(prompt, max_tokens):
+                    guard.never_fit += 1
+                    self._refuse(w, MemoryNeverFits(guard.too_large(prompt, max_tokens)))
+                    continue
+                answer = guard.first_answer(max_tokens)
+                need = guard.need(prompt, answer)
                 if guard.try_admit(need):
-                    self._line.popleft()
-                    if first.seq <= self._blocked:
+                    self._line.remove(w)
+                    if w.seq <= self._blocked:
                         guard.waited += 1
-                    rqueue, request, args = first.item
-                    return (_Released(rqueue, guard.reserve(need, tokens)), request, args)
-                waited = time.monotonic() - first.since
-                if guard.running() and waited < guard.wait:
-                    self._blocked = self._line[-1].seq
-                    if not first.told:
-                        first.told = True
-                        log.info("mlx_kvcache: a request of %d prompt tokens waits for memory "
-                                 "(needs about %s; %s in use of the %s limit; %d running)",
-                                 prompt, human_bytes(need), human_bytes(guard.in_use()),
-                                 human_bytes(guard.limit), guard.running())
-                    return None
-                self._line.popleft()  # nothing running can free memory, or waited enough
-                guard.refused += 1
-                self._forget(first.item)
-                message = guard.refusal(need, prompt, max_tokens, waited)
-                log.warning("mlx_kvcache: refused a request: %s", message)
-                first.item[0].put(MemoryRefused(message))
+                    for a in ahead:
+                        a.passed += 1
+                    guard.passed += bool(ahead)
+                    rqueue, request, args = w.item
+                    res = guard.reserve(need, prompt, answer, max_tokens)
+                    return (_Released(rqueue, res), request, args)
+                waited = time.monotonic() - w.since
+                if not guard.running() or waited >= guard.wait:
+                    # nothing running can free memory, or it waited enough
+                    guard.refused += 1
+                    self._refuse(w, MemoryRefused(guard.refusal(need, prompt, max_tokens,
+                                                                waited)))
+                    continue
+                if not w.told:
+                    w.told = True
+                    log.info("mlx_kvcache: a request of %d prompt tokens waits for memory "
+                             "(needs about %s; %s in use of the %s limit; %d running)",
+                             prompt, human_bytes(need), human_bytes(guard.in_use()),
+                             human_bytes(guard.limit), guard.running())
+                ahead.append(w)
+                if w.passed >= PASS_LIMIT:
+                    break  # it has been passed enough: the line waits behind it
+            if self._line:
+                self._blocked = self._line[-1].seq
             return None
         finally:
             guard.waiting = len(self._line)

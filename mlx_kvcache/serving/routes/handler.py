@@ -57,6 +57,30 @@ def send_json(handler, status: int, body: Dict[str, Any],
     handler.wfile.flush()
 
 
+class _ErrorBody:
+    """A handler's ``wfile`` for one refusal: mlx-lm writes its error body as
+    ``{"error": text}``; that one write becomes ``{"error": error}`` (OpenAI's shape,
+    ``error`` naming the message, type and code), and the handler's own ``wfile`` is
+    back."""
+
+    def __init__(self, handler, wfile, error: Dict[str, Any]) -> None:
+        self._handler, self._wfile, self._error = handler, wfile, error
+
+    def write(self, data) -> int:
+        try:
+            body = json.loads(bytes(data))
+        except ValueError:  # the status line and headers
+            return self._wfile.write(data)
+        if not (isinstance(body, dict) and isinstance(body.get("error"), str)):
+            return self._wfile.write(data)
+        self._handler.wfile = self._wfile
+        self._wfile.write(json.dumps({"error": self._error}).encode())
+        return len(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._wfile, name)
+
+
 class CacheAPIHandler(APIHandler):
     """mlx-lm's handler with ``/v1/cache`` and the routes of ``routes``.
 
@@ -168,7 +192,10 @@ class CacheAPIHandler(APIHandler):
     def _set_completion_headers(self, status_code: int = 200):
         ticket = current_ticket()
         if status_code == 404 and ticket is not None and ticket.refused:
-            status_code = 503  # mlx-lm answers 404 to any error before the answer starts
+            # mlx-lm answers 404 to any error before the answer starts
+            status_code = ticket.status
+            if ticket.error is not None:  # its body, next, in OpenAI's error shape
+                self.wfile = _ErrorBody(self, self.wfile, ticket.error)
         super()._set_completion_headers(status_code)
 
     def _send_json(self, status: int, body) -> None:

@@ -329,6 +329,8 @@ class _ChatRun(CacheAPIHandler):
             msg = json.loads(self.error_body.decode() or "{}").get("error") or ""
         except (ValueError, AttributeError):
             msg = self.error_body.decode(errors="replace")
+        if isinstance(msg, dict):  # OpenAI's error shape (a refusal of ours)
+            msg = msg.get("message") or ""
         msg = str(msg or f"the request failed (HTTP {self.status})")
         if self.status == 503 or "generation thread" in msg:
             return AgentRequestError(msg, 503, "overloaded_error")
