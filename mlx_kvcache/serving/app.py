@@ -185,6 +185,12 @@ def add_options(parser) -> None:
                    help="show prompt text around where reuse stopped (GET /v1/cache 'recent' "
                    "and the log lines); off: offsets and reasons only. auto (default): off when "
                    "--host reaches beyond loopback without an admin token")
+    g.add_argument("--cache-namespace-by", choices=("request", "api-key"), default="request",
+                   help="keep clients' cached prompts apart (no client's cache then shortens "
+                   "another's prompt, so cached_tokens cannot reveal it): request (default): "
+                   "a request's 'cache_salt' field or X-Cache-Namespace header names its "
+                   "namespace, none: the shared cache; api-key: also, without those, its API "
+                   "key (Authorization: Bearer / x-api-key, hashed, never stored)")
 
 
 def excerpts_shown(choice: str, host: str, token: Optional[str]) -> bool:

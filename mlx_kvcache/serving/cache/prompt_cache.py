@@ -22,6 +22,9 @@ n_bytes=)``, ``nbytes``, ``len()`` and ``stats_by_type()``. Here:
   caches of the requests running — mlx-lm trims the cache to the budget less its running
   batch's caches (`trim_to`), the manager counts the caches it lends — holding after
   every insert, on every path;
+* a request with a cache namespace (`namespace`: a client's ``cache_salt``, header or API
+  key) reads and writes only its namespace's part of the trie: its token list carries it,
+  and the trie is keyed by its ids salted with it (`_key`);
 * with a cache directory the disk is a second tier (`mlx_kvcache.store.tiers`): each new
   snapshot is written once in the background after its insert, the memory budget parks
   nodes that are on disk instead of dropping them, a fetch reads back the parked nodes it
@@ -52,6 +55,7 @@ from ...prefix.explain import Explainer, Reuse
 from ...prefix.tokens import as_tokens
 from ..guards.memory import MemoryGuard
 from . import sequential
+from .namespace import namespace_of, salted, unsalted
 from .extract import release
 from .idle_writes import IdleWrites
 from .model_state import ModelState, open_model
@@ -182,11 +186,12 @@ class TriePromptCache:
 
     def insert_cache(self, model_key, tokens: Sequence[int], prompt_cache: List[Any],
                      *, cache_type: str = "assistant") -> None:
-        tokens = as_tokens(tokens)
-        final = self._log.final_of(tokens)
-        self._guard("a prompt cache insert",
-                    lambda: self._insert(model_key, tokens, prompt_cache, cache_type, final),
-                    None, "checkpoint" if final is None else "final")
+        tokens = self._key(tokens)
+        if tokens is not None:  # (a namespaced prompt that cannot be keyed apart: not stored)
+            final = self._log.final_of(tokens)
+            self._guard("a prompt cache insert",
+                        lambda: self._insert(model_key, tokens, prompt_cache, cache_type, final),
+                        None, "checkpoint" if final is None else "final")
         room = self.memory.room() if self.memory is not None else None
         if room is not None and self.nbytes > room:  # the cache gives way to requests
             self.trim_to(n_bytes=room)
@@ -203,17 +208,19 @@ class TriePromptCache:
         restore are included (the server drops them with the cached tokens): they follow
         from the trie's structure, the same on every rank without a collective. Changes
         nothing."""
+        key = self._key(tokens)
+
         def plan():
             st = self._state(model_key)
-            if st.manager is None:
+            if st.manager is None or key is None:
                 return []
             if st.store is not None:  # parked nodes of this prompt: start reading them
-                st.manager.peek(st.store.prefetch, tokens)
-            if not st.manager.whole_state or len(tokens) < 2:
+                st.manager.peek(st.store.prefetch, key)
+            if not st.manager.whole_state or len(key) < 2:
                 return []
             if sequential.current() is not None:
                 return []  # the sequential fetch plans (and takes) its own stops
-            return st.manager.cuts(tokens, extra, guess_end)
+            return st.manager.cuts(key, extra, guess_end)
         return self._guard("planning checkpoints", plan, [], "plan")
 
     def expect(self, tokens: Sequence[int], marks: Sequence[Tuple[int, str]],
@@ -232,17 +239,26 @@ class TriePromptCache:
         st = self._model
         return st is not None and st.manager is not None
 
+    @staticmethod
+    def _key(tokens: Sequence[int]) -> Optional[np.ndarray]:
+        """What the trie keys ``tokens`` by: their ids, salted with their namespace when
+        they carry one (`namespace`); None when a namespaced prompt cannot be kept apart
+        (it is then neither restored nor stored)."""
+        return salted(as_tokens(tokens), namespace_of(tokens))
+
     def _fetch(self, model_key, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:
         # The server's list becomes an array once; everything after is O(edges + bytes).
         st = self._state(model_key)
         seq = sequential.current()
+        ids = self._key(tokens)
+        if ids is None:  # a namespaced prompt that starts with an image: not cached
+            return None, list(tokens)
         if st.manager is None or not len(tokens):
             why = st.why_not or "the prompt cache is off"
             self._log.fetched(tokens, 0, 0, "sequential" if seq else "batch",
                               Reuse("off", 0, len(tokens), None, "", "", "", f"caching is off: {why}"))
             return None, list(tokens)
         mgr = st.manager
-        ids = as_tokens(tokens)
         # The batch path's merge copies the rows into mlx-lm's batch cache: no room to grow.
         live, plan = mgr.checkout(ids, seq.extra_stops if seq is not None else (),
                                   room=None if seq is not None else 0,
@@ -625,4 +641,4 @@ def _decoder(tokenizer):
     decode = getattr(tokenizer, "decode", None)
     if decode is None:
         return None
-    return lambda ids: decode(ids, skip_special_tokens=False)
+    return lambda ids: decode(unsalted(ids), skip_special_tokens=False)

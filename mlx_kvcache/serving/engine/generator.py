@@ -32,6 +32,7 @@ from mlx_lm.server import CompletionRequest, GenerationContext, ResponseGenerato
 from ...generation.draft_length import DraftLengths
 from ..cache import extract, sequential
 from ..cache.profile import count_share, loop_phase
+from ..cache.namespace import Namespaced
 from ..cache.prompt_cache import TriePromptCache
 from ..guards.lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
 from ..guards.memory import AdmissionQueue, MemoryGuard, MemoryNeverFits, MemoryRefused
@@ -53,7 +54,8 @@ class MarkedRequest(CompletionRequest):
     reuse (checkpoints there); ``marks``, ``(offset, name)`` where each message and part
     starts (the miss explanation names the one a request diverged in); ``session``, the
     client's session name. Offsets are checked against the prompt the generation thread
-    makes (a cut is only ever a place to store the caches, never read as content)."""
+    makes (a cut is only ever a place to store the caches, never read as content).
+    A plain chat or text request with a cache ``namespace`` is one too (no layout)."""
 
     cuts: List[int] = field(default_factory=list)
     marks: List[Tuple[int, str]] = field(default_factory=list)
@@ -65,6 +67,8 @@ class MarkedRequest(CompletionRequest):
     template_kwargs: Optional[Dict[str, Any]] = None
     #: At most this many tokens of reasoning (Anthropic's ``budget_tokens``), or None.
     reasoning_budget: Optional[int] = None
+    #: The client's cache namespace (`cache.namespace`), or None: the shared cache.
+    namespace: Optional[str] = None
 
     def tokenizer_for(self, tokenizer):
         """``tokenizer``, or a view of it that answers the rendering of this request's own
@@ -224,6 +228,11 @@ class ServerResponseGenerator(ResponseGenerator):
         problem = generation_problem(prompt, args, self.model_provider.model)
         if problem:
             raise ValueError(problem)
+        namespace = getattr(request, "namespace", None)
+        if namespace:  # the prompt cache keys this request's fetch and inserts apart
+            prompt = Namespaced(prompt, namespace)
+            if vision is not None:
+                vision.cache_key = Namespaced(vision.cache_key, namespace)
         self._make_state_machine(self.model_provider.model_key, tokenizer, args.stop_words)
         budget = getattr(request, "reasoning_budget", None)
         if budget:  # mlx-lm makes this request's logits processors next (`reasoning_budget`)

@@ -19,8 +19,10 @@ from mlx_lm.server import APIHandler
 from ...generation.model_pair import vocab_size
 from ..guards.admin import AdminPolicy
 from ..guards.lifecycle import current_ticket, set_ticket
+from ..engine.generator import MarkedRequest
 from ..guards.validation import body_problem
 from .model_names import DEFAULT, model_entry, models_listing, resolve
+from .namespace import request_namespace
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,26 @@ class CacheAPIHandler(APIHandler):
             raise ValueError(problem)
         if isinstance(self.stream_options, dict):  # mlx-lm reads the key without a default
             self.stream_options = {"include_usage": False, **self.stream_options}
+        self.cache_namespace = request_namespace(self.body, self.headers, self.by_api_key())
+
+    def by_api_key(self) -> bool:
+        """Whether a request's API key is its cache namespace (``--cache-namespace-by``)."""
+        args = self.response_generator.cli_args
+        return getattr(args, "cache_namespace_by", None) == "api-key"
+
+    # mlx-lm's two request kinds, with the request's cache namespace (`namespace`).
+    def handle_chat_completions(self):
+        return self._namespaced(super().handle_chat_completions())
+
+    def handle_text_completions(self):
+        return self._namespaced(super().handle_text_completions())
+
+    def _namespaced(self, request):
+        namespace = getattr(self, "cache_namespace", None)
+        if namespace is None:
+            return request
+        return MarkedRequest(request.request_type, request.prompt, request.messages,
+                             request.tools, request.role_mapping, namespace=namespace)
 
     def _vocab(self) -> Optional[int]:
         provider = self.response_generator.model_provider

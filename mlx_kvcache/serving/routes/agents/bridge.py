@@ -237,7 +237,8 @@ class _ChatRun(CacheAPIHandler):
                              request.tools, request.role_mapping, cuts=list(lay.cuts),
                              marks=list(lay.marks), session=self.call.session,
                              tokens=lay.ids, template_kwargs=dict(self.prep.template_args),
-                             reasoning_budget=self.call.reasoning_budget)
+                             reasoning_budget=self.call.reasoning_budget,
+                             namespace=self.call.namespace)
 
     def send_response(self, code, message=None) -> None:
         self.status = code

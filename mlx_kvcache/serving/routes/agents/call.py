@@ -60,6 +60,9 @@ class ChatCall:
     thinking: Optional[bool] = None
     reasoning_budget: Optional[int] = None
     end_mark: Optional[Tuple[int, int]] = None
+    #: The client's cache namespace (set by the wire from ``cache_salt``, a header or the
+    #: API key: `routes.namespace`), or None: the shared cache.
+    namespace: Optional[str] = None
 
 
 def restrict_tools(call: ChatCall, none: bool = False, name: Optional[str] = None,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
 from ..handler import send_json
+from ..namespace import request_namespace
 from .bridge import run_chat
 from .call import AgentRequestError, ChatCall, Event
 
@@ -73,12 +74,18 @@ def _sse(batch: Iterable[SSE]) -> bytes:
 def serve(handler, route: Route, run: Optional[Callable[[Any, ChatCall], Any]] = None) -> None:
     """Answer one agent request on ``handler`` (the live `CacheAPIHandler`, admitted, its
     body unread): read the body, ``route.parse`` it, run it (``run``: `run_chat`), and
-    send the answer whole or streamed (``"stream": true``). Bad input is a reply in the
+    send the answer whole or streamed (``"stream": true``); the call's cache namespace is
+    the request's (`namespace`: ``cache_salt``, the header, or the API key). Bad input is a reply in the
     route's error shape, never an exception; a client gone mid-answer ends the generation."""
     headers = route.headers()
     try:
         body = read_body(handler)
-        events = (run or run_chat)(handler, route.parse(body))
+        call = route.parse(body)
+        try:
+            call.namespace = request_namespace(body, handler.headers, handler.by_api_key())
+        except ValueError as e:
+            raise AgentRequestError(str(e), param="cache_salt") from None
+        events = (run or run_chat)(handler, call)
     except AgentRequestError as e:
         return send_json(handler, e.status, route.error(e), headers)
     try:
