@@ -499,6 +499,9 @@ class FakeHandler:
     def end_headers(self):
         pass
 
+    def by_api_key(self):
+        return False
+
     def sse(self):
         out = []
         for block in self.wfile.getvalue().decode().split("\n\n"):
