@@ -178,3 +178,17 @@ def test_namespaces_stay_apart_after_a_restart(tmp_path):
         assert cached(again) == first["usage"]["prompt_tokens"] - 1
         assert s.cache()["disk_tokens"] == cached(again)  # read back from the disk tier
         same_answer(first, again)
+
+
+def test_the_sequential_path_keeps_namespaces_apart(tmp_path):
+    # A draft model serves every request on mlx-lm's sequential path, whose caches the
+    # next request continues in place (`PrefixManager.adopt`): not across namespaces.
+    model = write_model_dir(tmp_path / "llama", "llama")
+    msgs = pin("sequential")
+    with Server.ours(model, tmp_path / "a.log", tmp_path, "--no-persist", "--draft-model",
+                     str(model), "--draft-policy", "fixed") as s:
+        alice = s.chat(msgs, cache_salt="alice")
+        assert cached(alice) == 0
+        assert cached(s.chat(msgs, cache_salt="bob")) == 0
+        assert cached(s.chat(msgs)) == 0
+        assert cached(s.chat(msgs, cache_salt="alice")) > 0

@@ -413,7 +413,7 @@ def test_admission_fairness_is_bounded():
 
     from mlx_kvcache.serving.guards.memory import PASS_LIMIT
 
-    sizes = {"small": (100, 100), "big": (4000, 1)}
+    sizes = {"small": (100, 100), "big": (4000, 1), "huge": (100_000, 1)}
     g, q, req = _guard_and_queue(10_000, sizes)
     smalls = [req("small")]
     held = [q.get(timeout=0)]  # one runs: the big one cannot fit beside it
@@ -424,8 +424,10 @@ def test_admission_fairness_is_bounded():
         assert held[-1][1] == "small"
     assert g.report()["admitted_past_waiting"] == PASS_LIMIT
     req("small")
-    with pytest.raises(Empty):  # passed enough: nothing behind it goes first
+    huge = req("huge")
+    with pytest.raises(Empty):  # passed enough: nothing behind it goes first ...
         q.get_nowait()
+    assert huge.get_nowait().status == 400  # ... but what can never fit is still told at once
     for h in held:
         h[0].put(None)
     assert q.get_nowait()[1] == "big"  # it goes first once it fits

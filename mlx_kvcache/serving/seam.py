@@ -105,6 +105,14 @@ def check() -> Optional[str]:
             "_make_logits_processors(args)" not in body for body in (single, batched)):
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server no longer makes each "
                         f"request's logits processors with _make_logits_processors(args)")
+    # A request's cache namespace rides on its token list (`cache.namespace`): the batch
+    # must hand each insert a slice of the very list it was given, grown in place.
+    gen_src = inspect.getsource(G)
+    if any(needle not in batched for needle in (
+            "all_tokens=[prompt[:prompt_cache_count]]", "r.all_tokens[:]", "cache_key[:]")) \
+            or "sti += ti" not in gen_src or "sti.append(ti)" not in gen_src:
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: the batch path no longer keeps each "
+                        f"request's token list from its admission to its inserts")
     src = inspect.getsource(S.main)
     if "argparse.ArgumentParser(" not in src or "run(" not in src:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server.main no longer builds "

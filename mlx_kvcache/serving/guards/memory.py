@@ -563,6 +563,7 @@ class AdmissionQueue(Queue):
         guard = self.guard
         try:
             ahead: List[_Waiting] = []  # waiting requests a later one would pass
+            held_back = False  # one ahead was passed enough: the rest only wait (rule 3)
             for w in list(self._line):
                 if not w.sized:
                     w.size, w.sized = self._size(w.item), True
@@ -576,7 +577,7 @@ class AdmissionQueue(Queue):
                     continue
                 answer = guard.first_answer(max_tokens)
                 need = guard.need(prompt, answer)
-                if guard.try_admit(need):
+                if not held_back and guard.try_admit(need):
                     self._line.remove(w)
                     if w.seq <= self._blocked:
                         guard.waited += 1
@@ -600,8 +601,7 @@ class AdmissionQueue(Queue):
                              prompt, human_bytes(need), human_bytes(guard.in_use()),
                              human_bytes(guard.limit), guard.running())
                 ahead.append(w)
-                if w.passed >= PASS_LIMIT:
-                    break  # it has been passed enough: the line waits behind it
+                held_back = held_back or w.passed >= PASS_LIMIT
             if self._line:
                 self._blocked = self._line[-1].seq
             return None
