@@ -330,13 +330,14 @@ class _ChatRun(CacheAPIHandler):
             msg = json.loads(self.error_body.decode() or "{}").get("error") or ""
         except (ValueError, AttributeError):
             msg = self.error_body.decode(errors="replace")
+        code = None
         if isinstance(msg, dict):  # OpenAI's error shape (a refusal of ours)
-            msg = msg.get("message") or ""
+            msg, code = msg.get("message") or "", msg.get("code")
         msg = str(msg or f"the request failed (HTTP {self.status})")
         if self.status == 503 or "generation thread" in msg:
             return AgentRequestError(msg, 503, "overloaded_error")
         if self.status in (400, 404):  # mlx-lm answers 404 to what failed its tokenizing
-            return AgentRequestError(msg, 400, "invalid_request_error")
+            return AgentRequestError(msg, 400, "invalid_request_error", code=code)
         return AgentRequestError(msg, 500, "api_error")
 
 
