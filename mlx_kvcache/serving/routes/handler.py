@@ -17,9 +17,9 @@ from typing import Any, Callable, Dict, Mapping, Optional
 from mlx_lm.server import APIHandler
 
 from ...generation.model_pair import vocab_size
+from ..engine.generator import MarkedRequest
 from ..guards.admin import AdminPolicy
 from ..guards.lifecycle import current_ticket, set_ticket
-from ..engine.generator import MarkedRequest
 from ..guards.validation import body_problem
 from .model_names import DEFAULT, model_entry, models_listing, resolve
 from .namespace import request_namespace

@@ -75,8 +75,9 @@ def serve(handler, route: Route, run: Optional[Callable[[Any, ChatCall], Any]] =
     """Answer one agent request on ``handler`` (the live `CacheAPIHandler`, admitted, its
     body unread): read the body, ``route.parse`` it, run it (``run``: `run_chat`), and
     send the answer whole or streamed (``"stream": true``); the call's cache namespace is
-    the request's (`namespace`: ``cache_salt``, the header, or the API key). Bad input is a reply in the
-    route's error shape, never an exception; a client gone mid-answer ends the generation."""
+    the request's (`namespace`: ``cache_salt``, the header, or the API key). Bad input is
+    a reply in the route's error shape, never an exception; a client gone mid-answer ends
+    the generation."""
     headers = route.headers()
     try:
         body = read_body(handler)
