@@ -348,6 +348,7 @@ class MemoryGuard:
         return r
 
     def unreserve(self, key: int) -> None:
+        """Drop the reservation ``key`` (`Reservation.release`; gone already: nothing)."""
         with self._mu:
             self._reserved.pop(key, None)
 
