@@ -208,10 +208,9 @@ class TriePromptCache:
         restore are included (the server drops them with the cached tokens): they follow
         from the trie's structure, the same on every rank without a collective. Changes
         nothing."""
-        key = self._key(tokens)
-
         def plan():
             st = self._state(model_key)
+            key = self._key(tokens)
             if st.manager is None or key is None:
                 return []
             if st.store is not None:  # parked nodes of this prompt: start reading them
