@@ -192,3 +192,21 @@ def test_the_sequential_path_keeps_namespaces_apart(tmp_path):
         assert cached(s.chat(msgs, cache_salt="bob")) == 0
         assert cached(s.chat(msgs)) == 0
         assert cached(s.chat(msgs, cache_salt="alice")) > 0
+
+
+def test_a_hybrid_models_checkpoints_stay_in_their_namespace(tmp_path):
+    # A hybrid restores only at checkpoints, each stored mid-prompt by the batch at a
+    # segment's end (`cache_key[:]` of the request's token list): every one in its
+    # namespace.
+    model = write_model_dir(tmp_path / "hybrid", "qwen3_next")
+    msgs = [{"role": "system", "content": "You answer about the sea. " * 4}, *pin("hybrid")]
+    with Server.ours(model, tmp_path / "a.log", tmp_path, "--no-persist",
+                     "--checkpoint-interval", "16") as s:
+        alice = s.chat(msgs, cache_salt="alice")
+        assert cached(alice) == 0 and s.cache()["nodes"] > 2  # checkpoints were stored
+        assert cached(s.chat(msgs, cache_salt="bob")) == 0
+        plain = s.chat(msgs)
+        assert cached(plain) == 0  # the shared cache held nothing of theirs
+        again = s.chat(msgs, cache_salt="alice")
+        assert cached(again) > 0
+        same_answer(alice, again)
