@@ -473,6 +473,24 @@ def test_the_reservation_follows_the_decoded_tokens():
     assert out.qsize() == DECODE_HEADROOM * 3 and g.report()["reserved_bytes"] > 2 * 10 * 768
 
 
+def test_a_prefill_s_activations_are_reserved_until_the_first_token():
+    from mlx_lm.server import Response
+
+    from mlx_kvcache.serving.guards.memory import AdmissionQueue, Footprint, MemoryGuard
+
+    g = MemoryGuard(limit=1 << 30, active_memory=lambda: 0)
+    g.footprint = Footprint(weights=1000, kv_fixed=0, kv_per_token=1.0, act_per_token=100.0,
+                            step=64)
+    q = AdmissionQueue(g, lambda item: (1000, 10), lambda item: False)
+    from queue import Queue
+
+    q.put((Queue(), "r", None))
+    admitted = q.get(timeout=0)
+    assert g.reserved() == 2 * 1024 + 100 * 64  # caches, and one prefill step (64 tokens)
+    admitted[0].put(Response("a", 1, 0.0, None, ()))
+    assert g.reserved() == 2 * 1024  # prefilled: the activations are gone
+
+
 def test_an_empty_admin_token_is_refused_at_start(monkeypatch, capsys):
     import argparse
     import subprocess

@@ -23,9 +23,10 @@ The rules, in the order a request meets them:
    admitted before it (it goes as soon as running answers free its room).
 4. *Waiting ends*: after ``--memory-wait`` seconds — or at once when nothing is running
    that could free memory — a waiting request is refused with a 503 that says why.
-5. *Growth*: a running request's reservation follows what it really holds: every
-   `DECODE_HEADROOM` decoded tokens it grows by that much more (the hook is the answer
-   queue, `_Released`: one count per token). The prompt cache gives way first; when the
+5. *Growth*: a running request's reservation follows what it really holds: its prefill
+   activations go with its first answer token, and every `DECODE_HEADROOM` decoded
+   tokens it grows by that much more (the hook is the answer queue, `_Released`: one
+   count per token). The prompt cache gives way first; when the
    reservations themselves would pass the limit, the newest decoding request is ended
    there with ``finish_reason: "length"`` and a log line (older conversations keep going;
    what it generated so far is sent). A request whose ``max_tokens`` can never fit is
@@ -190,6 +191,8 @@ class Reservation:
         """One more answer token; grows the reservation when the answer reached it.
         Returns whether this request must end now (`cut`). O(1) but at a growth."""
         self.answered += 1
+        if self.answered == 1:
+            self.guard.prefilled(self)
         if not self.cut and self.prompt + self.answered >= self.tokens:
             self.guard.grow(self)
         return self.cut
@@ -346,6 +349,16 @@ class MemoryGuard:
             self._reserved[r.key] = r
             self.admitted += 1
         return r
+
+    def prefilled(self, r: Reservation) -> None:
+        """``r``'s prompt is prefilled (its first answer token came): the activations of
+        its prefill step are freed, and no longer reserved."""
+        fp = self.footprint
+        if fp is None:
+            return
+        with self._mu:
+            if r.key in self._reserved:
+                r.nbytes = max(r.nbytes - int(fp.act_per_token * min(r.prompt, fp.step)), 0)
 
     def unreserve(self, key: int) -> None:
         """Drop the reservation ``key`` (`Reservation.release`; gone already: nothing)."""
