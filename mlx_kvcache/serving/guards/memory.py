@@ -26,11 +26,11 @@ The rules, in the order a request meets them:
 5. *Growth*: a running request's reservation follows what it really holds: its prefill
    activations go with its first answer token, and every `DECODE_HEADROOM` decoded
    tokens it grows by that much more (the hook is the answer queue, `_Released`: one
-   count per token). The prompt cache gives way first; when the
-   reservations themselves would pass the limit, the newest decoding request is ended
-   there with ``finish_reason: "length"`` and a log line (older conversations keep going;
-   what it generated so far is sent). A request whose ``max_tokens`` can never fit is
-   so ended, not refused: it may well stop sooner.
+   count per token). The prompt cache gives way first; when the reservations themselves
+   would pass the limit, the newest decoding request is ended there with
+   ``finish_reason: "length"`` and a log line (older conversations keep going; what it
+   generated so far is sent). A request whose ``max_tokens`` can never fit is so ended,
+   not refused: it may well stop sooner.
 
 Commands (``DELETE /v1/cache``, the stop) pass at once. While requests run, every insert
 keeps the prompt cache within what the limit leaves beside them (`MemoryGuard.room`).
