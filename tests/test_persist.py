@@ -384,7 +384,7 @@ def test_the_disk_budget_said_at_start_is_the_one_in_force(tmp_path):
     assert again.max_disk_bytes == chosen  # ... is what is said
     assert again.disk_budget_note.startswith(f"{human_bytes(chosen)}: recorded"), \
         again.disk_budget_note
-    assert "followed instead of the default" in again.disk_budget_note
+    assert "(followed; the default would be " in again.disk_budget_note
     again.close()
 
 

@@ -116,7 +116,7 @@ def disk_budget_for(root, fingerprint: str) -> Tuple[int, str]:
     d = model_dir(root, fingerprint)
     budget, why = default_disk_budget(root, disk_usage(d) if d.is_dir() else 0)
     recorded = recorded_budget(d) if d.is_dir() else None
-    if recorded is None or recorded == budget:
+    if recorded is None:
         return budget, why
-    return recorded, (f"{human_bytes(recorded)}: recorded for this directory by an earlier run, "
-                      f"followed instead of the default ({why})")
+    return recorded, (f"{human_bytes(recorded)}: recorded for this directory by an earlier run "
+                      f"(followed; the default would be {why})")
