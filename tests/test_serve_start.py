@@ -34,20 +34,57 @@ def serve_argv(model, port):
             "--no-persist", "--host", "127.0.0.1", "--port", str(port)]
 
 
-def test_a_port_in_use_is_one_error_line_and_exit_1_before_the_model_loads(model_dir, tmp_path):
+@pytest.mark.parametrize("embedded", [False, True], ids=["model-dir", "embedded"])
+def test_a_port_in_use_is_one_error_line_and_exit_1_before_the_model_loads(model_dir, tmp_path,
+                                                                          embedded):
+    """Also before the embedded model (or a ``.gguf`` file) is exported to an mlx-lm
+    directory, which can take minutes for a big file."""
     port = free_port()
+    argv = serve_argv(model_dir, port)
+    if embedded:
+        argv = [a for a in argv if a not in ("--model", str(model_dir))]
     with socket.socket() as held:  # another server on the port
         held.bind(("127.0.0.1", port))
         held.listen()
         env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), HF_HUB_OFFLINE="1")
-        r = subprocess.run(serve_argv(model_dir, port), capture_output=True, text=True, env=env,
-                           timeout=CAP, cwd=str(ROOT))
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=CAP,
+                           cwd=str(ROOT))
     assert r.returncode == 1, r.stdout + r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0], r.stderr
     assert "already in use" in errors[0] and "--port" in errors[0], errors
     assert "Traceback" not in r.stdout + r.stderr
     assert LOADING not in r.stdout + r.stderr  # found before the model loads
+    assert not (tmp_path / "mlx_kvcache" / "models").exists()  # and before any export
+
+
+def test_bind_and_listen_name_the_address_when_they_cannot():
+    """What the server's own bind and listen say (the start checks the port earlier, so
+    these meet a port taken in between): a port in use at bind; at listen, a port another
+    server bound alike (``SO_REUSEADDR``) and listened on first; a port out of range."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from mlx_kvcache.serving.guards.listen import ListenError, bind, listen
+
+    port = free_port()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        with pytest.raises(ListenError, match=f"127.0.0.1:{port}: address already in use"):
+            bind("127.0.0.1", port, ThreadingHTTPServer, 8)
+    first = bind("127.0.0.1", port, ThreadingHTTPServer, 8)
+    second = bind("127.0.0.1", port, ThreadingHTTPServer, 8)
+    try:
+        listen(first, BaseHTTPRequestHandler, "127.0.0.1", port)
+        with pytest.raises(ListenError, match=f"127.0.0.1:{port}: address already in use"):
+            listen(second, BaseHTTPRequestHandler, "127.0.0.1", port)
+        with socket.create_connection(("127.0.0.1", port), timeout=CAP):
+            pass  # the first one listens
+    finally:
+        first.server_close()
+        second.server_close()
+    with pytest.raises(ListenError, match="127.0.0.1:70000: a port is a number from 0 to 65535"):
+        bind("127.0.0.1", 70000, ThreadingHTTPServer, 8)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -15,7 +15,7 @@ import errno
 import socket
 from typing import Any, Callable
 
-__all__ = ["ListenError", "bind", "listen"]
+__all__ = ["ListenError", "bind", "check", "listen"]
 
 
 class ListenError(RuntimeError):
@@ -37,14 +37,35 @@ def _why(e: OSError) -> str:
     return text
 
 
+def _address(host: str, port: int):
+    """(family, address) the server binds: the first of ``getaddrinfo``'s answers."""
+    if not 0 <= port <= 65535:  # getaddrinfo would wrap it into range
+        raise OSError(errno.EINVAL, "a port is a number from 0 to 65535")
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = infos[0]
+    return family, address
+
+
+def check(host: str, port: int) -> None:
+    """Raise `ListenError` when ``host:port`` cannot be bound now, as `bind` binds it
+    (``SO_REUSEADDR``); nothing is kept. For a start that has work to do before `bind`
+    (exporting a ``.gguf`` file), so a port in use is said before that work."""
+    try:
+        family, address = _address(host, port)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as e:
+        raise ListenError(f"cannot listen on {where(host, port)}: {_why(e)}") from None
+
+
 def bind(host: str, port: int, server_class: Any, backlog: int) -> Any:
     """A ``server_class`` instance bound to ``host:port`` but not yet listening.
 
     Raises `ListenError` when the address does not resolve or cannot be bound (a port in
     use, a privileged port, an address this machine does not have)."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, _, _, _, address = infos[0]
+        family, address = _address(host, port)
         cls = type("HTTPServer", (server_class,),
                    {"address_family": family, "request_queue_size": backlog})
         # The handler is set by `listen`, when there is something to answer with.
