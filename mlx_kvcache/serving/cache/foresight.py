@@ -84,6 +84,8 @@ class Foresight:
         self._spans: "OrderedDict[str, _Span]" = OrderedDict()
         #: Answers whose next prompt is being rendered (`expect` ... `offer` / `cancel`).
         self.rendering = 0
+        #: The session whose job the generation thread is computing, if any.
+        self.running: Optional[str] = None
         self.offered = 0      # prefixes offered
         self.skipped = 0      # ... that the trie already held (nothing to compute)
         self.finished = 0     # ... computed to their end
@@ -145,7 +147,7 @@ class Foresight:
                     "computed_tokens": self.computed,
                     "used_tokens": self.used, "wasted_tokens": self.wasted,
                     "unread_tokens": waiting,
-                    "settled": self.rendering == 0 and not self._jobs}
+                    "settled": self.rendering == 0 and not self._jobs and self.running is None}
 
     def clear(self) -> None:
         """The trie was emptied: nothing queued or computed ahead is left (what was not
@@ -191,11 +193,18 @@ class Foresight:
                 if not self._jobs:
                     return
                 _, job = self._jobs.popitem(last=False)
-            if not self._run(manager, pair, job, max(1, int(step)), waiting, stream):
-                with self._lock:  # interrupted: the rest waits for the next idle moment,
-                    if job.session not in self._jobs:  # unless a newer offer came
+                self.running = job.session
+            try:
+                whole = self._run(manager, pair, job, max(1, int(step)), waiting, stream)
+            finally:
+                with self._lock:
+                    self.running = None
+                    if not whole and job.session not in self._jobs:
+                        # interrupted: the rest waits for the next idle moment, unless a
+                        # newer offer (or the session's request) came meanwhile
                         self._jobs[job.session] = job
                         self._jobs.move_to_end(job.session, last=False)
+            if not whole:
                 return
 
     def _run(self, manager, pair, job: _Job, step: int, waiting: Callable[[], bool],

@@ -505,7 +505,23 @@ def _answer(handler, body: Dict[str, Any], events: ChatEvents) -> MessageBuilder
                           events.prompt_tokens, events.cached_tokens or 0)
 
 
-ROUTE = Route(parse=parse_request, answer=_answer, error=_error, headers=_request_id)
+def follow_up(body: Dict[str, Any], message: Dict[str, Any], text: str) -> Optional[Dict[str, Any]]:
+    """The request a client sends after ``message`` (the answer to ``body``), as Claude
+    Code and the SDK build it: the answer's content blocks appended as they came (thinking
+    blocks included), then a ``tool_result`` of ``text`` for each ``tool_use``, or a user
+    message of ``text`` after a text answer (`foresight`)."""
+    content = message.get("content") or []
+    if not isinstance(body.get("messages"), list) or not content:
+        return None
+    calls = [b for b in content if b.get("type") == "tool_use"]
+    nxt = ([{"type": "tool_result", "tool_use_id": b["id"], "content": text} for b in calls]
+           if calls else text)
+    return dict(body, messages=[*body["messages"], {"role": "assistant", "content": content},
+                                {"role": "user", "content": nxt}])
+
+
+ROUTE = Route(parse=parse_request, answer=_answer, error=_error, headers=_request_id,
+              follow=follow_up)
 
 
 def serve_count_tokens(handler) -> None:

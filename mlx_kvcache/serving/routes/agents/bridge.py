@@ -63,7 +63,7 @@ from ..handler import CacheAPIHandler
 from . import conversation
 from .call import AgentRequestError, ChatCall, Event, Usage
 
-__all__ = ["ChatEvents", "run_chat", "count_tokens", "served_model"]
+__all__ = ["ChatEvents", "run_chat", "count_tokens", "prompt_ids", "served_model"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -164,6 +164,13 @@ def count_tokens(handler, call: ChatCall) -> int:
                                              processor, lay)
     except ValueError as e:
         raise AgentRequestError(str(e)) from None
+
+
+def prompt_ids(handler, call: ChatCall) -> Optional[List[int]]:
+    """The prompt's token ids `run_chat` would give the model for ``call`` (rendered and
+    encoded exactly as it would be), or None where images make them the processor's."""
+    ids = _prepare(handler, call).layout.ids
+    return None if ids is None else list(ids)
 
 
 # -- running it through mlx-lm's handler ------------------------------------------------------

@@ -568,7 +568,26 @@ def _answer(handler, body: Dict[str, Any], events) -> "ResponseBuilder":
     return ResponseBuilder(body, name if isinstance(name, str) and name else served_model(handler))
 
 
-ROUTE = Route(parse=parse_request, answer=_answer, error=_error)
+def follow_up(body: Dict[str, Any], response: Dict[str, Any], text: str) -> Optional[Dict[str, Any]]:
+    """The request a client sends after ``response`` (the answer to ``body``), as Codex and
+    the SDK build it with ``store: false``: the input, the output items as they came
+    (reasoning items included), then a ``function_call_output`` of ``text`` for each call,
+    or a user message of ``text`` after a text answer (`foresight`)."""
+    items = body.get("input")
+    output = response.get("output") or []
+    if not output or not isinstance(items, (str, list)):
+        return None
+    items = ([{"type": "message", "role": "user", "content": items}] if isinstance(items, str)
+             else list(items))
+    outputs = {"function_call": "function_call_output",
+               "custom_tool_call": "custom_tool_call_output"}
+    calls = [o for o in output if o.get("type") in outputs]
+    nxt = ([{"type": outputs[c["type"]], "call_id": c["call_id"], "output": text} for c in calls]
+           if calls else [{"type": "message", "role": "user", "content": text}])
+    return dict(body, input=[*items, *output, *nxt])
+
+
+ROUTE = Route(parse=parse_request, answer=_answer, error=_error, follow=follow_up)
 
 
 def serve_responses(handler) -> None:
