@@ -141,7 +141,8 @@ class Foresight:
         with self._lock:
             waiting = sum(s.end - s.start for s in self._spans.values())
             return {"enabled": self.enabled, "rendering": self.rendering,
-                    "queued": len(self._jobs), "offered": self.offered, "skipped": self.skipped,
+                    "queued": len(self._jobs), "running": self.running is not None,
+                    "offered": self.offered, "skipped": self.skipped,
                     "finished": self.finished, "interrupted": self.interrupted,
                     "replaced": self.replaced, "failed": self.failed,
                     "computed_tokens": self.computed,
@@ -275,6 +276,12 @@ def _mark_foreseen(trie, tokens: np.ndarray, first: int) -> None:
     that reads them touches them like any other."""
     path, matched = trie.find(tokens)
     for node in reversed(path):
-        if node.start < first or node.end > matched:
+        if node.end > matched or node.end <= first:
             break
+        if node.start < first:
+            # the record merged the foreseen tokens into a short node of the prompt they
+            # extend: cut them apart again, so only they go first
+            trie.split(node, first)
         node.last_used = 0
+        if node.start <= first:
+            break

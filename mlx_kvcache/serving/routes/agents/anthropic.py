@@ -43,7 +43,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
-from .call import AgentRequestError, ChatCall, Event, restrict_tools
+from .call import AgentRequestError, ChatCall, Event, keep_reasoning_of, restrict_tools
 from .bridge import ChatEvents, count_tokens, run_chat, served_model
 from .wire import Route, read_body, send_json, serve
 
@@ -335,6 +335,7 @@ def parse_request(body: Any, count_only: bool = False) -> ChatCall:
         restrict_tools(call, none=choice["type"] == "none",
                        name=choice.get("name") if choice["type"] == "tool" else None)
     call.thinking, call.reasoning_budget = _thinking(body.get("thinking"))
+    call.keep_reasoning = keep_reasoning_of(body)
     meta = body.get("metadata")
     if meta is not None:
         if not isinstance(meta, dict):

@@ -33,7 +33,7 @@ import time
 import uuid
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from .call import AgentRequestError, ChatCall, Event, restrict_tools
+from .call import AgentRequestError, ChatCall, Event, keep_reasoning_of, restrict_tools
 from .bridge import run_chat, served_model
 from .wire import Route, serve
 
@@ -341,6 +341,7 @@ def parse_request(body: Any) -> ChatCall:
                     tool_choice=choice, max_tokens=max_tokens,
                     sampling=sampling, stop=[], breakpoints=marks, session=session)
     call.thinking, call.end_mark = thinking, end_mark
+    call.keep_reasoning = keep_reasoning_of(body)
     restrict_tools(call, none=choice == "none",
                    name=choice["function"]["name"] if isinstance(choice, dict) else None,
                    allowed=allowed)

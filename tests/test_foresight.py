@@ -1,0 +1,364 @@
+"""Foresight: when an agent answer ends, the session's next prompt — the conversation with
+this answer as the client sends it back, then a tool result or a new user message, as the
+chat template renders them — is computed while the client is busy, so the next request
+reads everything but what it adds from the cache.
+
+In process: a foreseen prefix computed, interrupted and resumed on a `PrefixManager`
+restores exactly (logits equal a cold run's, plain and hybrid models), its nodes go first
+under the budget, and its counters say what was read. Against real servers, with the
+official SDKs and the scripted agent model (`testing.scripted_model`: it answers from
+the token ids its cache holds, so a wrong cache changes its answers) under Qwen3's and
+GLM-4.5's own templates: tool loops and new user turns, both APIs, thinking on and off,
+streamed and not; the same answers with foresight off; a request that arrives while the
+server computes ahead takes the generation thread at the next chunk; and the opt-in
+``keep_reasoning`` renders earlier reasoning as generated.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_kvcache.caches import make_prompt_cache
+from mlx_kvcache.generation.model_pair import ModelPair
+from mlx_kvcache.prefix.manager import PrefixManager
+from mlx_kvcache.serving.cache.foresight import Foresight
+from mlx_kvcache.testing.agent_templates import CUE, QWEN3_TEMPLATE, write_scripted_dir
+from mlx_kvcache.testing.servers import Server
+from mlx_kvcache.testing.waits import CAP
+from models import V, build
+
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.timeout(CAP)
+
+SYSTEM = "You are a careful agent."
+TOOLS_A = [{"name": "read_file", "description": "Read a file.",
+            "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
+                             "required": ["path"]}}]
+TOOLS_R = [{"type": "function", "name": "read_file", "description": "Read a file.",
+            "parameters": TOOLS_A[0]["input_schema"]}]
+#: Markup a turn adds around its new text (closing tags, the generation prompt, with
+#: thinking off its empty reasoning block): what the "new tokens" bound allows beyond it.
+MARKUP = 40
+
+
+# -- in process: the job itself --------------------------------------------------------------
+def _cold_logits(model, tokens):
+    return model(mx.array(tokens)[None], cache=make_prompt_cache(model))[0, -1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+def test_foreseen_prefix_restores_exactly_after_an_interruption(kind):
+    m = build(kind)
+    mgr = PrefixManager(lambda: make_prompt_cache(m), max_bytes=1 << 30, snapshot_interval=64)
+    toks = [random.Random(3).randrange(1, V) for _ in range(300)]
+    caches = make_prompt_cache(m)
+    m(mx.array(toks[:100])[None], cache=caches)
+    mgr.record(caches, toks[:100])  # what the last request left
+    fs = Foresight()
+    fs.offer("s", toks[:260], expected=False)
+    answers = iter([False, False, True])  # the loop's check, then one before each chunk
+    fs.run(mgr, ModelPair(m), 32, lambda: next(answers, True))
+    r = fs.report()
+    assert r["interrupted"] == 1 and r["computed_tokens"] == 64 and r["queued"] == 1
+    # What was done is a node of its own: every layer restores there exactly.
+    assert mgr.preview(toks[:200]).restored == 164
+    fs.run(mgr, ModelPair(m), 32, lambda: False)
+    r = fs.report()
+    assert r["finished"] == 1 and r["computed_tokens"] == 160 and r["settled"]
+    live, plan = mgr.checkout(toks)
+    assert plan.restored == 260
+    got = m(mx.array(toks[260:])[None], cache=live.caches)[0, -1]
+    assert float(mx.max(mx.abs(got - _cold_logits(m, toks)))) < 1e-4
+    mgr.checkin(live, toks)
+    # The next request read all of it (`read` runs at each fetch).
+    assert fs.read("s", np.asarray(toks), 260) == 160
+    r = fs.report()
+    assert r["used_tokens"] == 160 and r["wasted_tokens"] == 0 and r["unread_tokens"] == 0
+
+
+def test_foreseen_nodes_are_evicted_first_and_unread_tokens_count_as_wasted():
+    m = build("llama")
+    mgr = PrefixManager(lambda: make_prompt_cache(m), max_bytes=1 << 30)
+    rng = random.Random(4)
+    old = [rng.randrange(1, V) for _ in range(120)]
+    other = [rng.randrange(1, V) for _ in range(120)]
+    for seq in (old, other):
+        caches = make_prompt_cache(m)
+        m(mx.array(seq)[None], cache=caches)
+        mgr.record(caches, seq)
+    fs = Foresight()
+    fs.offer("a", old + [5] * 80, expected=False)
+    fs.run(mgr, ModelPair(m), 2048, lambda: False)
+    path, matched = mgr.trie.find(np.asarray(old + [5] * 80))
+    assert matched == 200 and path[-1].last_used == 0 and path[-1].start == 120
+    # Under the budget, the foreseen tokens go before the older real prompts.
+    mgr.fit_bytes(mgr.trie.nbytes - 1)
+    assert mgr.trie.find(np.asarray(old))[1] == 120 and mgr.trie.find(np.asarray(other))[1] == 120
+    assert mgr.trie.find(np.asarray(old + [5] * 80))[1] == 120
+    # The session's next request read none of them: wasted.
+    assert fs.read("a", np.asarray(old + [6] * 80), 120) == 0
+    r = fs.report()
+    assert r["computed_tokens"] == 80 and r["wasted_tokens"] == 80 and r["used_tokens"] == 0
+
+
+def test_a_newer_offer_replaces_the_pending_one_and_its_request_drops_it():
+    fs = Foresight()
+    fs.expect()
+    fs.offer("s", [1, 2, 3])
+    fs.offer("s", [1, 2, 3, 4], expected=False)
+    r = fs.report()
+    assert r["queued"] == 1 and r["replaced"] == 1 and r["rendering"] == 0
+    fs.request_for("s")
+    assert fs.report()["queued"] == 0 and fs.report()["settled"]
+    off = Foresight(enabled=False)
+    off.offer("s", [1, 2])
+    assert not off.pending()
+
+
+# -- servers -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("foresight")
+    return root, {f: write_scripted_dir(root / f, f, steps=2) for f in ("qwen3", "glm45")}
+
+
+def _serve(dirs, family, name, *extra):
+    root, models = dirs
+    return Server.ours(models[family], root / f"{name}.log", root / "home", "--no-persist",
+                       "--trust-remote-code", *extra)
+
+
+@pytest.fixture(scope="module")
+def qwen(dirs):
+    with _serve(dirs, "qwen3", "qwen-on") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def qwen_off(dirs):
+    with _serve(dirs, "qwen3", "qwen-off", "--no-foresight") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def glm(dirs):
+    with _serve(dirs, "glm45", "glm-on") as s:
+        yield s
+
+
+def _settled(server):
+    """``GET /v1/cache``'s foresight counters once nothing is rendered, queued or running
+    (waits follow the server's progress)."""
+    return server.watch.wait("foresight to settle").until(
+        lambda: (lambda f: f if f["settled"] else None)(server.cache()["foresight"]), poll=0.02)
+
+
+class _Session:
+    """One scripted agent session on one API: user turns with the cue, the model's tool
+    calls answered with results of ``result_len`` characters, each answer appended as the
+    SDK returns it. Records per request: usage and the text it added."""
+
+    def __init__(self, server, api, thinking=True, stream=False, name="s1", result_len=400,
+                 extra=None):
+        self.server, self.api, self.stream = server, api, stream
+        self.thinking, self.name, self.result_len = thinking, name, result_len
+        self.extra = dict(extra or {})
+        self.system = f"{SYSTEM} (session {name})"  # sessions share no prompt
+        base = f"http://127.0.0.1:{server.port}"
+        self.client = (anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+                       if api == "anthropic" else
+                       openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0))
+        self.history, self.log = [], []
+
+    def user(self, text):
+        self.history.append({"role": "user", "content": f"{text} {CUE}"})
+        self._added = f"{text} ?"  # (the cue is one token)
+
+    def ask(self):
+        """One request; returns (answer blocks/items as sent back, whether it called tools)."""
+        if self.api == "anthropic":
+            kw = dict(model="claude", max_tokens=300, system=self.system, messages=self.history,
+                      tools=TOOLS_A, metadata={"user_id": self.name},
+                      extra_body={"temperature": 0, **self.extra},
+                      thinking={"type": "enabled", "budget_tokens": 1024} if self.thinking
+                      else {"type": "disabled"})
+            if self.stream:
+                with self.client.messages.stream(**kw) as st:
+                    r = st.get_final_message()
+            else:
+                r = self.client.messages.create(**kw)
+            u = r.usage
+            self.log.append((u.input_tokens + u.cache_read_input_tokens,
+                             u.cache_read_input_tokens, len(self._added)))
+            content = [b.model_dump(exclude_none=True) for b in r.content]
+            self.history.append({"role": "assistant", "content": content})
+            calls = [b for b in content if b["type"] == "tool_use"]
+            if calls:
+                results = [{"type": "tool_result", "tool_use_id": b["id"],
+                            "content": self._result(b["input"]["path"])} for b in calls]
+                self.history.append({"role": "user", "content": results})
+                self._added = "".join(x["content"] for x in results)
+            return content, bool(calls)
+        kw = dict(model="codex", instructions=self.system, input=self.history, tools=TOOLS_R,
+                  temperature=0, prompt_cache_key=self.name, max_output_tokens=300,
+                  reasoning={"effort": "medium" if self.thinking else "none"},
+                  extra_body=self.extra or None)
+        if self.stream:
+            with self.client.responses.stream(**kw) as st:
+                r = st.get_final_response()
+        else:
+            r = self.client.responses.create(**kw)
+        u = r.usage
+        self.log.append((u.input_tokens, u.input_tokens_details.cached_tokens, len(self._added)))
+        out = [o.model_dump(exclude_none=True) for o in r.output]
+        self.history += out
+        calls = [o for o in out if o["type"] == "function_call"]
+        for o in calls:
+            text = self._result(json.loads(o["arguments"])["path"])
+            self.history.append({"type": "function_call_output", "call_id": o["call_id"],
+                                 "output": text})
+        self._added = "".join(self._result(json.loads(o["arguments"])["path"]) for o in calls)
+        return out, bool(calls)
+
+    def _result(self, path):
+        return (f"[{path}] " + "lorem ipsum dolor sit amet " * 100)[: self.result_len]
+
+    def turn(self, text, settle=True):
+        """A user turn and its tool loop to the text answer; the answers."""
+        self.user(text)
+        answers = []
+        for _ in range(6):
+            out, called = self.ask()
+            answers.append(out)
+            if settle:
+                _settled(self.server)
+            if not called:
+                return answers
+        raise AssertionError("the scripted model never answered in text")
+
+
+def _strip_ids(answers):
+    """Answers without the ids each server makes up."""
+    drop = ("id", "call_id", "tool_use_id")
+    return [[{k: v for k, v in b.items() if k not in drop} for b in a] for a in answers]
+
+
+@pytest.mark.parametrize("api", ["anthropic", "responses"])
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking", "no-thinking"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_loop_and_next_user_turn_read_all_but_the_new_tokens(qwen, api, thinking, stream):
+    name = f"{api}-{thinking}-{stream}"
+    s = _Session(qwen, api, thinking, stream, name=name)
+    before = _settled(qwen)
+    s.turn("Read the notes, please.")
+    s.turn("And once more, briefly.")
+    prompts = s.log
+    assert len(prompts) == 6  # two turns of two tool steps and an answer
+    for prompt, cached, added in prompts[1:]:
+        # everything but what the turn added (the char tokenizer: one token a character)
+        assert added <= prompt - cached <= added + MARKUP, (prompts, qwen.tail())
+    after = _settled(qwen)
+    assert after["used_tokens"] > before["used_tokens"]
+    assert after["finished"] - before["finished"] == 6
+    entry = next(e for e in reversed(qwen.cache()["recent"]) if e.get("session") == name)
+    assert entry.get("foreseen_tokens", 0) > 0
+
+
+@pytest.mark.parametrize("api", ["anthropic", "responses"])
+def test_answers_equal_those_of_a_server_without_foresight(qwen, qwen_off, api):
+    turns = []
+    for server in (qwen, qwen_off):
+        s = _Session(server, api, name=f"equal-{api}")
+        turns.append(_strip_ids(s.turn("Read the notes, please.") + s.turn("Again.")))
+        if server is qwen_off:
+            off = s.log
+    assert turns[0] == turns[1]
+    assert qwen_off.cache()["foresight"]["computed_tokens"] == 0
+    # Without foresight the new user turn recomputes the last turn's loop (its reasoning
+    # dropped by the template), and every tool step the re-rendered generation prompt.
+    prompt, cached, added = off[3]
+    assert prompt - cached > added + 200
+
+
+def test_glm_template_tool_loop_reads_from_cache(glm):
+    s = _Session(glm, "anthropic", name="glm")
+    s.turn("Read the notes, please.")
+    s.turn("And once more.")
+    for prompt, cached, added in s.log[1:]:
+        assert added <= prompt - cached <= added + MARKUP, (s.log, glm.tail())
+    s = _Session(glm, "responses", thinking=False, stream=True, name="glm-r")
+    s.turn("Read the notes, please.")
+    s.turn("And once more.")
+    for prompt, cached, added in s.log[1:]:
+        assert added <= prompt - cached <= added + MARKUP, (s.log, glm.tail())
+
+
+def test_a_waiting_request_takes_the_thread_at_the_next_chunk(dirs):
+    # Chunks of 2 tokens: the next-turn prefix (the whole loop re-rendered) is hundreds of
+    # chunks; another session's request sent while it runs is answered before it finishes.
+    with _serve(dirs, "qwen3", "chunks", "--prefill-step-size", "2") as server:
+        a = _Session(server, "anthropic", name="long", result_len=900)
+        a.turn("Read the notes, please.", settle=False)
+        server.watch.wait("foresight to start computing").until(
+            lambda: server.cache()["foresight"]["running"], poll=0.005)
+        b = _Session(server, "anthropic", name="other")
+        b.user("Hello.")
+        b.ask()
+        mid = server.cache()["foresight"]
+        # It gave way (what it computed kept, the rest queued) rather than finish first.
+        assert mid["interrupted"] >= 1, mid
+        done = _settled(server)
+        assert done["computed_tokens"] > mid["computed_tokens"]
+        a.user("Next question.")
+        a.ask()
+        prompt, cached, added = a.log[-1]
+        assert added <= prompt - cached <= added + MARKUP, (a.log, server.tail())
+
+
+def test_keep_reasoning_renders_earlier_reasoning_as_generated(qwen, dirs):
+    from transformers import AutoTokenizer
+
+    thought = "Step 1: I read notes/a.txt next.\n"
+    convo = [{"role": "user", "content": f"Read it. {CUE}"},
+             {"role": "assistant", "content": [
+                 {"type": "thinking", "thinking": "\n" + thought, "signature": ""},
+                 {"type": "text", "text": "\n\nDone."}]},
+             {"role": "user", "content": f"Thanks. {CUE}"}]
+    c = anthropic.Anthropic(base_url=f"http://127.0.0.1:{qwen.port}", api_key="x", max_retries=0)
+    n = {keep: c.messages.count_tokens(model="m", messages=convo,
+                                       extra_body={"keep_reasoning": keep}).input_tokens
+         for keep in (False, True)}
+    # Qwen3's template drops reasoning before the last user message and has no switch:
+    # the reasoning goes back into the turn's text as generated, markers included.
+    tok = AutoTokenizer.from_pretrained(str(dirs[1]["qwen3"]))
+    inline = tok.encode("<think>\n" + thought + "</think>", add_special_tokens=False)
+    assert n[True] - n[False] == len(inline)
+    with pytest.raises(anthropic.BadRequestError, match="keep_reasoning"):
+        c.messages.create(model="m", max_tokens=4, messages=convo,
+                          extra_body={"keep_reasoning": "yes"})
+
+
+def test_keep_reasoning_uses_the_templates_own_switch():
+    from mlx_kvcache.serving.engine.templates import REASONING_SWITCHES, reasoning_switches
+    from mlx_kvcache.testing.agent_templates import FAMILIES, _tokenizer
+    import tempfile
+    from pathlib import Path
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    switch = QWEN3_TEMPLATE.replace("{%- if loop.index0 > ns.last_query_index %}",
+                                    "{%- if loop.index0 > ns.last_query_index or "
+                                    "preserve_thinking %}")
+    with tempfile.TemporaryDirectory() as d:
+        fam = FAMILIES["qwen3"]
+        plain = TokenizerWrapper(_tokenizer(Path(d) / "a", fam))
+        kept = TokenizerWrapper(_tokenizer(Path(d) / "b", fam))
+        kept._tokenizer.chat_template = switch
+        assert reasoning_switches(plain, {}) is None
+        assert reasoning_switches(kept, {}) == REASONING_SWITCHES
