@@ -16,7 +16,6 @@ server computes ahead takes the generation thread at the next chunk; and the opt
 
 from __future__ import annotations
 
-import json
 import random
 
 import mlx.core as mx
@@ -27,6 +26,7 @@ from mlx_kvcache.caches import make_prompt_cache
 from mlx_kvcache.generation.model_pair import ModelPair
 from mlx_kvcache.prefix.manager import PrefixManager
 from mlx_kvcache.serving.cache.foresight import Foresight
+from mlx_kvcache.testing.agent_sessions import Session
 from mlx_kvcache.testing.agent_templates import CUE, QWEN3_TEMPLATE, write_scripted_dir
 from mlx_kvcache.testing.servers import Server
 from mlx_kvcache.testing.waits import CAP
@@ -37,12 +37,6 @@ openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.timeout(CAP)
 
-SYSTEM = "You are a careful agent."
-TOOLS_A = [{"name": "read_file", "description": "Read a file.",
-            "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
-                             "required": ["path"]}}]
-TOOLS_R = [{"type": "function", "name": "read_file", "description": "Read a file.",
-            "parameters": TOOLS_A[0]["input_schema"]}]
 #: Markup a turn adds around its new text (closing tags, the generation prompt, with
 #: thinking off its empty reasoning block): what the "new tokens" bound allows beyond it.
 MARKUP = 40
@@ -160,88 +154,18 @@ def _settled(server):
         lambda: (lambda f: f if f["settled"] else None)(server.cache()["foresight"]), poll=0.02)
 
 
-class _Session:
-    """One scripted agent session on one API: user turns with the cue, the model's tool
-    calls answered with results of ``result_len`` characters, each answer appended as the
-    SDK returns it. Records per request: usage and the text it added."""
+def _session(server, api, thinking=True, stream=False, name="s1", settle=True, **kw):
+    """A scripted session whose client waits, after each answer, until the server's
+    foresight settled (its idle moment: the tool runs, the user reads)."""
+    return Session(server.port, api, thinking, stream, name=name,
+                   pause=(lambda: _settled(server)) if settle else None, **kw)
 
-    def __init__(self, server, api, thinking=True, stream=False, name="s1", result_len=400,
-                 extra=None):
-        self.server, self.api, self.stream = server, api, stream
-        self.thinking, self.name, self.result_len = thinking, name, result_len
-        self.extra = dict(extra or {})
-        self.system = f"{SYSTEM} (session {name})"  # sessions share no prompt
-        base = f"http://127.0.0.1:{server.port}"
-        self.client = (anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
-                       if api == "anthropic" else
-                       openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0))
-        self.history, self.log = [], []
 
-    def user(self, text):
-        self.history.append({"role": "user", "content": f"{text} {CUE}"})
-        self._added = f"{text} ?"  # (the cue is one token)
-
-    def ask(self):
-        """One request; returns (answer blocks/items as sent back, whether it called tools)."""
-        if self.api == "anthropic":
-            kw = dict(model="claude", max_tokens=300, system=self.system, messages=self.history,
-                      tools=TOOLS_A, metadata={"user_id": self.name},
-                      extra_body={"temperature": 0, **self.extra},
-                      thinking={"type": "enabled", "budget_tokens": 1024} if self.thinking
-                      else {"type": "disabled"})
-            if self.stream:
-                with self.client.messages.stream(**kw) as st:
-                    r = st.get_final_message()
-            else:
-                r = self.client.messages.create(**kw)
-            u = r.usage
-            self.log.append((u.input_tokens + u.cache_read_input_tokens,
-                             u.cache_read_input_tokens, len(self._added)))
-            content = [b.model_dump(exclude_none=True) for b in r.content]
-            self.history.append({"role": "assistant", "content": content})
-            calls = [b for b in content if b["type"] == "tool_use"]
-            if calls:
-                results = [{"type": "tool_result", "tool_use_id": b["id"],
-                            "content": self._result(b["input"]["path"])} for b in calls]
-                self.history.append({"role": "user", "content": results})
-                self._added = "".join(x["content"] for x in results)
-            return content, bool(calls)
-        kw = dict(model="codex", instructions=self.system, input=self.history, tools=TOOLS_R,
-                  temperature=0, prompt_cache_key=self.name, max_output_tokens=300,
-                  reasoning={"effort": "medium" if self.thinking else "none"},
-                  extra_body=self.extra or None)
-        if self.stream:
-            with self.client.responses.stream(**kw) as st:
-                r = st.get_final_response()
-        else:
-            r = self.client.responses.create(**kw)
-        u = r.usage
-        self.log.append((u.input_tokens, u.input_tokens_details.cached_tokens, len(self._added)))
-        out = [o.model_dump(exclude_none=True) for o in r.output]
-        self.history += out
-        calls = [o for o in out if o["type"] == "function_call"]
-        for o in calls:
-            text = self._result(json.loads(o["arguments"])["path"])
-            self.history.append({"type": "function_call_output", "call_id": o["call_id"],
-                                 "output": text})
-        self._added = "".join(self._result(json.loads(o["arguments"])["path"]) for o in calls)
-        return out, bool(calls)
-
-    def _result(self, path):
-        return (f"[{path}] " + "lorem ipsum dolor sit amet " * 100)[: self.result_len]
-
-    def turn(self, text, settle=True):
-        """A user turn and its tool loop to the text answer; the answers."""
-        self.user(text)
-        answers = []
-        for _ in range(6):
-            out, called = self.ask()
-            answers.append(out)
-            if settle:
-                _settled(self.server)
-            if not called:
-                return answers
-        raise AssertionError("the scripted model never answered in text")
+def _assert_only_new_computed(s, server):
+    """Every request after the first computed what its client added and the markup
+    around it, nothing more."""
+    for st in s.steps[1:]:
+        assert st.added <= st.computed <= st.added + MARKUP, (s.steps, server.tail())
 
 
 def _strip_ids(answers):
@@ -255,15 +179,12 @@ def _strip_ids(answers):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_tool_loop_and_next_user_turn_read_all_but_the_new_tokens(qwen, api, thinking, stream):
     name = f"{api}-{thinking}-{stream}"
-    s = _Session(qwen, api, thinking, stream, name=name)
+    s = _session(qwen, api, thinking, stream, name=name)
     before = _settled(qwen)
     s.turn("Read the notes, please.")
     s.turn("And once more, briefly.")
-    prompts = s.log
-    assert len(prompts) == 6  # two turns of two tool steps and an answer
-    for prompt, cached, added in prompts[1:]:
-        # everything but what the turn added (the char tokenizer: one token a character)
-        assert added <= prompt - cached <= added + MARKUP, (prompts, qwen.tail())
+    assert [st.called for st in s.steps] == [True, True, False] * 2  # two steps, an answer
+    _assert_only_new_computed(s, qwen)
     after = _settled(qwen)
     assert after["used_tokens"] > before["used_tokens"]
     assert after["finished"] - before["finished"] == 6
@@ -275,51 +196,45 @@ def test_tool_loop_and_next_user_turn_read_all_but_the_new_tokens(qwen, api, thi
 def test_answers_equal_those_of_a_server_without_foresight(qwen, qwen_off, api):
     turns = []
     for server in (qwen, qwen_off):
-        s = _Session(server, api, name=f"equal-{api}")
+        s = _session(server, api, name=f"equal-{api}")
         turns.append(_strip_ids(s.turn("Read the notes, please.") + s.turn("Again.")))
-        if server is qwen_off:
-            off = s.log
     assert turns[0] == turns[1]
     assert qwen_off.cache()["foresight"]["computed_tokens"] == 0
     # Without foresight the new user turn recomputes the last turn's loop (its reasoning
     # dropped by the template), and every tool step the re-rendered generation prompt.
-    prompt, cached, added = off[3]
-    assert prompt - cached > added + 200
+    st = s.steps[3]
+    assert st.computed > st.added + 200, s.steps
 
 
 def test_glm_template_tool_loop_reads_from_cache(glm):
-    s = _Session(glm, "anthropic", name="glm")
-    s.turn("Read the notes, please.")
-    s.turn("And once more.")
-    for prompt, cached, added in s.log[1:]:
-        assert added <= prompt - cached <= added + MARKUP, (s.log, glm.tail())
-    s = _Session(glm, "responses", thinking=False, stream=True, name="glm-r")
-    s.turn("Read the notes, please.")
-    s.turn("And once more.")
-    for prompt, cached, added in s.log[1:]:
-        assert added <= prompt - cached <= added + MARKUP, (s.log, glm.tail())
+    for api, thinking, stream in (("anthropic", True, False), ("responses", False, True)):
+        s = _session(glm, api, thinking, stream, name=f"glm-{api}")
+        s.turn("Read the notes, please.")
+        s.turn("And once more.")
+        _assert_only_new_computed(s, glm)
 
 
 def test_a_waiting_request_takes_the_thread_at_the_next_chunk(dirs):
     # Chunks of 2 tokens: the next-turn prefix (the whole loop re-rendered) is hundreds of
     # chunks; another session's request sent while it runs is answered before it finishes.
     with _serve(dirs, "qwen3", "chunks", "--prefill-step-size", "2") as server:
-        a = _Session(server, "anthropic", name="long", result_len=900)
-        a.turn("Read the notes, please.", settle=False)
-        server.watch.wait("foresight to start computing").until(
-            lambda: server.cache()["foresight"]["running"], poll=0.005)
-        b = _Session(server, "anthropic", name="other")
+        a = _session(server, "anthropic", name="long", settle=False, result_len=900)
+        a.turn("Read the notes, please.")
+        running = server.watch.wait("foresight to start computing").until(
+            lambda: (lambda f: f if f["running"] else None)(server.cache()["foresight"]),
+            poll=0.005)
+        b = _session(server, "anthropic", name="other", settle=False)
         b.user("Hello.")
         b.ask()
         mid = server.cache()["foresight"]
         # It gave way (what it computed kept, the rest queued) rather than finish first.
-        assert mid["interrupted"] >= 1, mid
+        assert mid["interrupted"] == running["interrupted"] + 1, (running, mid)
         done = _settled(server)
         assert done["computed_tokens"] > mid["computed_tokens"]
         a.user("Next question.")
         a.ask()
-        prompt, cached, added = a.log[-1]
-        assert added <= prompt - cached <= added + MARKUP, (a.log, server.tail())
+        st = a.steps[-1]
+        assert st.added <= st.computed <= st.added + MARKUP, (a.steps, server.tail())
 
 
 def test_keep_reasoning_renders_earlier_reasoning_as_generated(qwen, dirs):

@@ -38,7 +38,9 @@ SENTINELS = ("Qv", "\n\n", ' {"')
 
 
 def _foresight(handler):
-    cache = getattr(handler.response_generator, "prompt_cache", None)
+    """The server's prompt cache and its `Foresight` (None where it is off, or a caller
+    serves the route without a generator)."""
+    cache = getattr(getattr(handler, "response_generator", None), "prompt_cache", None)
     fs = getattr(cache, "foresight", None)
     return cache, fs if fs is not None and fs.enabled else None
 
