@@ -40,6 +40,19 @@ character per token).
     python scripts/bench_agents.py --fixed-cost   # one request's tokenizing, chat vs agent
     python scripts/bench_agents.py --route-cost   # a cached prompt through each route
     python scripts/bench_agents.py --stock-cost   # short agent-like turns, ours vs stock
+    python scripts/bench_agents.py --thinking     # thinking models' tool loops (foresight)
+
+``--thinking``: sessions of a thinking model in tool loops — several tool steps per user
+turn, tool results of a few thousand tokens — through the official SDKs on both agent
+APIs, thinking on and off, with the chat templates of Qwen3 (its ``last_query_index``:
+reasoning kept only after the last user message) and GLM-4.5, on the scripted agent model
+(`mlx_kvcache.testing.scripted_model`: it reasons, then calls a tool on cue, from the token
+ids its cache holds). Contenders: ours (foresight: the next prompt computed while the
+client is busy — the benchmark waits, as a tool run or a reader would, until the server's
+foresight settled), ours with ``--no-foresight``, and stock ``mlx_lm.server`` on the chat
+route (the only route it serves; a chat client sends no reasoning back). Per user turn:
+prompt tokens computed while the client waits ÷ the tokens the turn added (goal <= 1.05),
+tokens computed ahead, and how many of those the next request did not read.
 """
 
 from __future__ import annotations
@@ -58,6 +71,8 @@ from typing import Any, Dict, List, Optional
 import mlx_kvcache  # noqa: F401  (before mlx: preloads a fast BLAS)
 
 from mlx_kvcache.testing import write_model_dir  # noqa: E402
+from mlx_kvcache.testing.agent_sessions import Session  # noqa: E402
+from mlx_kvcache.testing.agent_templates import write_scripted_dir  # noqa: E402
 from mlx_kvcache.testing.servers import Server, stop_servers_on_sigterm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -598,6 +613,107 @@ def stock_cost(work: Path, rounds: int = 15, serial: bool = False) -> None:
         print(f"  {k}: " + ", ".join(f"{key} {v:.4f} ({c})" for v, key, c in rows))
 
 
+# -- thinking models in tool loops (--thinking) ------------------------------------------------
+QUESTIONS = ("Read the notes and sum them up.", "Which one is the longest?",
+             "Now compare the first and the last.", "Anything else worth noting?")
+
+
+def _foresight(server: Server) -> Dict[str, Any]:
+    return server.cache().get("foresight") or {}
+
+
+def _settle(server: Server) -> None:
+    """The client's busy time (a tool run, a person reading), as long as the server's
+    foresight needs: until it settled (bounded by the server's progress)."""
+    server.watch.wait("foresight to settle").until(
+        lambda: _foresight(server).get("settled"), poll=0.02)
+
+
+def thinking_session(server: Server, api: str, thinking: bool, turns: int, result: int,
+                     name: str, foresight: bool) -> List[Dict[str, Any]]:
+    """One scripted session; per user turn: computed, new, computed ahead, not read."""
+    s = Session(server.port, api, thinking, stream=True, name=name, result_len=result,
+                pause=(lambda: _settle(server)) if foresight else None)
+    rows, prev = [], 0
+    unread = _foresight(server).get("unread_tokens", 0) if foresight else 0
+    for t in range(turns):
+        before = _foresight(server) if foresight else {}
+        n0 = len(s.steps)
+        s.turn(QUESTIONS[t % len(QUESTIONS)] + f" (turn {t + 1})")
+        steps = s.steps[n0:]
+        new = computed = 0
+        for st in steps:
+            new += st.prompt - prev
+            computed += st.computed
+            prev = st.prompt
+        after = _foresight(server) if foresight else {}
+        rows.append({"requests": len(steps), "new": new, "computed": computed,
+                     "ahead": after.get("computed_tokens", 0) - before.get("computed_tokens", 0),
+                     "wasted": after.get("wasted_tokens", 0) - before.get("wasted_tokens", 0),
+                     "prompt": prev})
+    if foresight:  # what the last answer's foresight computed is never read here
+        rows[-1]["wasted"] += _foresight(server).get("unread_tokens", 0) - unread
+    return rows
+
+
+def thinking_bench(work: Path, families: List[str], turns: int, steps: int, result: int) -> None:
+    """The ``--thinking`` benchmark (see the module doc)."""
+    table = []
+    for fam in families:
+        d = write_scripted_dir(work / f"scripted_{fam}", fam, steps=steps)
+        common = ["--trust-remote-code"]
+        servers = {
+            "ours": Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model", str(d),
+                            "--no-persist", *common], work / f"ours_{fam}.log", work / "home"),
+            "no-foresight": Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model",
+                                    str(d), "--no-persist", "--no-foresight", *common],
+                                   work / f"nofs_{fam}.log", work / "home"),
+            "stock": Server([sys.executable, str(ROOT / "scripts" / "stock_server.py"), "--model",
+                             str(d), *common], work / f"stock_{fam}.log", work / "home"),
+        }
+        try:
+            for thinking in (True, False):
+                for api in ("anthropic", "responses"):
+                    res = {}
+                    for who in ("ours", "no-foresight", "stock"):
+                        route = "chat" if who == "stock" else api
+                        name = f"{fam}-{api}-{'think' if thinking else 'nothink'}-{who}"
+                        res[who] = thinking_session(servers[who], route, thinking, turns, result,
+                                                    name, foresight=who == "ours")
+                    table.append((fam, api, thinking, res))
+                    _print_thinking(fam, api, thinking, res)
+        finally:
+            for sv in servers.values():
+                sv.stop()
+    print("\n  | template | API | thinking | computed ÷ new, turns 2+: ours | no foresight | "
+          "stock (chat) | computed ahead, ours | of it not read | worst turn, ours |")
+    print("  | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for fam, api, thinking, res in table:
+        o, n, k = (_ratio(res[w][1:]) for w in ("ours", "no-foresight", "stock"))
+        worst = max(r["computed"] / r["new"] for r in res["ours"][1:])
+        ahead = sum(r["ahead"] for r in res["ours"])
+        wasted = sum(r["wasted"] for r in res["ours"])
+        print(f"  | {fam} | {api} | {'on' if thinking else 'off'} | {o:.3f} | {n:.3f} | "
+              f"{k:.3f} | {ahead} | {wasted} | {worst:.3f} |")
+
+
+def _ratio(rows: List[Dict[str, Any]]) -> float:
+    new = sum(r["new"] for r in rows)
+    return sum(r["computed"] for r in rows) / new if new else float("nan")
+
+
+def _print_thinking(fam: str, api: str, thinking: bool, res: Dict[str, List[dict]]) -> None:
+    print(f"\n  {fam}, {api}, thinking {'on' if thinking else 'off'}: per user turn, computed "
+          f"while the client waits ÷ new tokens (computed / new)")
+    print(f"  {'turn':>4} {'reqs':>4} | {'ours':>20} {'ahead':>6} {'unread':>6} | "
+          f"{'no foresight':>20} | {'stock (chat)':>20}")
+    for i, (o, n, k) in enumerate(zip(res["ours"], res["no-foresight"], res["stock"])):
+        def cell(r):
+            return f"{r['computed'] / r['new']:.3f} ({r['computed']}/{r['new']})"
+        print(f"  {i + 1:>4} {o['requests']:>4} | {cell(o):>20} {o['ahead']:>6} {o['wasted']:>6} "
+              f"| {cell(n):>20} | {cell(k):>20}", flush=True)
+
+
 def main(argv=None):
     stop_servers_on_sigterm()  # a killed benchmark leaves no server behind
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -616,7 +732,18 @@ def main(argv=None):
     ap.add_argument("--serial", action="store_true",
                     help="with --stock-cost: each server alone, back to back (ours also "
                          "with --no-persist), not alternating")
+    ap.add_argument("--thinking", action="store_true",
+                    help="thinking models in tool loops: ours with and without foresight vs "
+                         "stock (see the module doc)")
+    ap.add_argument("--families", nargs="+", choices=("qwen3", "glm45"),
+                    default=["qwen3", "glm45"], help="with --thinking: the chat templates")
     args = ap.parse_args(argv)
+    if args.thinking:
+        print(f"command: python scripts/bench_agents.py {shlex.join(argv or sys.argv[1:])}")
+        work = Path(tempfile.mkdtemp(prefix="bench_agents_"))
+        print(f"logs under {work}")
+        return thinking_bench(work, args.families, turns=args.turns or (3 if args.quick else 4),
+                              steps=2 if args.quick else 3, result=1500 if args.quick else 3000)
     if args.fixed_cost:
         return fixed_cost(Path(tempfile.mkdtemp(prefix="bench_agents_")))
     if args.route_cost:
