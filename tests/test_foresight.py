@@ -258,6 +258,10 @@ def test_keep_reasoning_renders_earlier_reasoning_as_generated(qwen, dirs):
     with pytest.raises(anthropic.BadRequestError, match="keep_reasoning"):
         c.messages.create(model="m", max_tokens=4, messages=convo,
                           extra_body={"keep_reasoning": "yes"})
+    r = openai.OpenAI(base_url=f"http://127.0.0.1:{qwen.port}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        r.responses.create(model="m", input="hi", extra_body={"keep_reasoning": 1})
+    assert e.value.body["param"] == "keep_reasoning"
 
 
 def test_keep_reasoning_uses_the_templates_own_switch():

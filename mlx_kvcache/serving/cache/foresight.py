@@ -49,6 +49,8 @@ log = logging.getLogger("mlx_kvcache")
 
 #: Sessions whose computed span is remembered until their next request (the oldest forgotten).
 SPANS = 64
+#: Jobs waiting for idle time at most (the oldest dropped: its session went quiet longest).
+JOBS = 64
 
 
 @dataclass
@@ -122,6 +124,9 @@ class Foresight:
             if self._jobs.pop(session, None) is not None:
                 self.replaced += 1
             self._jobs[session] = _Job(session, toks)
+            while len(self._jobs) > JOBS:
+                self._jobs.popitem(last=False)
+                self.replaced += 1
 
     def request_for(self, session: Optional[str]) -> None:
         """A request of ``session`` reached the generation thread: it is the next prompt, so

@@ -383,7 +383,13 @@ class TriePromptCache:
     def foresee(self, session: str, tokens: Sequence[int], expected: bool = True) -> None:
         """The next prompt of ``session`` starts with ``tokens`` (rendered by an agent
         route when an answer ended; ``expected``: it ends a `Foresight.expect`): the part
-        the trie lacks is computed while the generation loop is idle (`ahead`). Any thread."""
+        the trie lacks is computed while the generation loop is idle (`ahead`). Any thread.
+        Dropped where nothing is cached (the cache off, or this model's caches cannot be
+        stored)."""
+        if not self.stores_prompts():
+            if expected:
+                self.foresight.cancel()
+            return
         self.foresight.offer(session, tokens, expected)
 
     def ahead(self, waiting, step: int, stream=None) -> None:
