@@ -19,7 +19,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -244,17 +244,19 @@ class Family:
     result: str        # the token a tool result opens with
     think: str         # how the model opens its reasoning
     newlines: str      # between ``</think>`` and the answer
-    calls: Sequence[str]
+    call: Callable[[str, Dict[str, Any]], str]  # a tool call as the model writes it
     final: str
 
 
-def _qwen3_call(path: str) -> str:
-    return '<tool_call>\n' + json.dumps({"name": "read_file", "arguments": {"path": path}}) + \
-        '\n</tool_call>'
+def _qwen3_call(name: str, args: Dict[str, Any]) -> str:
+    return '<tool_call>\n' + json.dumps({"name": name, "arguments": args}) + '\n</tool_call>'
 
 
-def _glm_call(path: str) -> str:
-    return f'<tool_call>read_file\n<arg_key>path</arg_key>\n<arg_value>{path}</arg_value>\n</tool_call>'
+def _glm_call(name: str, args: Dict[str, Any]) -> str:
+    pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>"
+                    f"{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
+                    for k, v in args.items())
+    return f'<tool_call>{name}\n{pairs}</tool_call>'
 
 
 FAMILIES: Dict[str, Family] = {
@@ -262,14 +264,14 @@ FAMILIES: Dict[str, Family] = {
                     ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
                      "</tool_call>", "<tool_response>", "</tool_response>", CUE],
                     "<|im_end|>", "<|im_start|>assistant\n", "<tool_response>", "<think>\n",
-                    "\n\n", [_qwen3_call(p) for p in STEP_PATHS], "All parts are read."),
+                    "\n\n", _qwen3_call, "All parts are read."),
     "glm45": Family("glm45", GLM45_TEMPLATE,
                     ["[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|observation|>",
                      "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
                      "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>",
                      "</tool_response>", "<|endoftext|>", CUE],
                     "<|user|>", "<|assistant|>", "<|observation|>", "\n<think>", "\n",
-                    [_glm_call(p) for p in STEP_PATHS], "All parts are read."),
+                    _glm_call, "All parts are read."),
 }
 
 
@@ -292,11 +294,15 @@ def _tokenizer(path: Path, family: Family):
     return fast
 
 
-def write_scripted_dir(path, family: str = "qwen3", steps: int = 3) -> Path:
+def write_scripted_dir(path, family: str = "qwen3", steps: int = 3, tool: str = "read_file",
+                       arg: str = "path", paths: Sequence[str] = STEP_PATHS,
+                       fixed: Optional[Dict[str, Any]] = None) -> Path:
     """A model directory: the scripted agent model (`scripted_model`: ``steps`` tool calls
     per user turn, each after reasoning, then a text answer) with ``family``'s template.
-    Serve it with ``--trust-remote-code`` (its architecture is the directory's
-    ``model_file``). Every user message must contain `CUE`."""
+    Step k calls ``tool`` with ``{arg: paths[k]}`` (and ``fixed``'s arguments: a real
+    client's tool, e.g. Claude Code's ``Read`` / ``file_path``). Serve it with
+    ``--trust-remote-code`` (its architecture is the directory's ``model_file``). Every
+    user message must contain `CUE`."""
     fam = FAMILIES[family]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -311,9 +317,8 @@ def write_scripted_dir(path, family: str = "qwen3", steps: int = 3) -> Path:
         "result": tok.convert_tokens_to_ids(fam.result), "think": ids(fam.think),
         "think_end": tok.convert_tokens_to_ids("</think>"), "newlines": ids(fam.newlines),
         "eos": tok.convert_tokens_to_ids(fam.eos),
-        "thoughts": [ids(f"Step {k + 1}: I read {STEP_PATHS[k]} next.\n")
-                     for k in range(steps)],
-        "calls": [ids(fam.calls[k]) for k in range(steps)],
+        "thoughts": [ids(f"Step {k + 1}: I read {paths[k]} next.\n") for k in range(steps)],
+        "calls": [ids(fam.call(tool, {arg: paths[k], **(fixed or {})})) for k in range(steps)],
         "final_thought": ids("Every part is read: I answer.\n"), "final": ids(fam.final),
     }
     shutil.copyfile(scripted_model.__file__, path / "scripted_model.py")
