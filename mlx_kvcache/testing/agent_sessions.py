@@ -4,7 +4,8 @@ answered by a loop of tool calls (the scripted model's) whose results the sessio
 up, every answer appended to the history as that API's client appends it.
 
 APIs: ``anthropic`` (``messages.create`` / ``messages.stream``: content blocks sent back as
-returned, thinking blocks included, ``tool_result`` blocks), ``responses``
+returned, thinking blocks included, whitespace-only text blocks dropped as Claude Code
+drops them, ``tool_result`` blocks), ``responses``
 (``responses.create`` / ``responses.stream``: output items sent back as returned,
 ``function_call_output`` items, ``prompt_cache_key``) and ``chat`` (chat completions, as
 OpenCode-style clients: the assistant's text and tool calls sent back, its reasoning not;
@@ -133,7 +134,10 @@ class Session:
                 r = st.get_final_message()
         else:
             r = self.client.messages.create(**kw)
-        content = [b.model_dump(exclude_none=True) for b in r.content]
+        # (whitespace-only text blocks dropped, as Claude Code does: Anthropic's API
+        # refuses them)
+        content = [b.model_dump(exclude_none=True) for b in r.content
+                   if b.type != "text" or b.text.strip()]
         self.history.append({"role": "assistant", "content": content})
         calls = [b for b in content if b["type"] == "tool_use"]
         if calls:

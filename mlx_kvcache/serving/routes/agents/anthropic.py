@@ -508,10 +508,12 @@ def _answer(handler, body: Dict[str, Any], events: ChatEvents) -> MessageBuilder
 
 def follow_up(body: Dict[str, Any], message: Dict[str, Any], text: str) -> Optional[Dict[str, Any]]:
     """The request a client sends after ``message`` (the answer to ``body``), as Claude
-    Code and the SDK build it: the answer's content blocks appended as they came (thinking
-    blocks included), then a ``tool_result`` of ``text`` for each ``tool_use``, or a user
+    Code builds it: the answer's content blocks appended as they came (thinking blocks
+    included) but for whitespace-only text blocks (Anthropic's API refuses those, so
+    clients drop them), then a ``tool_result`` of ``text`` for each ``tool_use``, or a user
     message of ``text`` after a text answer (`foresight`)."""
-    content = message.get("content") or []
+    content = [b for b in message.get("content") or []
+               if b.get("type") != "text" or b.get("text", "").strip()]
     if not isinstance(body.get("messages"), list) or not content:
         return None
     calls = [b for b in content if b.get("type") == "tool_use"]
