@@ -41,6 +41,7 @@ character per token).
     python scripts/bench_agents.py --route-cost   # a cached prompt through each route
     python scripts/bench_agents.py --stock-cost   # short agent-like turns, ours vs stock
     python scripts/bench_agents.py --thinking     # thinking models' tool loops (foresight)
+    python scripts/bench_agents.py --clients      # the same with the real claude / codex CLIs
 
 ``--thinking``: sessions of a thinking model in tool loops — several tool steps per user
 turn, tool results of a few thousand tokens — through the official SDKs on both agent
@@ -53,6 +54,15 @@ foresight settled), ours with ``--no-foresight``, and stock ``mlx_lm.server`` on
 route (the only route it serves; a chat client sends no reasoning back). Per user turn:
 prompt tokens computed while the client waits ÷ the tokens the turn added (goal <= 1.05),
 tokens computed ahead, and how many of those the next request did not read.
+
+``--clients``: the same measurement with the clients users run — the real ``claude``
+(``claude -p``, then ``claude -p --continue``) and ``codex`` (``codex exec``, then ``codex
+exec resume --last``) CLIs, headless, installed from npm into the benchmark's own
+directory — on the scripted model calling their own tools (Claude Code's ``Read``, Codex's
+``exec_command`` with ``cat``) on files of 3,000 characters, Qwen3's template, against
+ours with and without foresight. Each CLI turn's requests are read from ``GET /v1/cache``
+``recent``; between turns the benchmark waits for the server's foresight to settle (a
+person reading the answer).
 """
 
 from __future__ import annotations
@@ -697,6 +707,112 @@ def thinking_bench(work: Path, families: List[str], turns: int, steps: int, resu
               f"{k:.3f} | {ahead} | {wasted} | {worst:.3f} |")
 
 
+CLIENT_PACKAGES = ("@anthropic-ai/claude-code@2.1", "@openai/codex@0.171")
+
+
+def install_clients(where: Path) -> Dict[str, Path]:
+    """The ``claude`` and ``codex`` CLIs, installed from npm under ``where`` (once)."""
+    import subprocess
+    bins = {"claude": where / "node_modules" / ".bin" / "claude",
+            "codex": where / "node_modules" / ".bin" / "codex"}
+    if not all(b.exists() for b in bins.values()):
+        where.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["npm", "install", "--prefix", str(where), "--no-audit", "--no-fund",
+                        *CLIENT_PACKAGES], check=True)
+    return bins
+
+
+def _cli_turn(client: str, bins: Dict[str, Path], server: Server, cwd: Path, home: Path,
+              question: str, first: bool) -> None:
+    """One headless CLI turn against ``server``."""
+    import os
+    import subprocess
+    from mlx_kvcache.testing.agent_templates import CUE
+    prompt = f"{question} {CUE}"
+    if client == "claude":
+        env = dict(os.environ, HOME=str(home), ANTHROPIC_BASE_URL=f"http://127.0.0.1:{server.port}",
+                   ANTHROPIC_AUTH_TOKEN="local", ANTHROPIC_MODEL="local",
+                   ANTHROPIC_SMALL_FAST_MODEL="local", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
+        argv = [str(bins["claude"]), *([] if first else ["--continue"]), "-p", prompt,
+                "--max-turns", "10", "--allowedTools", "Read"]
+    else:
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "config.toml").write_text(
+            'model = "local"\nmodel_provider = "bench"\n[model_providers.bench]\nname = "bench"\n'
+            f'base_url = "http://127.0.0.1:{server.port}/v1"\nwire_api = "responses"\n'
+            'stream_idle_timeout_ms = 3600000\n')
+        env = dict(os.environ, CODEX_HOME=str(home), OPENAI_API_KEY="local")
+        argv = [str(bins["codex"]), "exec", "--skip-git-repo-check",
+                "--dangerously-bypass-approvals-and-sandbox",
+                *([] if first else ["resume", "--last"]), prompt]
+    r = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"{client} failed ({r.returncode}): {r.stderr[-2000:]}")
+
+
+def clients_bench(work: Path, clients: List[str], turns: int, steps: int = 3,
+                  size: int = 3000) -> None:
+    """The ``--clients`` benchmark (see the module doc)."""
+    bins = install_clients(work.parent / "bench_agents_clients")
+    notes = work / "project" / "notes"
+    notes.mkdir(parents=True)
+    rng = random.Random(11)
+    files = []
+    for k in range(steps):
+        f = notes / f"part{k + 1}.txt"
+        f.write_text(text(rng, size // 5)[:size])
+        files.append(f)
+    table = []
+    for client in clients:
+        tool, arg, paths = (("Read", "file_path", [str(f) for f in files]) if client == "claude"
+                            else ("exec_command", "cmd", [f"cat {f}" for f in files]))
+        d = write_scripted_dir(work / f"scripted_{client}", "qwen3", steps=steps, tool=tool,
+                               arg=arg, paths=paths)
+        res = {}
+        for who, extra in (("ours", []), ("no-foresight", ["--no-foresight"])):
+            server = Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model", str(d),
+                             "--no-persist", "--trust-remote-code", *extra],
+                            work / f"{client}_{who}.log", work / "home")
+            rows, prev = [], 0
+            try:
+                for t in range(turns):
+                    t0 = time.time()
+                    before = _foresight(server)
+                    _cli_turn(client, bins, server, work / "project", work / f"{client}_{who}_home",
+                              QUESTIONS[t % len(QUESTIONS)] + f" (turn {t + 1})", t == 0)
+                    if who == "ours":
+                        _settle(server)
+                    after = _foresight(server)
+                    entries = [e for e in server.cache()["recent"] if e["time"] >= t0 - 0.001]
+                    new = computed = 0
+                    for e in entries:
+                        new += e["prompt_tokens"] - prev
+                        computed += e["prompt_tokens"] - e["cached_tokens"]
+                        prev = e["prompt_tokens"]
+                    rows.append({"requests": len(entries), "new": new, "computed": computed,
+                                 "ahead": after.get("computed_tokens", 0) - before.get("computed_tokens", 0),
+                                 "wasted": after.get("wasted_tokens", 0) - before.get("wasted_tokens", 0),
+                                 "prompt": prev})
+                rows[-1]["wasted"] += _foresight(server).get("unread_tokens", 0)
+            finally:
+                server.stop()
+            res[who] = rows
+        print(f"\n  {client} CLI (Qwen3 template, thinking): per turn, computed while the client "
+              f"waits ÷ new tokens")
+        for i, (o, n) in enumerate(zip(res["ours"], res["no-foresight"])):
+            print(f"  {i + 1:>4} {o['requests']:>3} req | ours {o['computed'] / o['new']:.3f} "
+                  f"({o['computed']}/{o['new']}) ahead {o['ahead']} unread {o['wasted']} | "
+                  f"no foresight {n['computed'] / n['new']:.3f} ({n['computed']}/{n['new']})",
+                  flush=True)
+        table.append((client, res))
+    print("\n  | client | computed ÷ new, turns 2+: ours | no foresight | computed ahead, ours "
+          "| of it not read |")
+    print("  | --- | --- | --- | --- | --- |")
+    for client, res in table:
+        print(f"  | {client} | {_ratio(res['ours'][1:]):.3f} | {_ratio(res['no-foresight'][1:]):.3f} "
+              f"| {sum(r['ahead'] for r in res['ours'])} | {sum(r['wasted'] for r in res['ours'])} |")
+
+
 def _ratio(rows: List[Dict[str, Any]]) -> float:
     new = sum(r["new"] for r in rows)
     return sum(r["computed"] for r in rows) / new if new else float("nan")
@@ -737,7 +853,16 @@ def main(argv=None):
                          "stock (see the module doc)")
     ap.add_argument("--families", nargs="+", choices=("qwen3", "glm45"),
                     default=["qwen3", "glm45"], help="with --thinking: the chat templates")
+    ap.add_argument("--clients", nargs="*", choices=("claude", "codex"), default=None,
+                    help="the real CLIs (both when none is named): ours with and without "
+                         "foresight (see the module doc)")
     args = ap.parse_args(argv)
+    if args.clients is not None:
+        print(f"command: python scripts/bench_agents.py {shlex.join(argv or sys.argv[1:])}")
+        work = Path(tempfile.mkdtemp(prefix="bench_agents_"))
+        print(f"logs under {work}")
+        return clients_bench(work, args.clients or ["claude", "codex"],
+                             turns=args.turns or (2 if args.quick else 4))
     if args.thinking:
         print(f"command: python scripts/bench_agents.py {shlex.join(argv or sys.argv[1:])}")
         work = Path(tempfile.mkdtemp(prefix="bench_agents_"))
