@@ -639,6 +639,21 @@ def _settle(server: Server) -> None:
         lambda: _foresight(server).get("settled"), poll=0.02)
 
 
+def _turn_row(requests: List[tuple], prev: int, before: Dict[str, Any],
+              after: Dict[str, Any]) -> Dict[str, Any]:
+    """One user turn's row from its requests' ``(prompt, cached)``: computed, new (the
+    prompt's growth since ``prev``, the last prompt before the turn), computed ahead and
+    not read (the foresight counters ``before`` and ``after`` it)."""
+    new = computed = 0
+    for prompt, cached in requests:
+        new += prompt - prev
+        computed += prompt - cached
+        prev = prompt
+    return {"requests": len(requests), "new": new, "computed": computed, "prompt": prev,
+            "ahead": after.get("computed_tokens", 0) - before.get("computed_tokens", 0),
+            "wasted": after.get("wasted_tokens", 0) - before.get("wasted_tokens", 0)}
+
+
 def thinking_session(server: Server, api: str, thinking: bool, turns: int, result: int,
                      name: str, foresight: bool) -> List[Dict[str, Any]]:
     """One scripted session; per user turn: computed, new, computed ahead, not read."""
@@ -650,17 +665,10 @@ def thinking_session(server: Server, api: str, thinking: bool, turns: int, resul
         before = _foresight(server) if foresight else {}
         n0 = len(s.steps)
         s.turn(QUESTIONS[t % len(QUESTIONS)] + f" (turn {t + 1})")
-        steps = s.steps[n0:]
-        new = computed = 0
-        for st in steps:
-            new += st.prompt - prev
-            computed += st.computed
-            prev = st.prompt
         after = _foresight(server) if foresight else {}
-        rows.append({"requests": len(steps), "new": new, "computed": computed,
-                     "ahead": after.get("computed_tokens", 0) - before.get("computed_tokens", 0),
-                     "wasted": after.get("wasted_tokens", 0) - before.get("wasted_tokens", 0),
-                     "prompt": prev})
+        rows.append(_turn_row([(st.prompt, st.cached) for st in s.steps[n0:]], prev, before,
+                              after))
+        prev = rows[-1]["prompt"]
     if foresight:  # what the last answer's foresight computed is never read here
         rows[-1]["wasted"] += _foresight(server).get("unread_tokens", 0) - unread
     return rows
@@ -730,7 +738,8 @@ def _cli_turn(client: str, bins: Dict[str, Path], server: Server, cwd: Path, hom
     from mlx_kvcache.testing.agent_templates import CUE
     prompt = f"{question} {CUE}"
     if client == "claude":
-        env = dict(os.environ, HOME=str(home), ANTHROPIC_BASE_URL=f"http://127.0.0.1:{server.port}",
+        env = dict(os.environ, HOME=str(home),
+                   ANTHROPIC_BASE_URL=f"http://127.0.0.1:{server.port}",
                    ANTHROPIC_AUTH_TOKEN="local", ANTHROPIC_MODEL="local",
                    ANTHROPIC_SMALL_FAST_MODEL="local", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
         argv = [str(bins["claude"]), *([] if first else ["--continue"]), "-p", prompt,
@@ -778,21 +787,16 @@ def clients_bench(work: Path, clients: List[str], turns: int, steps: int = 3,
                 for t in range(turns):
                     t0 = time.time()
                     before = _foresight(server)
-                    _cli_turn(client, bins, server, work / "project", work / f"{client}_{who}_home",
+                    _cli_turn(client, bins, server, work / "project",
+                              work / f"{client}_{who}_home",
                               QUESTIONS[t % len(QUESTIONS)] + f" (turn {t + 1})", t == 0)
                     if who == "ours":
                         _settle(server)
                     after = _foresight(server)
-                    entries = [e for e in server.cache()["recent"] if e["time"] >= t0 - 0.001]
-                    new = computed = 0
-                    for e in entries:
-                        new += e["prompt_tokens"] - prev
-                        computed += e["prompt_tokens"] - e["cached_tokens"]
-                        prev = e["prompt_tokens"]
-                    rows.append({"requests": len(entries), "new": new, "computed": computed,
-                                 "ahead": after.get("computed_tokens", 0) - before.get("computed_tokens", 0),
-                                 "wasted": after.get("wasted_tokens", 0) - before.get("wasted_tokens", 0),
-                                 "prompt": prev})
+                    reqs = [(e["prompt_tokens"], e["cached_tokens"])
+                            for e in server.cache()["recent"] if e["time"] >= t0 - 0.001]
+                    rows.append(_turn_row(reqs, prev, before, after))
+                    prev = rows[-1]["prompt"]
                 rows[-1]["wasted"] += _foresight(server).get("unread_tokens", 0)
             finally:
                 server.stop()
@@ -809,8 +813,9 @@ def clients_bench(work: Path, clients: List[str], turns: int, steps: int = 3,
           "| of it not read |")
     print("  | --- | --- | --- | --- | --- |")
     for client, res in table:
-        print(f"  | {client} | {_ratio(res['ours'][1:]):.3f} | {_ratio(res['no-foresight'][1:]):.3f} "
-              f"| {sum(r['ahead'] for r in res['ours'])} | {sum(r['wasted'] for r in res['ours'])} |")
+        ours = res["ours"]
+        print(f"  | {client} | {_ratio(ours[1:]):.3f} | {_ratio(res['no-foresight'][1:]):.3f} "
+              f"| {sum(r['ahead'] for r in ours)} | {sum(r['wasted'] for r in ours)} |")
 
 
 def _ratio(rows: List[Dict[str, Any]]) -> float:

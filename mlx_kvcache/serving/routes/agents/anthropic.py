@@ -506,7 +506,8 @@ def _answer(handler, body: Dict[str, Any], events: ChatEvents) -> MessageBuilder
                           events.prompt_tokens, events.cached_tokens or 0)
 
 
-def follow_up(body: Dict[str, Any], message: Dict[str, Any], text: str) -> Optional[Dict[str, Any]]:
+def follow_up(body: Dict[str, Any], message: Dict[str, Any],
+              text: str) -> Optional[Dict[str, Any]]:
     """The request a client sends after ``message`` (the answer to ``body``), as Claude
     Code builds it: the answer's content blocks appended as they came (thinking blocks
     included) but for whitespace-only text blocks (Anthropic's API refuses those, so

@@ -569,7 +569,8 @@ def _answer(handler, body: Dict[str, Any], events) -> "ResponseBuilder":
     return ResponseBuilder(body, name if isinstance(name, str) and name else served_model(handler))
 
 
-def follow_up(body: Dict[str, Any], response: Dict[str, Any], text: str) -> Optional[Dict[str, Any]]:
+def follow_up(body: Dict[str, Any], response: Dict[str, Any],
+              text: str) -> Optional[Dict[str, Any]]:
     """The request a client sends after ``response`` (the answer to ``body``), as Codex and
     the SDK build it with ``store: false``: the input, the output items as they came
     (reasoning items included), then a ``function_call_output`` of ``text`` for each call,
