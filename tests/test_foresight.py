@@ -281,3 +281,42 @@ def test_keep_reasoning_uses_the_templates_own_switch():
         kept._tokenizer.chat_template = switch
         assert reasoning_switches(plain, {}) is None
         assert reasoning_switches(kept, {}) == REASONING_SWITCHES
+
+
+# -- the next request, as each API's client builds it -------------------------------------------
+def test_each_route_foresees_the_request_its_client_sends_next():
+    from mlx_kvcache.serving.routes.agents import anthropic as a_route
+    from mlx_kvcache.serving.routes.agents import responses as r_route
+    from mlx_kvcache.serving.routes.agents.foresight import common_prefix, session_of
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}
+    answer = {"content": [{"type": "thinking", "thinking": "t", "signature": ""},
+                          {"type": "text", "text": "\n\n"},
+                          {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}},
+                          {"type": "tool_use", "id": "toolu_2", "name": "g", "input": {}}]}
+    nxt = a_route.follow_up(body, answer, "S")
+    assert nxt["messages"][1] == {"role": "assistant", "content": [answer["content"][0],
+                                                                   *answer["content"][2:]]}
+    assert [b["tool_use_id"] for b in nxt["messages"][2]["content"]] == ["toolu_1", "toolu_2"]
+    assert a_route.follow_up(body, {"content": [{"type": "text", "text": "ok"}]}, "S")[
+        "messages"][2] == {"role": "user", "content": "S"}
+    a_route.parse_request(nxt)  # the route takes what it foresaw
+    assert body["messages"] == [{"role": "user", "content": "hi"}]  # (not changed)
+
+    body = {"model": "m", "input": "hi"}
+    out = [{"type": "reasoning", "id": "r", "summary": [],
+            "content": [{"type": "reasoning_text", "text": "t"}]},
+           {"type": "function_call", "id": "fc", "call_id": "c1", "name": "f", "arguments": "{}"}]
+    nxt = r_route.follow_up(body, {"output": out}, "S")
+    assert nxt["input"] == [{"type": "message", "role": "user", "content": "hi"}, *out,
+                            {"type": "function_call_output", "call_id": "c1", "output": "S"}]
+    r_route.parse_request(nxt)
+    assert r_route.follow_up(body, {"output": []}, "S") is None
+
+    assert common_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == [1, 2]
+    from mlx_kvcache.serving.routes.agents.call import ChatCall
+    one = ChatCall(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    two = ChatCall(messages=[*one.messages, {"role": "user", "content": "c"}])
+    assert session_of(one) == session_of(two) != session_of(ChatCall(messages=[
+        {"role": "user", "content": "z"}]))
+    assert session_of(ChatCall(messages=[], session="mine")) == "mine"
