@@ -60,9 +60,12 @@ tokens computed ahead, and how many of those the next request did not read.
 exec resume --last``) CLIs, headless, installed from npm into the benchmark's own
 directory — on the scripted model calling their own tools (Claude Code's ``Read``, Codex's
 ``exec_command`` with ``cat``) on files of 3,000 characters, Qwen3's template, against
-ours with and without foresight. Each CLI turn's requests are read from ``GET /v1/cache``
-``recent``; between turns the benchmark waits for the server's foresight to settle (a
-person reading the answer).
+ours with and without foresight and, with ``--vllm-mlx DIR``, vllm-mlx 0.6 (installed
+into the virtual environment ``DIR`` when it is not there yet: it pulls torch, several GB;
+served with its continuous batching and prefix cache, its qwen3 tool-call and reasoning
+parsers). Each CLI turn's requests are read from ``GET /v1/cache`` ``recent`` (vllm-mlx:
+its log's ``[cache_fetch]`` lines); between turns the benchmark waits for the server's
+foresight to settle (a person reading the answer).
 """
 
 from __future__ import annotations
@@ -759,8 +762,38 @@ def _cli_turn(client: str, bins: Dict[str, Path], server: Server, cwd: Path, hom
         raise RuntimeError(f"{client} failed ({r.returncode}): {r.stderr[-2000:]}")
 
 
+VLLM_MLX = "vllm-mlx==0.6.0"
+
+
+def vllm_mlx_bin(venv: Path) -> Path:
+    """vllm-mlx's command in the virtual environment ``venv`` (made and installed once, with
+    the CPU build of the MLX this package runs on)."""
+    import subprocess
+    import mlx.core as mx
+    exe = venv / "bin" / "vllm-mlx"
+    if not exe.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", VLLM_MLX,
+                        f"mlx-cpu=={mx.__version__}"], check=True)
+    return exe
+
+
+def _vllm_requests(log: Path, start: int) -> List[tuple]:
+    """``(prompt, cached)`` of each request vllm-mlx logged past byte ``start``."""
+    import re
+    out = []
+    with open(log, "rb") as f:
+        f.seek(start)
+        for line in f.read().decode(errors="replace").splitlines():
+            if "[cache_fetch]" in line:
+                p = re.search(r"prompt_tokens=(\d+)", line)
+                c = re.search(r"cached=(\d+)", line)
+                out.append((int(p.group(1)), int(c.group(1)) if c else 0))
+    return out
+
+
 def clients_bench(work: Path, clients: List[str], turns: int, steps: int = 3,
-                  size: int = 3000) -> None:
+                  size: int = 3000, vllm: Optional[Path] = None) -> None:
     """The ``--clients`` benchmark (see the module doc)."""
     bins = install_clients(work.parent / "bench_agents_clients")
     notes = work / "project" / "notes"
@@ -778,44 +811,64 @@ def clients_bench(work: Path, clients: List[str], turns: int, steps: int = 3,
         d = write_scripted_dir(work / f"scripted_{client}", "qwen3", steps=steps, tool=tool,
                                arg=arg, paths=paths)
         res = {}
-        for who, extra in (("ours", []), ("no-foresight", ["--no-foresight"])):
-            server = Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model", str(d),
-                             "--no-persist", "--trust-remote-code", *extra],
-                            work / f"{client}_{who}.log", work / "home")
+        contenders = [("ours", []), ("no-foresight", ["--no-foresight"])]
+        if vllm is not None:
+            contenders.append(("vllm-mlx", []))
+        for who, extra in contenders:
+            log = work / f"{client}_{who}.log"
+            if who == "vllm-mlx":
+                server = Server([str(vllm), "serve", str(d), "--served-model-name", "local",
+                                 "--trust-remote-code", "--enable-auto-tool-choice",
+                                 "--tool-call-parser", "qwen3", "--reasoning-parser", "qwen3",
+                                 "--continuous-batching", "--enable-prefix-cache"],
+                                log, work / "home", env={"HOME": str(work / "vllm_home")})
+            else:
+                server = Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model",
+                                 str(d), "--no-persist", "--trust-remote-code", *extra],
+                                log, work / "home")
             rows, prev = [], 0
             try:
                 for t in range(turns):
-                    t0 = time.time()
-                    before = _foresight(server)
+                    t0, at = time.time(), log.stat().st_size
+                    before = _foresight(server) if who != "vllm-mlx" else {}
                     _cli_turn(client, bins, server, work / "project",
                               work / f"{client}_{who}_home",
                               QUESTIONS[t % len(QUESTIONS)] + f" (turn {t + 1})", t == 0)
                     if who == "ours":
                         _settle(server)
+                    if who == "vllm-mlx":
+                        after, reqs = {}, _vllm_requests(log, at)
+                        rows.append(_turn_row(reqs, prev, before, after))
+                        prev = rows[-1]["prompt"]
+                        continue
                     after = _foresight(server)
                     reqs = [(e["prompt_tokens"], e["cached_tokens"])
                             for e in server.cache()["recent"] if e["time"] >= t0 - 0.001]
                     rows.append(_turn_row(reqs, prev, before, after))
                     prev = rows[-1]["prompt"]
-                rows[-1]["wasted"] += _foresight(server).get("unread_tokens", 0)
+                if who != "vllm-mlx":
+                    rows[-1]["wasted"] += _foresight(server).get("unread_tokens", 0)
             finally:
                 server.stop()
             res[who] = rows
         print(f"\n  {client} CLI (Qwen3 template, thinking): per turn, computed while the client "
               f"waits ÷ new tokens")
         for i, (o, n) in enumerate(zip(res["ours"], res["no-foresight"])):
+            v = res["vllm-mlx"][i] if "vllm-mlx" in res else None
             print(f"  {i + 1:>4} {o['requests']:>3} req | ours {o['computed'] / o['new']:.3f} "
                   f"({o['computed']}/{o['new']}) ahead {o['ahead']} unread {o['wasted']} | "
-                  f"no foresight {n['computed'] / n['new']:.3f} ({n['computed']}/{n['new']})",
-                  flush=True)
+                  f"no foresight {n['computed'] / n['new']:.3f} ({n['computed']}/{n['new']})"
+                  + (f" | vllm-mlx {v['computed'] / v['new']:.3f} ({v['computed']}/{v['new']})"
+                     if v else ""), flush=True)
         table.append((client, res))
-    print("\n  | client | computed ÷ new, turns 2+: ours | no foresight | computed ahead, ours "
-          "| of it not read |")
-    print("  | --- | --- | --- | --- | --- |")
+    print("\n  | client | computed ÷ new, turns 2+: ours | no foresight | vllm-mlx | computed "
+          "ahead, ours | of it not read |")
+    print("  | --- | --- | --- | --- | --- | --- |")
     for client, res in table:
         ours = res["ours"]
+        v = f"{_ratio(res['vllm-mlx'][1:]):.3f}" if "vllm-mlx" in res else "-"
         print(f"  | {client} | {_ratio(ours[1:]):.3f} | {_ratio(res['no-foresight'][1:]):.3f} "
-              f"| {sum(r['ahead'] for r in ours)} | {sum(r['wasted'] for r in ours)} |")
+              f"| {v} | {sum(r['ahead'] for r in ours)} | {sum(r['wasted'] for r in ours)} |")
 
 
 def _ratio(rows: List[Dict[str, Any]]) -> float:
@@ -861,13 +914,17 @@ def main(argv=None):
     ap.add_argument("--clients", nargs="*", choices=("claude", "codex"), default=None,
                     help="the real CLIs (both when none is named): ours with and without "
                          "foresight (see the module doc)")
+    ap.add_argument("--vllm-mlx", default=None, metavar="VENV",
+                    help="with --clients: also vllm-mlx 0.6, from this virtual environment "
+                         "(made and installed when missing)")
     args = ap.parse_args(argv)
     if args.clients is not None:
         print(f"command: python scripts/bench_agents.py {shlex.join(argv or sys.argv[1:])}")
         work = Path(tempfile.mkdtemp(prefix="bench_agents_"))
         print(f"logs under {work}")
         return clients_bench(work, args.clients or ["claude", "codex"],
-                             turns=args.turns or (2 if args.quick else 4))
+                             turns=args.turns or (2 if args.quick else 4),
+                             vllm=vllm_mlx_bin(Path(args.vllm_mlx)) if args.vllm_mlx else None)
     if args.thinking:
         print(f"command: python scripts/bench_agents.py {shlex.join(argv or sys.argv[1:])}")
         work = Path(tempfile.mkdtemp(prefix="bench_agents_"))
