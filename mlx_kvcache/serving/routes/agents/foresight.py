@@ -76,13 +76,18 @@ def common_prefix(seqs: Sequence[Sequence[int]]) -> List[int]:
     return first[:n]
 
 
-def follow(handler, route, body: Dict[str, Any], answer: Optional[Dict[str, Any]]) -> None:
-    """After an answer was sent (it had a counted `expecting`): render the session's next
-    prompt on a thread of its own and hand its known tokens to the prompt cache."""
+def follow(handler, route, body: Dict[str, Any], answer) -> None:
+    """After ``answer`` (the route's `wire.Answer`, complete) was sent, having had a counted
+    `expecting`: render the session's next prompt on a thread of its own and hand its known
+    tokens to the prompt cache."""
     cache, fs = _foresight(handler)
     if fs is None:
         return
-    if answer is None:  # the answer failed after all
+    try:
+        status, answer = answer.whole()
+    except Exception:  # noqa: BLE001 - an answer that cannot say itself: nothing foreseen
+        status = None
+    if status != 200:  # the answer failed after all
         fs.cancel()
         return
     threading.Thread(target=_render, args=(handler, cache, fs, route, body, answer),

@@ -102,8 +102,7 @@ def serve(handler, route: Route, run: Optional[Callable[[Any, ChatCall], Any]] =
     finally:
         events.close()  # a client gone mid-answer ends the generation
         if ended:  # (counted by `foresight.expecting`: `follow` always ends it)
-            status, whole = answer.whole()
-            foresight.follow(handler, route, body, whole if status == 200 else None)
+            foresight.follow(handler, route, body, answer)
 
 
 def _ending(events: Iterable[Event], on_done: Callable[[Event], None]) -> Iterator[Event]:
