@@ -200,6 +200,7 @@ class Foresight:
                     return
                 _, job = self._jobs.popitem(last=False)
                 self.running = job.session
+            whole = True  # (a job that raised is not tried again)
             try:
                 whole = self._run(manager, pair, job, max(1, int(step)), waiting, stream)
             finally:
