@@ -210,3 +210,36 @@ def test_a_hybrid_models_checkpoints_stay_in_their_namespace(tmp_path):
         again = s.chat(msgs, cache_salt="alice")
         assert cached(again) > 0
         same_answer(alice, again)
+
+
+def test_foresight_computes_a_sessions_next_prompt_into_its_namespace(tmp_path):
+    # When an answer ends, the agent routes compute the session's next prompt ahead
+    # (`cache.foresight`): that prompt is the whole conversation, so it must land in the
+    # session's namespace, readable by its next request and by no one else.
+    import copy
+
+    pytest.importorskip("anthropic")
+    from mlx_kvcache.testing.agent_sessions import Session
+    from mlx_kvcache.testing.agent_templates import write_scripted_dir
+
+    model = write_scripted_dir(tmp_path / "qwen3", "qwen3", steps=2)
+    with Server.ours(model, tmp_path / "a.log", tmp_path, "--no-persist",
+                     "--trust-remote-code") as s:
+        def settled():
+            s.watch.wait("foresight to settle").until(
+                lambda: s.cache()["foresight"]["settled"], poll=0.02)
+        alice = Session(s.port, "anthropic", name="ns", pause=settled,
+                        extra={"cache_salt": "alice"})
+        alice.turn("Read the notes, please.")
+        ahead = s.cache()["foresight"]["computed_tokens"]
+        assert ahead > 0  # alice's next prompt, computed while her "user" reads
+        for extra in ({"cache_salt": "bob"}, {}):  # the same next request, from others
+            other = Session(s.port, "anthropic", name="ns", extra=extra)
+            other.history = copy.deepcopy(alice.history)
+            other.user("Again.")
+            other.ask()
+            assert other.steps[-1].cached == 0, (extra, other.steps)
+        alice.user("Again.")
+        alice.ask()
+        st = alice.steps[-1]
+        assert st.cached >= st.prompt - st.added - 16, alice.steps  # hers: read ahead
