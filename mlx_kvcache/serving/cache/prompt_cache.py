@@ -201,10 +201,15 @@ class TriePromptCache:
             self._guard("a prompt cache insert",
                         lambda: self._insert(model_key, tokens, prompt_cache, cache_type, final),
                         None, "checkpoint" if final is None else "final")
+        self._give_way()
+        release(prompt_cache)  # mlx-lm never reads an inserted cache again (`extract`)
+
+    def _give_way(self) -> None:
+        """Hold at most what the memory guard's limit leaves beside the running requests
+        (`MemoryGuard.room`; no guard: nothing to do)."""
         room = self.memory.room() if self.memory is not None else None
         if room is not None and self.nbytes > room:  # the cache gives way to requests
             self.trim_to(n_bytes=room)
-        release(prompt_cache)  # mlx-lm never reads an inserted cache again (`extract`)
 
     def checkpoints(self, model_key, tokens: Sequence[int], extra: Sequence[int] = (),
                     guess_end: bool = True) -> List[int]:
@@ -424,6 +429,7 @@ class TriePromptCache:
                     None, "foresight")
         if self.foresight.computed != before and self.agree.size == 1 and self._writes.changed():
             self._capture(st)
+        self._give_way()  # what it computed is cache: within the memory guard's room too
 
     def busy(self) -> None:
         """A request reached the generation loop: the disk writer holds what it has not
