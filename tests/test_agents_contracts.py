@@ -366,3 +366,31 @@ def test_a_function_tool_call_streams_in_each_apis_shape(patcher):
     assert json.loads(deltas[0]["partial_json"]) == {"input": PATCH}
     assert [e for e in events if e["type"] == "message_delta"][0]["delta"]["stop_reason"] \
         == "tool_use"
+
+
+def test_a_thinking_models_prefill_gets_no_think_injected(tmp_path):
+    # Thinking off, the template's generation prompt opens an empty <think></think>; a
+    # continued prefill has no generation prompt, so none is injected before the answer.
+    from types import SimpleNamespace
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlx_kvcache.serving.routes.agents.bridge import count_tokens
+    from mlx_kvcache.testing.agent_dirs import write_thinking_dir
+    model = write_thinking_dir(tmp_path / "think", switch=True)
+    provider = SimpleNamespace(tokenizer=load_tokenizer(model), processor=None,
+                               cli_args=SimpleNamespace(chat_template_args={}))
+    handler = SimpleNamespace(response_generator=SimpleNamespace(
+        model_provider=provider, generation_available=lambda: True))
+    user = {"role": "user", "content": "Go."}
+    body = {"model": "m", "thinking": {"type": "disabled"},
+            "messages": [user, {"role": "assistant", "content": "Sure"}]}
+    n = count_tokens(handler, messages_route.parse_request(body, count_only=True))
+    text, cold = _cold(model, [user, {"role": "assistant", "content": "Sure"}],
+                       continue_final_message=True, add_generation_prompt=False,
+                       enable_thinking=False)
+    assert text.endswith("<|assistant|>Sure") and n == len(cold)
+    closed = count_tokens(handler, messages_route.parse_request(
+        {**body, "messages": [user]}, count_only=True))
+    text, cold = _cold(model, [user], add_generation_prompt=True, enable_thinking=False)
+    assert text.endswith("<think></think>") and closed == len(cold)

@@ -31,6 +31,11 @@ diverged in. The prompt is rendered and encoded once, in the HTTP thread, for th
 its ids ride along too, and mlx-lm's tokenizing takes them instead of rendering and
 encoding it again (`MarkedRequest.tokenizer_for`).
 
+Two contracts of the agent APIs are kept here, not in mlx-lm: a conversation that ends with
+the assistant's text is rendered open (``continue_final_message``, no generation prompt)
+so the answer continues it; and a tool call mlx-lm's parser cannot read comes back as the
+model's text instead of vanishing (`_ChatRun._keeping_unread_calls`).
+
 Two things mlx-lm's chunks do not say are recovered here: which stop sequence ended an
 answer (mlx-lm reports ``stop`` for an end-of-sequence token and a stop word alike; the
 answer's last tokens, kept on the request's `lifecycle.Ticket`, tell them apart, matched
