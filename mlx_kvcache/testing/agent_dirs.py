@@ -14,7 +14,9 @@
 * `write_script_dir`: the same kind of model with a tool call its parser cannot read
   (`BAD_CALL`) after ``<|assistant|>``, and text to continue (`SCRIPT_TEXT`: after any of
   its characters, the rest of it), for prefills;
-* `write_tool_dir` with ``call=PATCH_CALL``: Codex's ``apply_patch`` called with a patch.
+* `write_tool_dir` with ``call=PATCH_CALL``: Codex's ``apply_patch`` called with a patch;
+* `write_patch_dir`: the same, then `PATCHED` once the tool's result came back (a whole
+  agent turn for a real CLI: the call, then a final answer).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ __all__ = ["REFUSING_TEMPLATE", "TOOL_TEMPLATE", "TOOL_CALL", "THINKING_TEMPLATE
            "THINKING_SWITCH_TEMPLATE", "THOUGHT", "LONG_THOUGHT",
            "ANSWER", "write_refusing_dir", "write_tool_dir", "write_thinking_dir",
            "write_tool_template_dir", "write_char_tokenizer", "BAD_CALL", "SCRIPT_TEXT",
-           "PATCH", "PATCH_CALL", "write_script_dir"]
+           "PATCH", "PATCH_CALL", "PATCHED", "write_script_dir", "write_patch_dir"]
 
 #: Renders system messages first only (like Qwen3's), tool calls and tool results.
 REFUSING_TEMPLATE = (
@@ -136,16 +138,18 @@ def write_tool_template_dir(path, kind: str = "llama", seed: int = 0) -> Path:
     return path
 
 
-def _write_chain_dir(path, template: str, added, chain, more=()) -> Path:
+def _write_chain_dir(path, template: str, added, chain, more=(), **config) -> Path:
     """A "bigram" llama (see the module doc) that, from ``<|assistant|>``, produces the
     tokens ``chain`` (names of specials, characters or ``added`` strings), then ``</s>``;
-    ``more``: other chains, each from its first token (no token in two chains)."""
+    ``more``: other chains, each from its first token (no token in two chains);
+    ``config``: model config overrides (``max_position_embeddings``)."""
     path = Path(path)
     added = list(added)
     vocab = len(SPECIALS) + len(CHARS) + len(added)
     hidden = 128
     write_model_dir(path, "llama", 0, hidden_size=hidden, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32, num_hidden_layers=1, vocab_size=vocab)
+                    num_key_value_heads=2, head_dim=32, num_hidden_layers=1, vocab_size=vocab,
+                    **config)
     assert write_char_tokenizer(path, template, added) == vocab
     ids = {t: i for i, t in enumerate(SPECIALS + CHARS + added)}
     steps = [ids["<|assistant|>"], *(ids[t] for t in chain)]
@@ -175,6 +179,24 @@ def write_tool_dir(path, call=TOOL_CALL) -> Path:
     """The model that always calls ``call`` (`TOOL_CALL`; see the module doc)."""
     added = [*_ADDED[:2], json.dumps(call)]
     return _write_chain_dir(path, TOOL_TEMPLATE, added, ["<tool_call>", added[2], "</tool_call>"])
+
+
+#: What the patch model answers once the patch was applied (its tool result came back).
+PATCHED = "Done"
+#: `TOOL_TEMPLATE` whose generation prompt after a tool result carries ``<|result|>``.
+_AFTER_RESULT_TEMPLATE = TOOL_TEMPLATE.replace(
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}",
+    "{%- if add_generation_prompt %}<|assistant|>{%- if messages[-1]['role'] == 'tool' %}"
+    "<|result|>{%- endif %}{% endif %}")
+
+
+def write_patch_dir(path) -> Path:
+    """A model (see the module doc) that calls `PATCH_CALL` on a new turn and answers
+    `PATCHED` after a tool result; a long context (a CLI's instructions are long)."""
+    added = [*_ADDED[:2], json.dumps(PATCH_CALL), "<|result|>"]
+    return _write_chain_dir(path, _AFTER_RESULT_TEMPLATE, added,
+                            ["<tool_call>", added[2], "</tool_call>"],
+                            more=[["<|result|>", *PATCHED]], max_position_embeddings=262144)
 
 
 def write_script_dir(path) -> Path:
