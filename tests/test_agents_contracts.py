@@ -394,3 +394,35 @@ def test_a_thinking_models_prefill_gets_no_think_injected(tmp_path):
         {**body, "messages": [user]}, count_only=True))
     text, cold = _cold(model, [user], add_generation_prompt=True, enable_thinking=False)
     assert text.endswith("<think></think>") and closed == len(cold)
+
+
+def test_a_chat_stream_gets_a_keepalive_comment_after_a_silent_interval(monkeypatch):
+    # mlx-lm's chat route writes nothing while a tool call is open, or between slow
+    # tokens: once its stream's headers are out, the generator's wait for the next token
+    # calls the ticket's keep-alive, which writes a comment when an interval passed in
+    # silence (and nothing otherwise).
+    from types import SimpleNamespace
+
+    from mlx_kvcache.serving.guards.lifecycle import Ticket, set_ticket
+    from mlx_kvcache.serving.routes.handler import KEEPALIVE_ENV, CacheAPIHandler
+    h = CacheAPIHandler.__new__(CacheAPIHandler)
+    h.wfile, h.headers, h.request_version = io.BytesIO(), {}, "HTTP/1.1"
+    h.requestline, h.command, h.client_address = "POST /v1/chat/completions HTTP/1.1", \
+        "POST", ("127.0.0.1", 0)
+    h.response_generator = SimpleNamespace(cli_args=SimpleNamespace(allowed_origins=["*"]))
+    h.log_message = lambda *a: None
+    ticket = Ticket()
+    set_ticket(ticket)
+    try:
+        h._set_stream_headers(200)
+        h.end_headers()
+    finally:
+        set_ticket(None)
+    assert ticket.keepalive is not None
+    head = h.wfile.getvalue()
+    monkeypatch.setenv(KEEPALIVE_ENV, "3600")
+    ticket.keepalive()  # written just now: nothing to add
+    assert h.wfile.getvalue() == head
+    monkeypatch.setenv(KEEPALIVE_ENV, "1e-9")
+    ticket.keepalive()
+    assert h.wfile.getvalue() == head + b": keepalive\n\n"

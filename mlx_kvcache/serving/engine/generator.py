@@ -393,4 +393,6 @@ class ServerResponseGenerator(ResponseGenerator):
             except Empty:
                 if not self.generation_available():
                     raise RuntimeError("generation thread died") from None
+                if ticket is not None and ticket.keepalive is not None:
+                    ticket.keepalive()  # a streamed answer silent for an interval
 

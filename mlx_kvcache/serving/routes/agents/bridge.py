@@ -225,6 +225,8 @@ class _ChatRun(CacheAPIHandler):
     """One chat call, served by mlx-lm's ``do_POST`` as if it came over HTTP, with its
     output captured (never constructed by ``BaseHTTPRequestHandler``: no socket)."""
 
+    stream_keepalive = False  # the route's own writer keeps its stream alive (`wire`)
+
     @classmethod
     def make(cls, handler, body: Dict[str, Any], prep: _Prepared, call: ChatCall) -> "_ChatRun":
         run = cls.__new__(cls)

@@ -2,7 +2,8 @@
 answer builder and error shape) run over the bridge, and the answer sent whole or as
 server-sent events.
 
-A streamed answer is never silent for longer than `keepalive_interval` (`KEEPALIVE_S`):
+A streamed answer is never silent for longer than `handler.keepalive_interval`
+(`KEEPALIVE_S`):
 from the moment the request is accepted — while it waits for the generation thread (the
 memory guard's line, a batch), while its prompt is processed, while it decodes (a slow
 token rate, a long tool call mlx-lm holds back until it closes) — the writer waits for the
@@ -16,36 +17,17 @@ stream (the route's ``stream_error``), not with an HTTP status.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
-from ..handler import send_json
+from ..handler import KEEPALIVE_ENV, KEEPALIVE_S, keepalive_interval, send_json
 from .bridge import NOTHING as _NOTHING, run_chat
 from .call import AgentRequestError, ChatCall, Event
 
 __all__ = ["SSE", "Answer", "Route", "read_body", "serve", "send_json", "KEEPALIVE_S",
            "KEEPALIVE_ENV", "keepalive_interval"]
 
-#: The longest a streamed answer stays silent, in seconds: clients' idle timeouts are
-#: longer (Anthropic's API pings about this often; the issue asks for 10 s at most).
-KEEPALIVE_S = 5.0
-#: The environment variable that sets another interval (seconds, positive; tests lower it).
-KEEPALIVE_ENV = "MLX_KVCACHE_KEEPALIVE_S"
-
-
-def keepalive_interval() -> float:
-    """`KEEPALIVE_S`, or the positive number of seconds `KEEPALIVE_ENV` names."""
-    raw = os.environ.get(KEEPALIVE_ENV)
-    if raw:
-        try:
-            v = float(raw)
-        except ValueError:
-            v = 0.0
-        if v > 0:
-            return v
-    return KEEPALIVE_S
 
 
 #: A stream event: its name and its JSON data.
