@@ -230,6 +230,12 @@ def test_a_long_prefill_is_never_silent(script):
     out = _raw(script, "/v1/responses", {"model": "m", "input": "y" * len(LONG), "stream": True,
                                          "max_output_tokens": 2, **GREEDY})
     assert out.split(b"event: response.output_item.added", 1)[0].count(COMMENT) >= 1
+    # the same through the anthropic SDK's raw stream (its event iterator skips pings)
+    with _anthropic(script).messages.with_streaming_response.create(
+            model="m", max_tokens=4, stream=True, extra_body=GREEDY,
+            messages=[{"role": "user", "content": "z" * len(LONG)}]) as r:
+        lines = list(r.iter_lines())
+    assert lines[:lines.index("event: content_block_start")].count("event: ping") > 1
     # the SDKs read such streams as if the keep-alives were not there
     with _anthropic(script).messages.stream(model="m", max_tokens=4, extra_body=GREEDY,
                                             messages=body["messages"][:1] + [
