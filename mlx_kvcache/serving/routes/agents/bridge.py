@@ -64,7 +64,7 @@ from mlx_lm.server import APIHandler
 from ...engine.templates import answer_extends_prompt, honours_thinking, system_policy
 from ...engine.generator import MarkedRequest
 from ...guards.lifecycle import current_ticket
-from ..handler import CacheAPIHandler
+from ..handler import KEEPALIVE_S, CacheAPIHandler
 from . import conversation
 from .call import AgentRequestError, ChatCall, Event, Usage
 
@@ -425,7 +425,7 @@ def _stop_word(tokenizer, stops: List[str], last: Tuple[int, ...]) -> Optional[s
 
 
 def run_chat(handler, call: ChatCall, waiting: Optional[Callable[[], None]] = None,
-             every: float = 5.0) -> "ChatEvents":
+             every: float = KEEPALIVE_S) -> "ChatEvents":
     """Run ``call`` for the live request ``handler`` (a `CacheAPIHandler`, already
     admitted) and return its events. Raises `AgentRequestError` before anything is
     generated (bad input, the server stopping); afterwards a failure is an ``"error"``
