@@ -3,11 +3,11 @@ answer builder and error shape) run over the bridge, and the answer sent whole o
 server-sent events.
 
 A streamed answer is never silent for longer than `handler.keepalive_interval`
-(`KEEPALIVE_S`):
-from the moment the request is accepted — while it waits for the generation thread (the
-memory guard's line, a batch), while its prompt is processed, while it decodes (a slow
-token rate, a long tool call mlx-lm holds back until it closes) — the writer waits for the
-next event with that timeout and, when none came, writes the route's keep-alive
+(`KEEPALIVE_S`) from the moment the request is accepted — while it waits for the
+generation thread (the memory guard's line, a batch), while its prompt is processed, while
+it decodes (a slow token rate, a long tool call mlx-lm holds back until it closes): the
+writer waits for the next event with that timeout and, when none came, writes the route's
+keep-alive
 (Anthropic: a ``ping`` event; Responses: an SSE comment line, which every SSE parser
 ignores). The stream's headers go out with the first keep-alive, so a request that waits
 longer than one interval before mlx-lm takes it is refused, if it then is, in the
@@ -27,7 +27,6 @@ from .call import AgentRequestError, ChatCall, Event
 
 __all__ = ["SSE", "Answer", "Route", "read_body", "serve", "send_json", "KEEPALIVE_S",
            "KEEPALIVE_ENV", "keepalive_interval"]
-
 
 
 #: A stream event: its name and its JSON data.
