@@ -44,7 +44,8 @@ class Ticket:
     (its prompt, what the cache restored); and the last tokens its answer produced (which
     stop sequence ended it, if one did)."""
 
-    __slots__ = ("started", "cut", "refused", "status", "error", "ctx", "last_tokens")
+    __slots__ = ("started", "cut", "refused", "status", "error", "ctx", "last_tokens",
+                 "keepalive")
 
     def __init__(self) -> None:
         self.started = False
@@ -54,6 +55,8 @@ class Ticket:
         self.error: Optional[dict] = None
         self.ctx = None
         self.last_tokens: tuple = ()
+        #: Called while the answer waits for its next token (its stream's keep-alive).
+        self.keepalive: Optional[Callable[[], None]] = None
 
 
 _local = threading.local()
