@@ -416,16 +416,18 @@ def test_the_guard_reserves_what_answers_use_and_refuses_the_impossible_at_once(
         assert status == 400 and r["error"]["type"] == "invalid_request_error", (status, r)
         assert r["error"]["code"] == "memory_limit_exceeded", r
         assert "prompt tokens" in r["error"]["message"] and "--memory-limit" in r["error"]["message"]
-        status, r = s.request("POST", "/v1/messages",
-                              {"model": "m", "max_tokens": 8, "messages": big})
-        assert status == 400 and r["type"] == "error", (status, r)
-        assert r["error"]["type"] == "invalid_request_error" and "--memory-limit" in r["error"]["message"]
+        for streamed in (False, True):  # (streamed: refused before its stream opens)
+            status, r = s.request("POST", "/v1/messages", {"model": "m", "max_tokens": 8,
+                                                           "messages": big, "stream": streamed})
+            assert status == 400 and r["type"] == "error", (status, r)
+            assert r["error"]["type"] == "invalid_request_error"
+            assert "--memory-limit" in r["error"]["message"]
         status, r = s.request("POST", "/v1/responses", {"model": "m", "input": big})
         assert status == 400 and r["error"]["type"] == "invalid_request_error", (status, r)
         assert r["error"]["code"] == "memory_limit_exceeded", r
         m = s.cache()["memory"]
         # The long answer is still running: the refusals did not wait for it.
-        assert m["never_fit"] == 3 and m["refused"] == 0 and m["running_requests"] == 1, m
+        assert m["never_fit"] == 4 and m["refused"] == 0 and m["running_requests"] == 1, m
         # Its reservation grows with the tokens it decodes.
         s.watch.wait("the reservation to grow").until(
             lambda: s.cache()["memory"]["reserved_bytes"] > admitted)
