@@ -39,10 +39,10 @@ class Control:
 class Ticket:
     """One HTTP request's standing: whether its answer started streaming, was cut short by
     the stop, or was refused before it started; mlx-lm's ``GenerationContext`` of it
-    (its prompt, what the cache restored); and the last tokens its answer produced (which
-    stop sequence ended it, if one did)."""
+    (its prompt, what the cache restored); the last tokens its answer produced (which
+    stop sequence ended it, if one did) and how many it produced."""
 
-    __slots__ = ("started", "cut", "refused", "ctx", "last_tokens")
+    __slots__ = ("started", "cut", "refused", "ctx", "last_tokens", "answered")
 
     def __init__(self) -> None:
         self.started = False
@@ -50,6 +50,7 @@ class Ticket:
         self.refused = False
         self.ctx = None
         self.last_tokens: tuple = ()
+        self.answered = 0
 
 
 _local = threading.local()

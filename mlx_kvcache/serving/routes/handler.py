@@ -10,6 +10,7 @@ gets a 503; an answer the stop cuts short ends with ``finish_reason: "length"``.
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional
@@ -19,7 +20,9 @@ from mlx_lm.server import APIHandler
 from ...generation.model_pair import vocab_size
 from ..guards.admin import AdminPolicy
 from ..guards.lifecycle import current_ticket, set_ticket
+from ..guards.images import ImagePolicy, image_urls, url_problem
 from ..guards.validation import body_problem
+from . import body
 from .model_names import DEFAULT, model_entry, models_listing, resolve
 
 
@@ -122,8 +125,30 @@ class CacheAPIHandler(APIHandler):
     def do_POST(self):
         route = self._post_route()
         if route is None:
-            return self._admitted(super().do_POST)
+            return self._admitted(self._mlx_post)
         self._admitted(lambda: route.serve(self))
+
+    def _mlx_post(self) -> None:
+        """mlx-lm's ``do_POST`` on a body read here first (`body`): its own read has no
+        size cap or timeout, and its parse lets `RecursionError` (deeply nested JSON) and
+        `UnicodeDecodeError` escape — no answer, a traceback in the log. mlx-lm parses the
+        body again; ours is parsed only where it could nest that deep (`may_nest_deep`)."""
+        try:
+            raw = body.read_raw(self)
+            if body.may_nest_deep(raw):
+                body.parse(raw)
+            else:
+                raw.decode("utf-8")
+        except body.BodyError as e:
+            return self._send_json(e.status, {"error": e.message})
+        except UnicodeDecodeError as e:
+            return self._send_json(400, {"error": f"the request body is not UTF-8 ({e})"})
+        sock = self.rfile
+        self.rfile = io.BytesIO(raw)  # what mlx-lm reads; the connection's stream comes back
+        try:
+            super().do_POST()
+        finally:
+            self.rfile = sock
 
     def do_OPTIONS(self):
         self._admitted(lambda: self._admin_route("OPTIONS") if self._is_cache_route()
@@ -137,6 +162,21 @@ class CacheAPIHandler(APIHandler):
             raise ValueError(problem)
         if isinstance(self.stream_options, dict):  # mlx-lm reads the key without a default
             self.stream_options = {"include_usage": False, **self.stream_options}
+
+    def handle_chat_completions(self):
+        # Images: no URL fetched unless the server allows it, none decoded over the pixel
+        # cap (`images`; mlx-lm fetches http(s) URLs in its own method, checked after).
+        policy = ImagePolicy.of(self.response_generator.cli_args)
+        messages = self.body.get("messages")
+        for url in image_urls(messages):
+            problem = url_problem(url, policy.allow_urls)
+            if problem is not None:
+                raise ValueError(problem)
+        request = super().handle_chat_completions()
+        problem = policy.problem(request.messages)
+        if problem is not None:
+            raise ValueError(problem)
+        return request
 
     def _vocab(self) -> Optional[int]:
         provider = self.response_generator.model_provider

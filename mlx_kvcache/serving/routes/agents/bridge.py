@@ -50,14 +50,15 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from queue import Queue
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from mlx_lm.server import APIHandler
 
 from ...engine.templates import answer_extends_prompt, honours_thinking, system_policy
-from ...engine.generator import MarkedRequest
+from ...engine.generator import MarkedRequest, ServedModel
+from ...guards.images import ImagePolicy, inline
 from ...guards.lifecycle import current_ticket
 from ..handler import CacheAPIHandler
 from . import conversation
@@ -84,22 +85,29 @@ class _Prepared:
     tools: Optional[List[Dict[str, Any]]]
     layout: "conversation.Layout"
     template_args: Dict[str, Any]    # the chat template's arguments it was rendered with
+    model: ServedModel               # whose tokenizer rendered and encoded it
 
 
-def _tokenizer(generator):
-    """The served model's tokenizer, once the generation thread has loaded it (a request
-    that comes first waits, as a chat request waits in mlx-lm's queue)."""
+def _served(generator) -> ServedModel:
+    """The model an agent request runs on — the served one (its request names no other) —
+    once the generation thread has loaded it (a request that comes first waits, as a chat
+    request waits in mlx-lm's queue). Not the tokenizer mlx-lm's provider holds now: a chat
+    request naming another local model makes it hold that one's, and a prompt encoded with
+    it would run on the served model as ids of another vocabulary."""
     provider = generator.model_provider
-    while provider.tokenizer is None:
+    served = getattr(generator, "served", lambda: None)
+    while served() is None and provider.tokenizer is None:
         if not generator.generation_available():
             raise AgentRequestError("the model could not be loaded", 503, "overloaded_error")
         time.sleep(0.05)
-    return provider.tokenizer
+    # (no served model recorded: no --model; mlx-lm's provider holds the one it runs)
+    return served() or ServedModel(provider.model_key, provider.tokenizer, provider.processor)
 
 
 def _prepare(handler, call: ChatCall) -> _Prepared:
     provider = handler.response_generator.model_provider
-    tokenizer = _tokenizer(handler.response_generator)
+    model = _served(handler.response_generator)
+    tokenizer = model.tokenizer
     args = provider.cli_args
     base_args = dict(getattr(args, "chat_template_args", None) or {})
     template_args = dict(base_args)
@@ -127,11 +135,14 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
     tools = call.tools or None
     try:
         layout = conversation.layout(tokenizer, conv, tools, template_args,
-                                     vision=getattr(provider, "processor", None) is not None,
+                                     vision=model.processor is not None,
                                      marked_tools=call.tool_breakpoints)
     except ValueError as e:
         raise AgentRequestError(str(e)) from None
-    return _Prepared(messages, tools, layout, template_args)
+    problem = ImagePolicy.of(args).problem(messages)  # before anything fetches or decodes
+    if problem is not None:
+        raise AgentRequestError(problem)
+    return _Prepared(messages, tools, layout, template_args, model)
 
 
 def _body(call: ChatCall, prep: _Prepared) -> Dict[str, Any]:
@@ -155,13 +166,16 @@ def count_tokens(handler, call: ChatCall) -> int:
     """The prompt tokens `run_chat` would give the model for ``call`` (the chat template
     applied as mlx-lm's chat route applies it, each image expanded by the model's image
     processor)."""
-    lay = _prepare(handler, call).layout
-    processor = getattr(handler.response_generator.model_provider, "processor", None)
+    prep = _prepare(handler, call)
+    lay, processor = prep.layout, prep.model.processor
     if not lay.images or processor is None:
         return lay.prompt_tokens
+    cap = ImagePolicy.of(handler.response_generator.model_provider.cli_args).max_pixels
     try:
-        return conversation.processed_tokens(_tokenizer(handler.response_generator),
-                                             processor, lay)
+        # The URL forms the message route serves (an allowed http(s) one is fetched here,
+        # as mlx-lm's route fetches it), each checked against the pixel cap first.
+        lay = replace(lay, images=[inline(u, cap) for u in lay.images])
+        return conversation.processed_tokens(prep.model.tokenizer, processor, lay)
     except ValueError as e:
         raise AgentRequestError(str(e)) from None
 
@@ -237,7 +251,8 @@ class _ChatRun(CacheAPIHandler):
                              request.tools, request.role_mapping, cuts=list(lay.cuts),
                              marks=list(lay.marks), session=self.call.session,
                              tokens=lay.ids, template_kwargs=dict(self.prep.template_args),
-                             reasoning_budget=self.call.reasoning_budget)
+                             reasoning_budget=self.call.reasoning_budget,
+                             model_key=self.prep.model.key)
 
     def send_response(self, code, message=None) -> None:
         self.status = code
@@ -297,7 +312,7 @@ class _ChatRun(CacheAPIHandler):
                       int(u.get("completion_tokens") or 0))
         finish, which = self.finish or "stop", None
         if finish == "stop" and self.call.stop:
-            which = _stop_word(self.response_generator.model_provider.tokenizer,
+            which = _stop_word(self.prep.model.tokenizer,
                                self.call.stop, getattr(self, "last_tokens", ()))
             if which is not None:
                 finish = "stop_sequence"
@@ -312,7 +327,10 @@ class _ChatRun(CacheAPIHandler):
             if self.status == 200 and not self.ended and not self.closed:
                 self.events.put(Event("error", text="the answer ended early"))
         except _Closed:
-            pass
+            ticket = current_ticket()
+            log.info("mlx_kvcache: %s: its client left; the answer stopped after %d tokens",
+                     self.requestline.split("(for ")[-1].rstrip(")"),
+                     getattr(ticket, "answered", 0))
         except Exception as e:  # never into the HTTP thread unsaid
             log.exception("mlx_kvcache: an agent request failed")
             if self.status == 200 and self.started.is_set():
@@ -386,6 +404,13 @@ class ChatEvents:
     def close(self) -> None:
         self._it.close()
         self._run.closed = True
+
+    def abandon(self) -> None:
+        """The client left (safe from any thread): the generation stops at its next step
+        (mlx-lm's next write, a token or a prefill progress report, fails) and the events
+        end now."""
+        self._run.closed = True
+        self._run.events.put(None)  # wakes the reader; `_events` ends on it
 
     def _events(self) -> Iterator[Event]:
         run = self._run

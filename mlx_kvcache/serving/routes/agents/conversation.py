@@ -255,8 +255,12 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
     # One render, one encoding: the template's text encoded without added special tokens
     # is what mlx-lm's ``apply_chat_template(tokenize=True)`` returns.
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    enc = backend.encode(text, add_special_tokens=False) if backend is not None else None
-    ids = list(enc.ids) if enc is not None else list(tokenizer.encode(text, add_special_tokens=False))
+    try:
+        enc = backend.encode(text, add_special_tokens=False) if backend is not None else None
+        ids = list(enc.ids) if enc is not None else list(tokenizer.encode(text, add_special_tokens=False))
+    except (TypeError, UnicodeError) as e:  # a lone surrogate the template passed through
+        raise ValueError(f"the rendered prompt cannot be encoded by the model's tokenizer "
+                         f"(it holds text that is not valid Unicode: {e})") from None
     out = Layout(len(ids), ids=None if conv.has_images() else ids)
     if urls:
         out.text, out.images = text, list(urls)

@@ -6,14 +6,21 @@ server-sent events.
 from __future__ import annotations
 
 import json
+import logging
+import select
+import socket
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
+from .. import body as body_reader
 from ..handler import send_json
 from .bridge import run_chat
 from .call import AgentRequestError, ChatCall, Event
 
 __all__ = ["SSE", "Answer", "Route", "read_body", "serve", "send_json"]
+
+log = logging.getLogger("mlx_kvcache")
 
 
 #: A stream event: its name and its JSON data.
@@ -51,19 +58,20 @@ class Route:
 
 
 def read_body(handler) -> Any:
-    """The request's JSON body; `AgentRequestError` when it has none or it is not JSON."""
-    n = handler.headers.get("Content-Length")
-    if n is None:
-        raise AgentRequestError("a Content-Length header is required", 411)
+    """The request's JSON body (an object); `AgentRequestError` naming the problem when it
+    has none, is over the server's cap (413), shorter than its Content-Length, not JSON,
+    nested too deeply, or holds a string no tokenizer can encode (`body`)."""
     try:
-        n = int(n)
-    except ValueError:
-        raise AgentRequestError("the Content-Length header is not an integer") from None
-    raw = handler.rfile.read(n) if n > 0 else b""
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise AgentRequestError(f"the request body is not valid JSON: {e}") from None
+        raw = body_reader.read_raw(handler)
+        out = body_reader.parse(raw)
+    except body_reader.BodyError as e:
+        kind = "request_too_large" if e.status == 413 else "invalid_request_error"
+        raise AgentRequestError(e.message, e.status, kind) from None
+    where = body_reader.lone_surrogate(raw, out)
+    if where is not None:
+        raise AgentRequestError(f"{where} holds a lone UTF-16 surrogate (such as \\ud800): "
+                                "it is not text a tokenizer can encode", param=where)
+    return out
 
 
 def _sse(batch: Iterable[SSE]) -> bytes:
@@ -102,11 +110,59 @@ def _answer_events(events: Iterable[Event]) -> Iterator[Event]:
 
 
 def _whole(handler, answer: Answer, events, headers: Dict[str, str]) -> None:
-    for ev in _answer_events(events):
-        if ev.kind != "progress":
-            answer.feed(ev)
+    done, left = threading.Event(), threading.Event()
+    _watch_client(handler, events, done, left)
+    try:
+        for ev in _answer_events(events):
+            if ev.kind != "progress":
+                answer.feed(ev)
+    finally:
+        done.set()
+    if left.is_set():  # no one to answer
+        handler.close_connection = True
+        return
     status, body = answer.whole()
-    send_json(handler, status, body, headers)
+    try:
+        send_json(handler, status, body, headers)
+    except (BrokenPipeError, ConnectionResetError):
+        handler.close_connection = True  # the client left first
+
+
+#: Seconds between two looks at a non-streamed request's connection.
+WATCH_EVERY = 0.25
+
+
+def _watch_client(handler, events, done: threading.Event, left: threading.Event) -> None:
+    """Until ``done``, watch the connection of a request whose answer is not streamed
+    (nothing is written to it until the end, so a client that leaves is not seen by a
+    failed write): when the client closes it, ``left`` is set and ``events.abandon()``
+    stops the generation.
+    A connection that turns readable with data (a client sending its next request early)
+    is left alone."""
+    conn = getattr(handler, "connection", None)
+    abandon = getattr(events, "abandon", None)
+    if not isinstance(conn, socket.socket) or abandon is None:
+        return
+
+    def watch() -> None:
+        while not done.is_set():
+            try:
+                readable, _, _ = select.select([conn], [], [], WATCH_EVERY)
+                if not readable:
+                    continue
+                gone = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                continue
+            except (OSError, ValueError):  # reset, or closed under us
+                gone = True
+            if gone and not done.is_set():
+                left.set()
+                log.info("mlx_kvcache: %s: the client left before its answer; stopping it",
+                         handler.path)
+                abandon()
+            return
+
+    threading.Thread(target=watch, name="mlx_kvcache-client-watch", daemon=True).start()
 
 
 def _stream(handler, answer: Answer, events, headers: Dict[str, str]) -> None:
