@@ -198,10 +198,10 @@ def add_options(parser) -> None:
     g.add_argument("--max-image-pixels", type=non_negative_int, default=DEFAULT_MAX_PIXELS,
                    metavar="N",
                    help="refuse an image whose header says more pixels than this, before "
-                   f"decoding it (default: {DEFAULT_MAX_PIXELS:,}; 0: no cap)")
+                   f"decoding it (default: {DEFAULT_MAX_PIXELS}; 0: no cap)")
     g.add_argument("--max-body-bytes", type=parse_bytes, default=MAX_BODY_BYTES, metavar="SIZE",
-                   help="refuse a request body larger than this with a 413 (default: "
-                   f"{MAX_BODY_BYTES >> 20} MiB)")
+                   help="refuse a request body larger than this with a 413 "
+                   f"({MAX_BODY_BYTES >> 20} MiB by default)")
     g.add_argument("--body-timeout", type=non_negative_float, default=BODY_TIMEOUT,
                    metavar="SECONDS",
                    help="a client that stops sending its request body for this long gets a 400 "
