@@ -25,7 +25,7 @@ from mlx_kvcache.serving.routes.agents import conversation, responses  # noqa: E
 from mlx_kvcache.serving.routes.agents.call import SkippedTools  # noqa: E402
 from mlx_kvcache.testing import write_model_dir  # noqa: E402
 from mlx_kvcache.testing.agent_dirs import (  # noqa: E402
-    TOOL_TEMPLATE, write_char_tokenizer, write_tool_template_dir)
+    write_char_tokenizer, write_tool_template_dir)
 from mlx_kvcache.testing.dirs import CHAT_TEMPLATE, DIR_VOCAB  # noqa: E402
 from mlx_kvcache.testing.servers import Server  # noqa: E402
 from mlx_kvcache.testing.waits import CAP  # noqa: E402
@@ -288,8 +288,7 @@ def test_rendering_is_a_bounded_number_of_renders(tmp_path):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     path = write_tool_template_dir(tmp_path / "tools")
-    tok = _CountingTokenizer(load_tokenizer(path))
-    assert TOOL_TEMPLATE  # the template renders every tool's name
+    tok = _CountingTokenizer(load_tokenizer(path))  # (`TOOL_TEMPLATE`: renders each tool)
     tools = [{"type": "function", "function": {"name": f"tool_{k}", "parameters": {}}}
              for k in range(1000)]
     msgs = [{"role": "user", "content": "hi"}]
@@ -332,7 +331,7 @@ def test_unique_tool_types_are_not_remembered_or_logged_each(server):
     for rnd in range(20):
         skipped.note([f"t{rnd}_{k}_{pad}" for k in range(10_000)])
     assert len(skipped) == SkippedTools.KEPT
-    assert isinstance(responses.SKIPPED, SkippedTools)
+    assert len(responses.SKIPPED) == 0  # (this process served none)
 
 
 def _png_header_only(width: int, height: int) -> bytes:
