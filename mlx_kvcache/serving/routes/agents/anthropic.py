@@ -10,7 +10,8 @@ its ``thinking`` blocks its ``reasoning`` (rendered as the template renders reas
 ``redacted_thinking`` has no text and is dropped); a user's ``tool_result`` blocks tool
 messages (before the user's text, in block order; ``is_error`` prefixes ``Error: ``).
 ``cache_control`` on a text, ``tool_use``, ``tool_result`` or system block, or on a tool,
-is a checkpoint at the block's (the tool's) end. ``tools`` (``name``, ``description``, ``input_schema``) go to the chat template as
+is a checkpoint at the block's (the tool's) end; at most `MAX_BREAKPOINTS` (4) of them, as
+the API (more: its 400). ``tools`` (``name``, ``description``, ``input_schema``) go to the chat template as
 function tools; server tools (a ``type`` other than ``custom``) are skipped with a log
 line. ``tool_choice``: ``none`` gives the template no tools, ``{"type": "tool", "name"}``
 only that one (a 400 when it is not among ``tools``); ``auto`` and ``any`` give it all

@@ -27,9 +27,11 @@ template refuses them), the billing line and user-named volatile lines are dropp
 the rendered prompt's layout — where each message and content part starts — rides along
 on the request (`MarkedRequest`): the client's ``cache_control`` breakpoints become
 checkpoint offsets, and the prompt cache's miss explanation names the part a request
-diverged in. The prompt is rendered and encoded once, in the HTTP thread, for the layout;
-its ids ride along too, and mlx-lm's tokenizing takes them instead of rendering and
-encoding it again (`MarkedRequest.tokenizer_for`).
+diverged in. The prompt is rendered and encoded once, in the HTTP thread, for the layout,
+with the served model's tokenizer (`_served`: an agent request runs on the served model,
+whatever model mlx-lm's provider holds at that moment); its ids ride along too, with the
+``model_key`` they were encoded for, and mlx-lm's tokenizing takes them instead of
+rendering and encoding it again — on that model only (`MarkedRequest.tokenizer_for`).
 
 Two things mlx-lm's chunks do not say are recovered here: which stop sequence ended an
 answer (mlx-lm reports ``stop`` for an end-of-sequence token and a stop word alike; the
@@ -226,6 +228,7 @@ class _ChatRun(CacheAPIHandler):
         run.server = handler.server
         run.command, run.path, run.request_version = "POST", "/v1/chat/completions", "HTTP/1.1"
         run.requestline = f"POST /v1/chat/completions HTTP/1.1 (for {handler.path})"
+        run.route = handler.path.split("?", 1)[0]
         run.headers = {"Content-Length": str(len(raw)), "Origin": None}
         run.rfile = io.BytesIO(raw)
         run.wfile = _Capture(run)
@@ -329,8 +332,7 @@ class _ChatRun(CacheAPIHandler):
         except _Closed:
             ticket = current_ticket()
             log.info("mlx_kvcache: %s: its client left; the answer stopped after %d tokens",
-                     self.requestline.split("(for ")[-1].rstrip(")"),
-                     getattr(ticket, "answered", 0))
+                     self.route, getattr(ticket, "answered", 0))
         except Exception as e:  # never into the HTTP thread unsaid
             log.exception("mlx_kvcache: an agent request failed")
             if self.status == 200 and self.started.is_set():

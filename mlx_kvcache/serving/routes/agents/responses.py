@@ -11,7 +11,9 @@ Stateless: every request carries the whole conversation (as Codex sends it).
 server keeps no responses. ``store``, ``metadata``, ``parallel_tool_calls`` are accepted
 and echoed; ``prompt_cache_key`` becomes `ChatCall.session`; OpenAI-side options with no
 local meaning (``include``, ``text``, ``truncation``, ``user``,
-``service_tier``, …) are accepted and ignored. ``reasoning.effort`` turns the model's
+``service_tier``, …) are accepted and ignored — except values that ask for behaviour this
+server lacks (`_unserved_options`: structured outputs, ``background``, ``store: true``,
+stored prompts, logprobs), a 400 naming them. ``reasoning.effort`` turns the model's
 reasoning off (``none``, ``minimal``) or on (``low`` … ``xhigh``), given to the chat template
 as ``enable_thinking`` where the template honours it (as Anthropic's ``thinking``); its
 ``summary`` is ignored. A user message's ``input_image`` parts are served as the chat
