@@ -454,14 +454,15 @@ def test_with_the_flag_every_route_serves_image_urls_count_tokens_too(vision_dir
 
 
 # -- 5. a client that leaves; Responses options not implemented ------------------------------
-@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses", "/v1/chat/completions"])
 def test_a_non_streamed_request_stops_when_its_client_leaves(server, path):
     # Greedy, this model answers this prompt with 3,000 tokens (no end of sequence).
     max_tokens = 3000
-    body = ({"model": "m", "max_tokens": max_tokens, "messages": CONVO, **GREEDY}
-            if path == "/v1/messages" else
-            {"model": "m", "input": CONVO[0]["content"], "max_output_tokens": max_tokens,
-             **GREEDY})
+    body = {"/v1/messages": {"model": "m", "max_tokens": max_tokens, "messages": CONVO},
+            "/v1/responses": {"model": "m", "input": CONVO[0]["content"],
+                              "max_output_tokens": max_tokens},
+            "/v1/chat/completions": {"messages": CONVO, "max_tokens": max_tokens}}[path]
+    body.update(GREEDY)
     raw = json.dumps(body).encode()
     log = Path(server.log)
     start = log.stat().st_size

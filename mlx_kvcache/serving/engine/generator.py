@@ -425,6 +425,9 @@ class ServerResponseGenerator(ResponseGenerator):
                     ticket.cut = True
                     return None
                 self._refuse(ticket)
+            if ticket is not None and ticket.started and ticket.left is not None \
+                    and ticket.left.is_set():
+                return None  # its client left: mlx-lm's handler ends it (``ctx.stop()``)
             try:
                 return response_queue.get(timeout=0.1)
             except Empty:

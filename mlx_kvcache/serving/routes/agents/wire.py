@@ -6,21 +6,16 @@ server-sent events.
 from __future__ import annotations
 
 import json
-import logging
-import select
-import socket
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
 from .. import body as body_reader
-from ..handler import send_json
+from ..handler import send_json, watch_client
 from .bridge import run_chat
 from .call import AgentRequestError, ChatCall, Event
 
 __all__ = ["SSE", "Answer", "Route", "read_body", "serve", "send_json"]
-
-log = logging.getLogger("mlx_kvcache")
 
 
 #: A stream event: its name and its JSON data.
@@ -111,7 +106,7 @@ def _answer_events(events: Iterable[Event]) -> Iterator[Event]:
 
 def _whole(handler, answer: Answer, events, headers: Dict[str, str]) -> None:
     done, left = threading.Event(), threading.Event()
-    _watch_client(handler, events, done, left)
+    watch_client(handler, done, left, getattr(events, "abandon", None))
     try:
         for ev in _answer_events(events):
             if ev.kind != "progress":
@@ -126,62 +121,3 @@ def _whole(handler, answer: Answer, events, headers: Dict[str, str]) -> None:
         send_json(handler, status, body, headers)
     except (BrokenPipeError, ConnectionResetError):
         handler.close_connection = True  # the client left first
-
-
-#: Seconds between two looks at a non-streamed request's connection.
-WATCH_EVERY = 0.25
-
-
-def _watch_client(handler, events, done: threading.Event, left: threading.Event) -> None:
-    """Until ``done``, watch the connection of a request whose answer is not streamed
-    (nothing is written to it until the end, so a client that leaves is not seen by a
-    failed write): when the client closes it, ``left`` is set and ``events.abandon()``
-    stops the generation.
-    A connection that turns readable with data (a client sending its next request early)
-    is left alone."""
-    conn = getattr(handler, "connection", None)
-    abandon = getattr(events, "abandon", None)
-    if not isinstance(conn, socket.socket) or abandon is None:
-        return
-
-    def watch() -> None:
-        while not done.is_set():
-            try:
-                readable, _, _ = select.select([conn], [], [], WATCH_EVERY)
-                if not readable:
-                    continue
-                gone = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-            except BlockingIOError:
-                continue
-            except (OSError, ValueError):  # reset, or closed under us
-                gone = True
-            if gone and not done.is_set():
-                left.set()
-                log.info("mlx_kvcache: %s: the client left before its answer; stopping it",
-                         handler.path)
-                abandon()
-            return
-
-    threading.Thread(target=watch, name="mlx_kvcache-client-watch", daemon=True).start()
-
-
-def _stream(handler, answer: Answer, events, headers: Dict[str, str]) -> None:
-    handler.send_response(200)
-    handler.send_header("Content-Type", "text/event-stream")
-    handler.send_header("Cache-Control", "no-cache")
-    for k, v in headers.items():
-        handler.send_header(k, v)
-    handler.end_headers()
-
-    def write(data: bytes) -> None:
-        if data:
-            handler.wfile.write(data)
-            handler.wfile.flush()
-
-    try:
-        write(_sse(answer.start()))
-        for ev in _answer_events(events):
-            write(answer.keepalive(ev) if ev.kind == "progress" else _sse(answer.feed(ev)))
-    except (BrokenPipeError, ConnectionResetError):
-        return  # the client left; closing the events ends the generation
-
