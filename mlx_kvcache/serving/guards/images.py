@@ -83,9 +83,12 @@ def pixel_problem(data: bytes, max_pixels: Optional[int]) -> Optional[str]:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as im:
                 width, height = im.size
-    except Image.DecompressionBombError:  # over twice PIL's own cap, so over any of ours
-        return (f"the image is over {2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels; this "
-                f"server takes at most {max_pixels:,} (--max-image-pixels)")
+    except Image.DecompressionBombError:  # over twice PIL's own cap (it decodes none)
+        ours = (f"this server takes at most {max_pixels:,} (--max-image-pixels)" if max_pixels
+                else "more than the image library reads")
+        return f"the image is over {2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels; {ours}"
+    except Image.UnidentifiedImageError:
+        return "the image cannot be read: its data is not an image format the server reads"
     except Exception as e:  # noqa: BLE001 - any image PIL cannot read
         return f"the image cannot be read ({type(e).__name__}: {e})"
     if max_pixels and width * height > max_pixels:
