@@ -301,6 +301,23 @@ def test_rendering_is_a_bounded_number_of_renders(tmp_path):
     assert unmarked.renders == 1
 
 
+def test_parts_a_template_rewrites_cost_a_bounded_number_of_scans(tmp_path):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    # A template that trims each message: a part starting with a space is never found
+    # as sent, and each look for it scanned the rest of the prompt (parts x prompt).
+    trimming = CHAT_TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
+    write_char_tokenizer(tmp_path, trimming)
+    tok = load_tokenizer(tmp_path)
+    n = 3000
+    msgs = [{"role": "user" if k % 2 == 0 else "assistant", "content": " x"} for k in range(n)]
+    lay = conversation.layout(tok, conversation.Conversation.from_call(msgs), None)
+    # Two scans' worth of misses (~the prompt's length in characters each, ~4 characters
+    # a message): the layout stopped naming messages after a few, not after all 3,000.
+    assert 0 < len(lay.marks) < n // 100
+    assert lay.prompt_tokens == len(tok.apply_chat_template(msgs, add_generation_prompt=True))
+
+
 def _rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
