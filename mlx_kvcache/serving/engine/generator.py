@@ -74,21 +74,24 @@ class MarkedRequest(CompletionRequest):
         return self.model_key == model_key
 
     def tokenizer_for(self, tokenizer, model_key: Any = None):
-        """``tokenizer``, or — when this request was encoded for the running model
-        ``model_key`` (`encoded_for`) — a view of it that answers the rendering of this
-        request's own prompt (its messages, its tools, the generation prompt, the same
-        template arguments) with `tokens`; every other call goes to ``tokenizer``. Ids of
-        another model's vocabulary are never answered: mlx-lm renders and encodes again."""
-        if self.tokens is None or not self.encoded_for(model_key):
+        """``tokenizer``, or a view of it that answers the rendering of this request's own
+        prompt (its messages, its tools, the generation prompt, the same template
+        arguments) with `tokens` — only when this request was encoded for the running
+        model ``model_key`` (`encoded_for`: ids of another model's vocabulary are never
+        answered, mlx-lm renders and encodes again) — and renders a continued last
+        message without a generation prompt; every other call goes to ``tokenizer``."""
+        ids = self.tokens if self.encoded_for(model_key) else None
+        if ids is None and not (self.template_kwargs or {}).get("continue_final_message"):
             return tokenizer
-        return _KnownPrompt(tokenizer, self)
+        return _KnownPrompt(tokenizer, self, ids)
 
 
 class _KnownPrompt:
-    """A tokenizer whose ``apply_chat_template`` answers one known rendering from its ids."""
+    """A tokenizer whose ``apply_chat_template`` answers one known rendering from its ids
+    (and renders a continued last message without a generation prompt)."""
 
-    def __init__(self, tokenizer, request: MarkedRequest) -> None:
-        self._tokenizer, self._request = tokenizer, request
+    def __init__(self, tokenizer, request: MarkedRequest, ids: Optional[List[int]]) -> None:
+        self._tokenizer, self._request, self._ids = tokenizer, request, ids
 
     def __getattr__(self, name: str):
         return getattr(self._tokenizer, name)
@@ -96,9 +99,14 @@ class _KnownPrompt:
     def apply_chat_template(self, messages, *args, tokenize=True, **kwargs):
         r = self._request
         rest = {k: v for k, v in kwargs.items() if k not in ("tools", "add_generation_prompt")}
-        if (tokenize and not args and messages is r.messages and kwargs.get("tools") is r.tools
-                and kwargs.get("add_generation_prompt") and rest == (r.template_kwargs or {})):
-            return list(r.tokens)
+        if (self._ids is not None and tokenize and not args and messages is r.messages
+                and kwargs.get("tools") is r.tools and kwargs.get("add_generation_prompt")
+                and rest == (r.template_kwargs or {})):
+            return list(self._ids)
+        if kwargs.get("continue_final_message"):
+            # The last assistant message is continued (an agent route's prefill): no
+            # generation prompt after it, whatever mlx-lm's call asks for.
+            kwargs["add_generation_prompt"] = False
         return self._tokenizer.apply_chat_template(messages, *args, tokenize=tokenize, **kwargs)
 
 
@@ -303,6 +311,8 @@ class ServerResponseGenerator(ResponseGenerator):
             template_args = dict(getattr(self.model_provider.cli_args, "chat_template_args",
                                          None) or {})
             template_args.update(getattr(args, "chat_template_kwargs", None) or {})
+        # (a continued last message is this request's rendering, not the template's)
+        template_args = {k: v for k, v in template_args.items() if k != "continue_final_message"}
         return answer_extends_prompt(tokenizer, template_args)
 
     def _request_waiting(self) -> bool:
@@ -443,4 +453,6 @@ class ServerResponseGenerator(ResponseGenerator):
             except Empty:
                 if not self.generation_available():
                     raise RuntimeError("generation thread died") from None
+                if ticket is not None and ticket.keepalive is not None:
+                    ticket.keepalive()  # a streamed answer silent for an interval
 

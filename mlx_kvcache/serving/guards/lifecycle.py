@@ -43,7 +43,8 @@ class Ticket:
     stop sequence ended it, if one did) and how many it produced; ``left``, set when its
     client closed the connection (`set_client_watch`), None where nothing watches."""
 
-    __slots__ = ("started", "cut", "refused", "ctx", "last_tokens", "answered", "left")
+    __slots__ = ("started", "cut", "refused", "ctx", "last_tokens", "answered", "left",
+                 "keepalive")
 
     def __init__(self) -> None:
         self.started = False
@@ -53,6 +54,8 @@ class Ticket:
         self.last_tokens: tuple = ()
         self.answered = 0
         self.left: Optional[threading.Event] = client_watch()
+        #: Called while the answer waits for its next token (its stream's keep-alive).
+        self.keepalive: Optional[Callable[[], None]] = None
 
 
 _local = threading.local()

@@ -121,7 +121,8 @@ class Event:
     ``kind``: ``"text"`` / ``"reasoning"`` (``text`` is the delta), ``"tool_call"``
     (``tool_call``: ``{"id", "name", "arguments"}``, arguments a JSON string, one whole
     call, as mlx-lm's parser yields them), ``"progress"`` (prompt processing:
-    ``text`` is ``"done/total"``; a front end may send a keep-alive, else ignore it),
+    ``text`` is ``"done/total"``; front ends write nothing for it: `wire` keeps a silent
+    stream alive by the clock),
     ``"error"`` (the answer failed after it started: ``text`` says why; the last event), or
     ``"done"`` (the last event of a complete answer). On ``"done"``: ``finish_reason``
     (``"stop"``, ``"length"`` — also when the server's stop cut the answer —,
@@ -187,8 +188,8 @@ class SkippedTools:
         if new:
             shown = ", ".join(repr(k) for k in new[:self.SHOWN])
             more = f" and {len(new) - self.SHOWN} more" if len(new) > self.SHOWN else ""
-            log.info("mlx_kvcache: %s: tools of type %s%s skipped (only client / function "
-                     "tools reach the chat template)", self._route, shown, more)
+            log.info("mlx_kvcache: %s: tools of type %s%s skipped (only the tools the route "
+                     "serves reach the chat template)", self._route, shown, more)
 
     def __len__(self) -> int:
         return len(self._seen)
