@@ -385,7 +385,7 @@ def test_a_thinking_models_prefill_gets_no_think_injected(tmp_path):
     from mlx_kvcache.serving.routes.agents.bridge import count_tokens
     from mlx_kvcache.testing.agent_dirs import write_thinking_dir
     model = write_thinking_dir(tmp_path / "think", switch=True)
-    provider = SimpleNamespace(tokenizer=load_tokenizer(model), processor=None,
+    provider = SimpleNamespace(tokenizer=load_tokenizer(model), processor=None, model_key=None,
                                cli_args=SimpleNamespace(chat_template_args={}))
     handler = SimpleNamespace(response_generator=SimpleNamespace(
         model_provider=provider, generation_available=lambda: True))

@@ -60,7 +60,10 @@ class _Job:
 
     session: str
     tokens: np.ndarray
-    key: np.ndarray
+    #: What the trie keys ``tokens`` by (the same ids but in a cache namespace).
+    trie_key: np.ndarray
+    #: The model whose vocabulary ``tokens`` are in (None: whichever runs).
+    key: Any = None
 
 
 @dataclass
@@ -113,11 +116,14 @@ class Foresight:
         with self._lock:
             self.rendering = max(0, self.rendering - 1)
 
-    def offer(self, session: str, tokens, expected: bool = True, key=None) -> None:
+    def offer(self, session: str, tokens, expected: bool = True, key: Any = None,
+              trie_key=None) -> None:
         """The next prompt of ``session`` starts with ``tokens``: compute what the trie
         lacks of it at the next idle moment (replacing the session's older offer).
-        ``expected``: this ends an `expect`. ``key``: what the trie keys ``tokens`` by,
-        when not the tokens themselves (a cache namespace's salted ids)."""
+        ``expected``: this ends an `expect`. ``key``: the ``model_key`` of the model whose
+        vocabulary ``tokens`` are in — `run` drops the job on any other. ``trie_key``: what
+        the trie keys ``tokens`` by, when not the tokens themselves (a cache namespace's
+        salted ids)."""
         toks = as_tokens(tokens)
         with self._lock:
             if expected:
@@ -127,7 +133,8 @@ class Foresight:
             self.offered += 1
             if self._jobs.pop(session, None) is not None:
                 self.replaced += 1
-            self._jobs[session] = _Job(session, toks, toks if key is None else as_tokens(key))
+            self._jobs[session] = _Job(session, toks, trie_key=toks if trie_key is None
+                                       else as_tokens(trie_key), key=key)
             while len(self._jobs) > JOBS:
                 self._jobs.popitem(last=False)
                 self.replaced += 1
@@ -194,15 +201,20 @@ class Foresight:
             return hit
 
     def run(self, manager, pair, step: int, waiting: Callable[[], bool],
-            stream: Any = None) -> None:
+            stream: Any = None, key: Any = None) -> None:
         """Compute the queued prefixes, oldest first, while nothing is ``waiting``; chunks of
         ``step`` tokens, ``waiting()`` asked before each. On the thread that runs the model
-        (mlx-lm's generation thread), between requests."""
+        (mlx-lm's generation thread), between requests; ``key``: that model's
+        ``model_key`` (a job foreseen for another model — a request named another since —
+        is dropped: its ids are another vocabulary)."""
         while not waiting():
             with self._lock:
                 if not self._jobs:
                     return
                 _, job = self._jobs.popitem(last=False)
+                if job.key is not None and job.key != key:
+                    self.replaced += 1
+                    continue
                 self.running = job.session
             whole = True  # (a job that raised is not tried again)
             try:
@@ -221,16 +233,16 @@ class Foresight:
     def _run(self, manager, pair, job: _Job, step: int, waiting: Callable[[], bool],
              stream: Any) -> bool:
         """One job; False when a waiting request interrupted it (what was computed is kept)."""
-        tokens, key = job.tokens, job.key  # the model's input; the trie's key for it
+        tokens, ids = job.tokens, job.trie_key  # the model's input; the trie's key
         n = len(tokens)
-        _, matched = manager.peek(manager.trie.find, key)
+        _, matched = manager.peek(manager.trie.find, ids)
         if n - matched < self.min_gain:
             with self._lock:
                 self.skipped += 1
             return True
         # Planned as a request would be (interval checkpoints, the branch point): the next
         # request goes on past this prefix, so no stop is guessed before its end.
-        live, plan = manager.checkout(key, guess_end=False)
+        live, plan = manager.checkout(ids, guess_end=False)
         start = plan.restored
         pos = start
         try:
@@ -242,27 +254,27 @@ class Foresight:
                 pos = sequential.prefill(
                     live, pair, tokens, pos, [s for s in stops if pos < s <= nxt] + [nxt],
                     step=step, checkpoint=lambda at: at < n and at in stops
-                    and manager.checkpoint(live, key[:at]), stream=stream)
+                    and manager.checkpoint(live, ids[:at]), stream=stream)
         except Exception:  # never into the generation loop; the request path recomputes
             log.exception("mlx_kvcache: computing a foreseen prefix failed")
-            manager.checkin(live, key[:start])
+            manager.checkin(live, ids[:start])
             with self._lock:
                 self.failed += 1
             return True
         done = pos
-        manager.checkin(live, key[:done])
+        manager.checkin(live, ids[:done])
         computed = done - start
         first = max(matched, start)
-        manager.run(_mark_foreseen, manager.trie, key[:done], first)
+        manager.run(_mark_foreseen, manager.trie, ids[:done], first)
         with self._lock:
             self.computed += computed
             if done > first:
                 old = self._spans.pop(job.session, None)
-                if old is not None and old.tokens is key:  # this job's earlier part
+                if old is not None and old.tokens is ids:  # this job's earlier part
                     first = min(first, old.start)
                 elif old is not None:  # the session's earlier prefix, never read
                     self.wasted += old.end - old.start
-                self._spans[job.session] = _Span(key, first, done)  # (read against keys)
+                self._spans[job.session] = _Span(ids, first, done)  # (read against keys)
                 while len(self._spans) > SPANS:
                     _, gone = self._spans.popitem(last=False)
                     self.wasted += gone.end - gone.start

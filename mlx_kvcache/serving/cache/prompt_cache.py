@@ -403,19 +403,21 @@ class TriePromptCache:
             self._capture(st)
 
     # -- foresight: the next prompt, computed while the client is busy -------------------
-    def foresee(self, session: str, tokens: Sequence[int], expected: bool = True) -> None:
+    def foresee(self, session: str, tokens: Sequence[int], expected: bool = True,
+                model_key: Any = None) -> None:
         """The next prompt of ``session`` starts with ``tokens`` (rendered by an agent
         route when an answer ended; ``expected``: it ends a `Foresight.expect`): the part
-        the trie lacks is computed while the generation loop is idle (`ahead`). Any thread.
-        Dropped where nothing is cached (the cache off, or this model's caches cannot be
-        stored)."""
-        key = self._key(tokens)  # (``tokens`` may carry a cache namespace)
+        the trie lacks is computed while the generation loop is idle (`ahead`) — only on
+        the model ``model_key`` (whose tokenizer encoded ``tokens``; None: any). Any
+        thread. Dropped where nothing is cached (the cache off, or this model's caches
+        cannot be stored). ``tokens`` may carry a cache namespace: computed into it."""
+        key = self._key(tokens)
         if not self.stores_prompts() or key is None:
             if expected:
                 self.foresight.cancel()
             return
         self.foresight.offer(_scoped(session, namespace_of(tokens)), as_tokens(tokens),
-                             expected, key=key)
+                             expected, model_key, trie_key=key)
 
     def ahead(self, waiting, step: int, stream=None) -> None:
         """The generation loop is idle: compute foreseen prefixes until ``waiting()`` says a
@@ -425,7 +427,8 @@ class TriePromptCache:
             return
         before = self.foresight.computed
         self._guard("computing a foreseen prefix",
-                    lambda: self.foresight.run(st.manager, st.pair, step, waiting, stream),
+                    lambda: self.foresight.run(st.manager, st.pair, step, waiting, stream,
+                                               st.key),
                     None, "foresight")
         if self.foresight.computed != before and self.agree.size == 1 and self._writes.changed():
             self._capture(st)

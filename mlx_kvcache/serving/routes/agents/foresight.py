@@ -29,7 +29,7 @@ import threading
 from typing import Any, Dict, List, Optional, Sequence
 
 from ...cache.namespace import Namespaced
-from .bridge import prompt_ids
+from .bridge import prompt_ids, served_key
 from .call import AgentRequestError, ChatCall
 
 __all__ = ["SENTINELS", "expecting", "follow", "common_prefix", "session_of"]
@@ -114,7 +114,8 @@ def _render(handler, cache, fs, route, body, answer, namespace: Optional[str]) -
             renders.append(ids)
         known = common_prefix(renders)
         if known:
-            cache.foresee(session, Namespaced(known, namespace) if namespace else known)
+            cache.foresee(session, Namespaced(known, namespace) if namespace else known,
+                          model_key=served_key(handler))
             offered = True
     except AgentRequestError as e:  # the route would refuse its own follow-up: say why once
         log.debug("mlx_kvcache: no foresight for this answer: %s", e.message)
