@@ -10,7 +10,9 @@
   llama whose layers add nothing (zero output projections), so its next token depends on
   the current one only — ``<|assistant|>`` → ``<tool_call>`` → the call's JSON (one added
   token) → ``</tool_call>`` → ``</s>``;
-* `write_thinking_dir`: the same kind of model reasoning first (``<think>`` … ``</think>``).
+* `write_thinking_dir`: the same kind of model reasoning first (``<think>`` … ``</think>``);
+* `write_long_dir`: the same kind of model whose answer never ends, with a small context
+  length in its config (for answer limits and context refusals).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import mlx.core as mx
 from .dirs import CHARS, SPECIALS, write_model_dir
 
 __all__ = ["REFUSING_TEMPLATE", "TOOL_TEMPLATE", "TOOL_CALL", "THINKING_TEMPLATE",
-           "THINKING_SWITCH_TEMPLATE", "THOUGHT", "LONG_THOUGHT",
+           "THINKING_SWITCH_TEMPLATE", "THOUGHT", "LONG_THOUGHT", "LONG_ANSWER",
+           "write_long_dir",
            "ANSWER", "write_refusing_dir", "write_tool_dir", "write_thinking_dir",
            "write_tool_template_dir", "write_char_tokenizer"]
 
@@ -68,6 +71,8 @@ TOOL_TEMPLATE = (
 THOUGHT, ANSWER = "Let me think about it.", "It is done."
 #: What the long-thinking model thinks: one token per character, each character once.
 LONG_THOUGHT = "abcdefghij"
+#: What the endless model says, again and again: one token per character.
+LONG_ANSWER = "klmnopqrst"
 
 #: Renders an assistant turn's reasoning inside <think> ... </think> before its text.
 THINKING_TEMPLATE = (
@@ -123,19 +128,24 @@ def write_tool_template_dir(path, kind: str = "llama", seed: int = 0) -> Path:
     return path
 
 
-def _write_chain_dir(path, template: str, added, chain) -> Path:
+def _write_chain_dir(path, template: str, added, chain, loop: bool = False,
+                     **config) -> Path:
     """A "bigram" llama (see the module doc) that, from ``<|assistant|>``, produces the
-    tokens ``chain`` (names of specials, characters or ``added`` strings), then ``</s>``."""
+    tokens ``chain`` (names of specials, characters or ``added`` strings), then ``</s>``
+    (``loop``: the chain again, for ever). ``config``: overrides of its config."""
     path = Path(path)
     added = list(added)
     vocab = len(SPECIALS) + len(CHARS) + len(added)
     hidden = 128
-    write_model_dir(path, "llama", 0, hidden_size=hidden, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32, num_hidden_layers=1, vocab_size=vocab)
+    write_model_dir(path, "llama", 0, **{**dict(
+        hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_hidden_layers=1, vocab_size=vocab), **config})
     assert write_char_tokenizer(path, template, added) == vocab
     ids = {t: i for i, t in enumerate(SPECIALS + CHARS + added)}
     steps = [ids["<|assistant|>"], *(ids[t] for t in chain)]
     succ = dict(zip(steps, steps[1:]))
+    if loop:
+        succ[steps[-1]] = steps[1]
     eos = ids["</s>"]
     weights = dict(mx.load(str(path / "model.safetensors")))
     for k, v in weights.items():
@@ -157,6 +167,14 @@ def _write_chain_dir(path, template: str, added, chain) -> Path:
 def write_tool_dir(path) -> Path:
     """The model that always calls `TOOL_CALL` (see the module doc)."""
     return _write_chain_dir(path, TOOL_TEMPLATE, _ADDED, ["<tool_call>", _ADDED[2], "</tool_call>"])
+
+
+def write_long_dir(path, context: int) -> Path:
+    """A model whose answer never ends (`LONG_ANSWER` over and over: no end of sequence)
+    and whose config gives a ``context``-token context (``max_position_embeddings``),
+    through `TOOL_TEMPLATE`."""
+    return _write_chain_dir(path, TOOL_TEMPLATE, [], list(LONG_ANSWER), loop=True,
+                            max_position_embeddings=context)
 
 
 def write_thinking_dir(path, switch: bool = False, long: bool = False) -> Path:

@@ -169,6 +169,8 @@ class CacheAPIHandler(APIHandler):
         ticket = current_ticket()
         if status_code == 404 and ticket is not None and ticket.refused:
             status_code = 503  # mlx-lm answers 404 to any error before the answer starts
+        elif status_code == 404 and ticket is not None and ticket.refusal_status:
+            status_code = ticket.refusal_status
         super()._set_completion_headers(status_code)
 
     def _send_json(self, status: int, body) -> None:

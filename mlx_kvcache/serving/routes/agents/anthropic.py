@@ -37,13 +37,18 @@ prompt cache stores for reuse, ``output_tokens`` — the numbers of the log line
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import logging
+import os
+import re
 import time
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .call import AgentRequestError, ChatCall, Event, restrict_tools
+from .call import AgentRequestError, ChatCall, Event, Usage, restrict_tools
 from .bridge import ChatEvents, count_tokens, run_chat, served_model
 from .wire import Route, read_body, send_json, serve
 
@@ -220,6 +225,9 @@ def _assistant(m: Dict[str, Any], i: int, out: _Builder) -> None:
         elif t == "thinking":
             if not _is_text(b.get("thinking")):
                 raise _bad(f"{name}.thinking must be a string")
+            if not signed_here(b["thinking"], b.get("signature")):
+                log.debug("mlx_kvcache: %s is a thinking block this server did not sign "
+                          "(another server's, or edited): rendered all the same", name)
             thinking.append(b["thinking"])
         elif t == "redacted_thinking":
             continue  # encrypted for Anthropic's models: nothing a local model can read
@@ -342,7 +350,7 @@ def parse_request(body: Any, count_only: bool = False) -> ChatCall:
         if meta.get("user_id") is not None:
             if not _is_text(meta["user_id"]):
                 raise _bad("metadata.user_id must be a string")
-            call.session = meta["user_id"]
+            call.session = session_of(meta["user_id"])
     if count_only:
         return call
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
@@ -361,13 +369,48 @@ def parse_request(body: Any, count_only: bool = False) -> ChatCall:
     return call
 
 
+#: This process's key for thinking blocks' signatures (opaque to clients; a block comes
+#: back signed by another process, or by none, and is rendered all the same).
+_SIGNING_KEY = os.urandom(32)
+
+
+def sign_thinking(thinking: str) -> str:
+    """The ``signature`` of a thinking block this server produced: an HMAC of its text
+    (Claude Code drops thinking blocks without one)."""
+    mac = hmac.new(_SIGNING_KEY, thinking.encode("utf-8"), hashlib.sha256).digest()
+    return base64.b64encode(mac).decode("ascii")
+
+
+def signed_here(thinking: str, signature: Any) -> bool:
+    """Whether ``signature`` is this process's for ``thinking``."""
+    return isinstance(signature, str) and hmac.compare_digest(signature,
+                                                              sign_thinking(thinking))
+
+
+_LEGACY_SESSION = re.compile(r"_session_([0-9A-Za-z-]+)$")
+
+
+def session_of(user_id: str) -> str:
+    """The session a ``metadata.user_id`` names: Claude Code's is a JSON object as a
+    string (``device_id``, ``account_uuid``, ``session_id``), earlier ones
+    ``user_<hash>_account_<uuid>_session_<uuid>``; its ``session_id`` tells one session
+    from another (the device is the same for all). Any other value names itself."""
+    try:
+        v = json.loads(user_id)
+    except ValueError:
+        v = None
+    if isinstance(v, dict) and isinstance(v.get("session_id"), str) and v["session_id"]:
+        return v["session_id"]
+    m = _LEGACY_SESSION.search(user_id)
+    return m.group(1) if m else user_id
+
+
 # -- the answer ------------------------------------------------------------------------------
-def _usage(ev: Optional[Event], prompt_tokens: int = 0, cached: int = 0) -> Dict[str, int]:
-    u = ev.usage if ev is not None else None
-    if u is None:  # at the start: what is known yet (the message_delta has the rest)
-        return {"input_tokens": prompt_tokens - cached, "output_tokens": 0,
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
-    return {"input_tokens": u.uncached_tokens, "output_tokens": u.output_tokens,
+def _usage(u: Optional[Usage]) -> Dict[str, int]:
+    """Anthropic's usage: the three input counts add up to the prompt (`Usage`)."""
+    if u is None:
+        u = Usage(0, 0, 0, 0)
+    return {"input_tokens": u.input_tokens, "output_tokens": u.output_tokens,
             "cache_creation_input_tokens": u.created_tokens,
             "cache_read_input_tokens": u.cached_tokens}
 
@@ -383,10 +426,10 @@ def _tool_input(arguments: str) -> Any:
 class MessageBuilder:
     """An answer as Anthropic content blocks and stream events, fed `Event`s."""
 
-    def __init__(self, model: str, prompt_tokens: int = 0, cached_tokens: int = 0) -> None:
+    def __init__(self, model: str, start_usage: Optional[Callable[[], Usage]] = None) -> None:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.model = model
-        self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
+        self._start_usage = start_usage or (lambda: Usage(0, 0, 0, 0))
         self.blocks: List[Dict[str, Any]] = []
         self._open: Optional[str] = None  # the kind of the block being streamed
         self.done: Optional[Event] = None
@@ -394,18 +437,27 @@ class MessageBuilder:
         self._pinged = time.monotonic()
 
     def start(self) -> List[Tuple[str, Dict[str, Any]]]:
+        """``message_start`` (its usage is the prompt's, as the end's: it may wait for the
+        prompt cache's fetch) and a ``ping``."""
         head = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": _usage(None, self.prompt_tokens, self.cached_tokens)}
+                "usage": _usage(self._start_usage())}
         return [("message_start", {"type": "message_start", "message": head}),
                 ("ping", {"type": "ping"})]
 
     def _close(self) -> List[Tuple[str, Dict[str, Any]]]:
         if self._open is None:
             return []
+        out: List[Tuple[str, Dict[str, Any]]] = []
+        if self._open == "thinking":  # signed once whole, as Anthropic's stream signs it
+            block = self.blocks[-1]
+            block["signature"] = sign_thinking(block["thinking"])
+            out.append(("content_block_delta", {
+                "type": "content_block_delta", "index": len(self.blocks) - 1,
+                "delta": {"type": "signature_delta", "signature": block["signature"]}}))
         self._open = None
-        return [("content_block_stop", {"type": "content_block_stop",
-                                        "index": len(self.blocks) - 1})]
+        return out + [("content_block_stop", {"type": "content_block_stop",
+                                              "index": len(self.blocks) - 1})]
 
     def feed(self, ev: Event) -> List[Tuple[str, Dict[str, Any]]]:
         """The stream events ``ev`` makes (and the whole answer's blocks grow)."""
@@ -451,7 +503,7 @@ class MessageBuilder:
             out += [("message_delta", {"type": "message_delta",
                                        "delta": {"stop_reason": self.stop_reason,
                                                  "stop_sequence": ev.stop_sequence},
-                                       "usage": _usage(ev)}),
+                                       "usage": _usage(ev.usage)}),
                     ("message_stop", {"type": "message_stop"})]
         elif ev.kind == "error":
             self.failed = ev.text or "the answer failed"
@@ -482,7 +534,7 @@ class MessageBuilder:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": self.blocks, "stop_reason": self.stop_reason,
                 "stop_sequence": self.done.stop_sequence if self.done else None,
-                "usage": _usage(self.done)}
+                "usage": _usage(self.done.usage if self.done else None)}
 
 
 # -- HTTP ------------------------------------------------------------------------------------
@@ -501,8 +553,7 @@ def _request_id() -> Dict[str, str]:
 
 
 def _answer(handler, body: Dict[str, Any], events: ChatEvents) -> MessageBuilder:
-    return MessageBuilder(body.get("model") or served_model(handler),
-                          events.prompt_tokens, events.cached_tokens or 0)
+    return MessageBuilder(body.get("model") or served_model(handler), events.start_usage)
 
 
 ROUTE = Route(parse=parse_request, answer=_answer, error=_error, headers=_request_id)

@@ -58,6 +58,7 @@ from mlx_lm.server import APIHandler
 
 from ...engine.templates import answer_extends_prompt, honours_thinking, system_policy
 from ...engine.generator import MarkedRequest
+from ...guards.context import ContextTooLong, answer_tokens, context_length, explicit_max_tokens
 from ...guards.lifecycle import current_ticket
 from ..handler import CacheAPIHandler
 from . import conversation
@@ -84,6 +85,7 @@ class _Prepared:
     tools: Optional[List[Dict[str, Any]]]
     layout: "conversation.Layout"
     template_args: Dict[str, Any]    # the chat template's arguments it was rendered with
+    marked_end: int = 0              # where the client's last breakpoint ends (0: none)
 
 
 def _tokenizer(generator):
@@ -111,7 +113,9 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
             log.debug("mlx_kvcache: the chat template ignores enable_thinking: the "
                       "request's thinking setting is ignored")
     breakpoints = list(call.breakpoints)
-    if call.end_mark is not None and not answer_extends_prompt(tokenizer, template_args):
+    route_mark = call.end_mark is not None and call.end_mark not in breakpoints and \
+        not answer_extends_prompt(tokenizer, template_args)
+    if route_mark:
         breakpoints.append(call.end_mark)
     try:
         conv = conversation.Conversation.from_call(
@@ -131,18 +135,39 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
                                      marked_tools=call.tool_breakpoints)
     except ValueError as e:
         raise AgentRequestError(str(e)) from None
-    return _Prepared(messages, tools, layout, template_args)
+    # The client's breakpoints (not the route's own end mark, at the input's end: after
+    # every one of them) say what a request stores for reuse: its usage's cache creation.
+    client_cuts = layout.cuts[:-1] if route_mark else layout.cuts
+    marked = call.breakpoints or call.tool_breakpoints or call.call_breakpoints
+    return _Prepared(messages, tools, layout, template_args,
+                     max(client_cuts, default=0) if marked else 0)
 
 
-def _body(call: ChatCall, prep: _Prepared) -> Dict[str, Any]:
+def _answer_limit(handler, call: ChatCall, prep: _Prepared) -> Optional[int]:
+    """The answer's ``max_tokens`` (`context.answer_tokens`: the client's, else the user's
+    ``--max-tokens``, else what the context leaves; clamped to what it leaves). A prompt
+    over the context is refused here, before any work: Anthropic's message, OpenAI's
+    ``context_length_exceeded`` code."""
+    provider = handler.response_generator.model_provider
+    key = provider.model_key
+    n = context_length(provider.cli_args, key[0] if key else None, provider.model)
+    try:
+        return answer_tokens(n, prep.layout.prompt_tokens, call.max_tokens,
+                             explicit_max_tokens(provider.cli_args))
+    except ContextTooLong as e:
+        raise AgentRequestError(str(e), 400, "invalid_request_error",
+                                code="context_length_exceeded") from None
+
+
+def _body(call: ChatCall, prep: _Prepared, max_tokens: Optional[int]) -> Dict[str, Any]:
     body: Dict[str, Any] = {"messages": prep.messages, "stream": True,
                             "stream_options": {"include_usage": True}}
     if "enable_thinking" in prep.template_args:  # mlx-lm renders as the layout did
         body["chat_template_kwargs"] = {"enable_thinking": prep.template_args["enable_thinking"]}
     if prep.tools:
         body["tools"] = prep.tools
-    if call.max_tokens is not None:
-        body["max_tokens"] = call.max_tokens
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
     if call.stop:
         body["stop"] = list(call.stop)
     for k in ("temperature", "top_p", "top_k"):
@@ -226,6 +251,7 @@ class _ChatRun(CacheAPIHandler):
         run.ended = False
         run.prompt_tokens = prep.layout.prompt_tokens
         run.cached_tokens: Optional[int] = None
+        run.ctx = None
         return run
 
     # -- what mlx-lm's handler calls -----------------------------------------------------------
@@ -248,6 +274,7 @@ class _ChatRun(CacheAPIHandler):
     def end_headers(self) -> None:
         ctx = getattr(current_ticket(), "ctx", None)  # this thread's request (`generate`)
         if ctx is not None:
+            self.ctx = ctx
             self.prompt_tokens = len(ctx.prompt)
             if ctx.prompt_cache_count >= 0:  # the batch path fetched already
                 self.cached_tokens = ctx.prompt_cache_count
@@ -290,11 +317,8 @@ class _ChatRun(CacheAPIHandler):
         u = self.usage or {}
         prompt = int(u.get("prompt_tokens") or 0)
         cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        cached = max(0, min(cached, prompt))
-        cache = getattr(self.response_generator, "prompt_cache", None)
-        stores = bool(getattr(cache, "stores_prompts", lambda: False)())
-        usage = Usage(prompt, cached, prompt - cached if stores else 0,
-                      int(u.get("completion_tokens") or 0))
+        usage = Usage.split(prompt, cached, self.prep.marked_end, self.stores(),
+                            int(u.get("completion_tokens") or 0))
         finish, which = self.finish or "stop", None
         if finish == "stop" and self.call.stop:
             which = _stop_word(self.response_generator.model_provider.tokenizer,
@@ -302,6 +326,25 @@ class _ChatRun(CacheAPIHandler):
             if which is not None:
                 finish = "stop_sequence"
         return Event("done", finish_reason=finish, stop_sequence=which, usage=usage)
+
+    def stores(self) -> bool:
+        """Whether the prompt cache stores the prompts it computes."""
+        cache = getattr(self.response_generator, "prompt_cache", None)
+        return bool(getattr(cache, "stores_prompts", lambda: False)())
+
+    def fetched(self) -> Optional[int]:
+        """What the prompt cache restored for this prompt, once its fetch ran: waits for it
+        (the batch path fetches before the answer starts, the sequential path right after),
+        bounded by progress — None when the answer produced events or ended first."""
+        while self.cached_tokens is None:
+            ctx = self.ctx
+            if ctx is not None and ctx.prompt_cache_count >= 0:
+                self.cached_tokens = ctx.prompt_cache_count
+            elif ctx is None or self.events.qsize() or self.closed:
+                return None  # (an event says the generation moved on: the end has usage)
+            else:
+                time.sleep(0.002)
+        return self.cached_tokens
 
     # -- the worker thread ------------------------------------------------------------------------
     def serve(self) -> None:
@@ -355,7 +398,8 @@ def run_chat(handler, call: ChatCall) -> "ChatEvents":
     generated (bad input, the server stopping); afterwards a failure is an ``"error"``
     event. Closing the iterator early (the client left) stops the generation."""
     prep = _prepare(handler, call)
-    run = _ChatRun.make(handler, _body(call, prep), prep, call)
+    run = _ChatRun.make(handler, _body(call, prep, _answer_limit(handler, call, prep)), prep,
+                        call)
     worker = threading.Thread(target=run.serve, name="mlx_kvcache-agent", daemon=True)
     worker.start()
     run.started.wait()
@@ -376,6 +420,17 @@ class ChatEvents:
         self.prompt_tokens: int = run.prompt_tokens
         self.cached_tokens: Optional[int] = run.cached_tokens
         self._it = self._events()
+
+    def start_usage(self) -> Usage:
+        """The prompt's usage before the answer (no output yet), split as the ``done``
+        event's is (`Usage.split`): waits for the prompt cache's fetch, which comes before
+        any prefill (see `_ChatRun.fetched`)."""
+        run = self._run
+        cached = run.fetched()
+        if cached is not None:
+            self.cached_tokens = cached
+        return Usage.split(self.prompt_tokens, self.cached_tokens or 0, run.prep.marked_end,
+                           run.stores())
 
     def __iter__(self) -> "ChatEvents":
         return self

@@ -89,21 +89,39 @@ def restrict_tools(call: ChatCall, none: bool = False, name: Optional[str] = Non
 
 @dataclass
 class Usage:
-    """Token counts of one answer. ``prompt_tokens``: the whole prompt; ``cached_tokens``:
-    of those, restored from the prompt cache (the log line's ``cached``);
-    ``created_tokens``: of those, computed by this request and stored for reuse (the
-    prompt cache stores every prompt it computes unless it is off or the model's caches
-    cannot be stored: then 0); ``output_tokens``: the answer's."""
+    """Token counts of one answer, split so they add up: ``prompt_tokens`` (the whole
+    prompt, what ``count_tokens`` says) = ``cached_tokens`` (restored from the prompt
+    cache: the log line's ``cached``) + ``created_tokens`` (computed by this request up to
+    the end of the client's last ``cache_control`` breakpoint, where the prompt cache
+    stores them for reuse; 0 without a breakpoint, or where the cache stores nothing) +
+    `input_tokens` (the rest: computed after that breakpoint). ``output_tokens``: the
+    answer's."""
 
     prompt_tokens: int
     cached_tokens: int
     created_tokens: int
     output_tokens: int
 
+    @classmethod
+    def split(cls, prompt_tokens: int, cached_tokens: int, marked_end: int, stores: bool,
+              output_tokens: int = 0) -> "Usage":
+        """The counts of a ``prompt_tokens`` prompt of which ``cached_tokens`` were
+        restored, whose last client breakpoint ends at token ``marked_end`` (0: none), on
+        a prompt cache that ``stores`` what it computes."""
+        prompt = max(int(prompt_tokens), 0)
+        cached = max(0, min(int(cached_tokens), prompt))
+        created = max(0, min(int(marked_end), prompt) - cached) if stores else 0
+        return cls(prompt, cached, created, int(output_tokens))
+
     @property
     def uncached_tokens(self) -> int:
-        """Prompt tokens not read from the cache (Anthropic's ``input_tokens``)."""
+        """Prompt tokens not read from the cache (computed by this request)."""
         return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def input_tokens(self) -> int:
+        """Computed prompt tokens past the last breakpoint (Anthropic's ``input_tokens``)."""
+        return self.prompt_tokens - self.cached_tokens - self.created_tokens
 
 
 @dataclass

@@ -510,6 +510,8 @@ class ResponseBuilder:
             if u is not None:
                 self.usage = {
                     "input_tokens": u.prompt_tokens,
+                    # OpenAI's input_tokens is the whole prompt, cached ones included;
+                    # cache writes are a client breakpoint's, which Responses has not.
                     "input_tokens_details": {"cached_tokens": u.cached_tokens,
                                              "cache_write_tokens": u.created_tokens},
                     "output_tokens": u.output_tokens,

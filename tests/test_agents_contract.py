@@ -1,0 +1,231 @@
+"""The agent routes keep the APIs' contracts where real clients lean on them, against real
+`mlx-kvcache serve` processes, through the official ``anthropic`` and ``openai`` SDKs and
+raw HTTP: answers without a client limit run to what the context leaves (Codex sends no
+``max_output_tokens``), a prompt over the context is refused before any work in each API's
+words, ``/v1/models`` gives the context length, Anthropic usage adds up to the prompt in
+``message_start`` and at the end alike, every name the served model answers to shares one
+batch, and the log names the client's session.
+
+The model (`write_long_dir`) never ends its answer and has a 640-token context, so every
+limit shows in ``output_tokens``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+anthropic = pytest.importorskip("anthropic")
+openai = pytest.importorskip("openai")
+
+from mlx_kvcache.testing.agent_dirs import LONG_ANSWER, write_long_dir  # noqa: E402
+from mlx_kvcache.testing.servers import Server  # noqa: E402
+from mlx_kvcache.testing.waits import CAP  # noqa: E402
+
+pytestmark = pytest.mark.timeout(CAP)
+
+CTX = 640
+ASK = [{"role": "user", "content": "Write at length."}]
+GREEDY = {"temperature": 0}
+
+
+def _prompt(u) -> int:
+    """The prompt's tokens by Anthropic's usage: its three input counts add up to it."""
+    return u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_long_dir(tmp_path_factory.mktemp("long") / "model", CTX)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("contract")
+    with Server.ours(model, root / "log.txt", root / "home", "--no-persist") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="local",
+                               max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def codex(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="local",
+                         max_retries=0)
+
+
+def test_without_a_client_limit_the_answer_runs_to_the_context(server, claude, codex):
+    n = claude.messages.count_tokens(model="m", messages=ASK).input_tokens
+    room = CTX - n
+    assert room > 512  # past mlx-lm's --max-tokens default, which no longer applies here
+    # Codex sends no max_output_tokens: whole and streamed.
+    r = codex.responses.create(model="gpt-5-codex", input="Write at length.", extra_body=GREEDY)
+    assert r.usage.input_tokens == n and r.usage.output_tokens == room
+    assert r.output_text.startswith(LONG_ANSWER)
+    assert r.status == "incomplete"  # this model never ends: the context did
+    final = list(codex.responses.create(model="gpt-5-codex", input="Write at length.",
+                                        stream=True, extra_body=GREEDY))[-1]
+    assert final.type == "response.incomplete" and final.response.usage.output_tokens == room
+    # Anthropic without max_tokens (raw HTTP: the SDK always sends one), whole and streamed.
+    status, out = server.request("POST", "/v1/messages", {"model": "m", "messages": ASK,
+                                                          **GREEDY})
+    assert status == 200 and out["usage"]["output_tokens"] == room, out
+    assert out["stop_reason"] == "max_tokens"
+    events = list(claude.messages.create(model="m", max_tokens=100_000, messages=ASK,
+                                         stream=True, extra_body=GREEDY))
+    # A client limit past the context is clamped to what it leaves.
+    assert events[-2].type == "message_delta" and events[-2].usage.output_tokens == room
+    # The chat route keeps mlx-lm's default (--max-tokens), clamped to the context too.
+    status, out = server.request("POST", "/v1/chat/completions", {"messages": ASK, **GREEDY})
+    assert status == 200 and out["usage"]["completion_tokens"] == 512
+    assert server.chat(ASK, max_tokens=100_000)["usage"]["completion_tokens"] == room
+    # serve said so at start, with the clients' settings.
+    log = server.tail(200_000)
+    assert f"{CTX} tokens (model config)" in log
+    assert f"model_context_window = {CTX}" in log
+    assert f"CLAUDE_CODE_AUTO_COMPACT_WINDOW={CTX}" in log
+
+
+def test_models_list_the_context_length(server):
+    status, listing = server.request("GET", "/v1/models")
+    assert status == 200
+    (entry,) = listing["data"]
+    assert entry["context_length"] == entry["max_model_len"] == CTX
+    status, one = server.request("GET", "/v1/models/claude-sonnet-5")
+    assert status == 200 and one["context_length"] == CTX
+
+
+def _sized(tokens: int):
+    """A one-message conversation whose prompt is ``tokens`` long (one token per character;
+    the template adds ``<|user|>``, ``</s>`` and ``<|assistant|>``)."""
+    return [{"role": "user", "content": "x" * (tokens - 3)}]
+
+
+def test_a_prompt_over_the_context_is_refused_before_any_work(server, claude, codex):
+    fits, over = _sized(CTX - 1), _sized(CTX)
+    assert claude.messages.count_tokens(model="m", messages=over).input_tokens == CTX
+    before = server.cache()["recent"]
+    want = f"prompt is too long: {CTX} tokens > {CTX - 1} maximum"
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            claude.messages.create(model="m", max_tokens=4, messages=over, stream=stream)
+        assert e.value.status_code == 400
+        assert e.value.body["error"] == {"type": "invalid_request_error", "message": want}
+        with pytest.raises(openai.BadRequestError) as e:
+            codex.responses.create(model="m", input=over[0]["content"], stream=stream)
+        assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
+        assert f"{CTX} tokens" in e.value.message and f"{CTX - 1} maximum" in e.value.message
+    status, out = server.request("POST", "/v1/chat/completions",
+                                 {"messages": over, "max_tokens": 4})
+    assert status == 400 and want in json.dumps(out), out
+    assert server.cache()["recent"] == before  # nothing was fetched, computed or stored
+    # One token short of the context: the answer has room for one token.
+    r = claude.messages.create(model="m", max_tokens=4, messages=fits, extra_body=GREEDY)
+    assert r.usage.output_tokens == 1 and r.stop_reason == "max_tokens"
+    assert _prompt(r.usage) == CTX - 1
+
+
+def test_explicit_max_tokens_and_context_length(model, tmp_path):
+    with Server.ours(model, tmp_path / "log.txt", tmp_path / "home", "--no-persist",
+                     "--max-tokens", "40", "--context-length", "300") as s:
+        codex = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="x",
+                              max_retries=0)
+        r = codex.responses.create(model="m", input="Write at length.", extra_body=GREEDY)
+        assert r.usage.output_tokens == 40  # the user's --max-tokens, given explicitly
+        assert s.request("GET", "/v1/models")[1]["data"][0]["context_length"] == 300
+        with pytest.raises(openai.BadRequestError) as e:
+            codex.responses.create(model="m", input="x" * 300)
+        assert "299 maximum" in e.value.message
+        assert "300 tokens (--context-length)" in s.tail(200_000)
+
+
+def test_usage_adds_up_at_the_start_and_the_end(server, claude, codex):
+    system = [{"type": "text", "text": "You write.", "cache_control": {"type": "ephemeral"}}]
+    msgs = [{"role": "user", "content": [
+        {"type": "text", "text": "Write at length, please.", "cache_control": {"type": "ephemeral"}}]}]
+    n = claude.messages.count_tokens(model="m", system=system, messages=msgs).input_tokens
+
+    def streamed():
+        events = list(claude.messages.create(model="m", max_tokens=3, system=system,
+                                             messages=msgs, stream=True, extra_body=GREEDY))
+        start, end = events[0].message.usage, events[-2].usage
+        assert (start.input_tokens, start.cache_creation_input_tokens,
+                start.cache_read_input_tokens) == (end.input_tokens,
+                                                   end.cache_creation_input_tokens,
+                                                   end.cache_read_input_tokens)
+        assert _prompt(start) == _prompt(end) == n and end.output_tokens == 3
+        return end
+
+    server.request("DELETE", "/v1/cache")
+    cold = streamed()
+    # Computed up to the last breakpoint (the user's text) is created; after it (the
+    # template's "</s><|assistant|>") is input.
+    assert cold.cache_read_input_tokens == 0
+    assert cold.input_tokens == 2 and cold.cache_creation_input_tokens == n - 2
+    warm = streamed()
+    assert (warm.input_tokens, warm.cache_creation_input_tokens,
+            warm.cache_read_input_tokens) == (1, 0, n - 1)
+    whole = claude.messages.create(model="m", max_tokens=3, system=system, messages=msgs,
+                                   extra_body=GREEDY).usage
+    assert (whole.input_tokens, whole.cache_creation_input_tokens,
+            whole.cache_read_input_tokens) == (1, 0, n - 1)
+    # Responses: input_tokens is the whole prompt, cached_tokens what was read.
+    ask = "Write at length, pardon."
+    m = claude.messages.count_tokens(model="m", messages=[{"role": "user", "content": ask}])
+    first = codex.responses.create(model="m", input=ask, max_output_tokens=3,
+                                   extra_body=GREEDY).usage
+    assert first.input_tokens == m.input_tokens
+    again = list(codex.responses.create(model="m", input=ask, max_output_tokens=3,
+                                        stream=True, extra_body=GREEDY))[-1].response.usage
+    assert again.input_tokens == m.input_tokens
+    assert again.input_tokens_details.cached_tokens == m.input_tokens - 1
+
+
+def test_sessions_are_the_clients(server, claude, codex):
+    names = {
+        json.dumps({"device_id": "d" * 64, "account_uuid": "acc",
+                    "session_id": "6f1c2d3e-0000-4000-8000-000000000001"}):
+            "6f1c2d3e-0000-4000-8000-000000000001",
+        "user_" + "a" * 64 + "_account_11111111-2222-3333-4444-555555555555_session_"
+        "99999999-8888-7777-6666-555555555555": "99999999-8888-7777-6666-555555555555",
+        "plain-user": "plain-user",
+    }
+    for user_id, session in names.items():
+        claude.messages.create(model="m", max_tokens=1, messages=ASK,
+                               metadata={"user_id": user_id}, extra_body=GREEDY)
+        assert server.entry_since(0)["session"] == session
+    codex.responses.create(model="m", input="Write.", max_output_tokens=1,
+                           prompt_cache_key="codex-thread-7", extra_body=GREEDY)
+    assert server.entry_since(0)["session"] == "codex-thread-7"
+    assert "session 6f1c2d3e-0000-4000-8000-000000000001" in server.tail(200_000)
+
+
+def test_every_name_of_the_served_model_shares_one_batch(server, claude):
+    """Two requests naming the model differently run in one batch: the second, short one
+    ends while the first, long one still answers (mlx-lm drained its batch for a name it
+    did not know: the second would wait for the first's end)."""
+    n = claude.messages.count_tokens(model="m", messages=ASK).input_tokens
+    long = server.stream("/v1/messages", {
+        "model": "claude-opus-main", "max_tokens": CTX - n, "messages": ASK, "stream": True,
+        "metadata": {"user_id": "long-one"}, **GREEDY})
+    try:
+        for ev in long:  # until the long answer is being generated
+            if ev.get("type") == "content_block_delta":
+                break
+        status, short = server.request("POST", "/v1/chat/completions", {
+            "model": "claude-haiku-side", "max_tokens": 2, "messages": ASK})
+        assert status == 200, short
+        assert claude.messages.create(model="gpt-4o-other", max_tokens=2, messages=ASK,
+                                      metadata={"user_id": "short-one"}).usage.output_tokens == 2
+    finally:
+        long.close()  # the client leaves: the long answer ends
+
+    def listed():  # in the order the answers ended
+        got = [e.get("session") for e in server.cache()["recent"]
+               if e.get("session") in ("long-one", "short-one")]
+        return got if len(got) == 2 else None
+    assert server.watch.wait("both answers listed").until(listed) == ["short-one", "long-one"]
