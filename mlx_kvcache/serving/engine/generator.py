@@ -377,8 +377,8 @@ class ServerResponseGenerator(ResponseGenerator):
         except MemoryRefused:
             ticket.refused = True  # answered 503, not mlx-lm's 404
             raise
-        except ContextTooLong:
-            ticket.refusal_status = 400  # the client's to fix, not mlx-lm's 404
+        except ContextTooLong as e:
+            ticket.refusal = e  # the client's to fix: a 400, not mlx-lm's 404
             raise
         if self.lifecycle.cut.is_set():  # it started just as the stop cut everything
             ctx.stop()

@@ -159,15 +159,16 @@ def client_settings(context: Optional[int], cli_args) -> List[Tuple[str, str]]:
                             f"({int(getattr(cli_args, 'max_tokens', 0) or 0)})")]
     source = "--context-length" if getattr(cli_args, "context_length", None) else "model config"
     runs_to = f"--max-tokens {out}" if out is not None else "the end of the context"
-    out_limit = out if out is not None else context
     # Claude Code keeps its max output free below its window: a quarter leaves the
     # conversation most of it (and it asks 32000 at most by default).
-    claude_out = min(out_limit, context // 4, 32000)
+    claude_out = min(out if out is not None else context, context // 4, 32000)
+    # Codex sends no output limit: it needs model_max_output_tokens only where the
+    # server's --max-tokens bounds the answers.
+    codex_out = f"model_max_output_tokens = {out}, " if out is not None else ""
     return [
         ("context", f"{context} tokens ({source}); answers without a client limit run to "
                     f"{runs_to}; longer prompts get a 400"),
-        ("Codex ~/.codex/config.toml", f"model_context_window = {context}, "
-                                       f"model_max_output_tokens = {out_limit}, "
+        ("Codex ~/.codex/config.toml", f"model_context_window = {context}, {codex_out}"
                                        f"model_auto_compact_token_limit = {int(context * 0.9)}"),
         ("Claude Code environment", f"CLAUDE_CODE_AUTO_COMPACT_WINDOW={context} "
                                     f"CLAUDE_CODE_MAX_OUTPUT_TOKENS={claude_out}"),

@@ -42,7 +42,7 @@ class Ticket:
     (its prompt, what the cache restored); and the last tokens its answer produced (which
     stop sequence ended it, if one did)."""
 
-    __slots__ = ("started", "cut", "refused", "ctx", "last_tokens", "refusal_status")
+    __slots__ = ("started", "cut", "refused", "ctx", "last_tokens", "refusal")
 
     def __init__(self) -> None:
         self.started = False
@@ -50,9 +50,10 @@ class Ticket:
         self.refused = False
         self.ctx = None
         self.last_tokens: tuple = ()
-        #: The HTTP status of a refusal before the answer started (mlx-lm answers 404 to
-        #: whatever fails there): 400 for a prompt over the model's context.
-        self.refusal_status: Optional[int] = None
+        #: What refused the request before its answer started, where the client is to
+        #: fix it (a prompt over the model's context): the handler answers it, not with
+        #: mlx-lm's 404.
+        self.refusal: Optional[Exception] = None
 
 
 _local = threading.local()

@@ -4,12 +4,14 @@
 Every other route is mlx-lm's, CORS headers included, or one of the ``POST`` routes the
 app hands the handler (`PostRoute`: the agent APIs). Ours add: the admin route's access
 rules (`admin`), a 400 for request fields that would end mlx-lm's generation thread
-(`validation`), and the stop (`lifecycle`): a request that arrives while the server stops
+(`validation`), a 400 in OpenAI's shape for a prompt over the model's context (`context`:
+``context_length_exceeded``, where mlx-lm would answer 404), and the stop (`lifecycle`): a request that arrives while the server stops
 gets a 503; an answer the stop cuts short ends with ``finish_reason: "length"``.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional
@@ -18,6 +20,7 @@ from mlx_lm.server import APIHandler
 
 from ...generation.model_pair import vocab_size
 from ..guards.admin import AdminPolicy
+from ..guards.context import ContextTooLong
 from ..guards.lifecycle import current_ticket, set_ticket
 from ..guards.validation import body_problem
 from .model_names import DEFAULT, model_entry, models_listing, resolve
@@ -34,6 +37,25 @@ class PostRoute:
 
     serve: Callable[["CacheAPIHandler"], None]
     refusal: Callable[[str], Dict[str, Any]]
+
+
+class _Replied(io.RawIOBase):
+    """The ``wfile`` of a request already answered: what mlx-lm still writes is dropped;
+    closing closes the connection's own."""
+
+    def __init__(self, sent) -> None:
+        super().__init__()
+        self._sent = sent
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        return len(data)
+
+    def close(self) -> None:
+        self._sent.close()
+        super().close()
 
 
 #: The most request body read (and dropped) before refusing a request.
@@ -169,9 +191,25 @@ class CacheAPIHandler(APIHandler):
         ticket = current_ticket()
         if status_code == 404 and ticket is not None and ticket.refused:
             status_code = 503  # mlx-lm answers 404 to any error before the answer starts
-        elif status_code == 404 and ticket is not None and ticket.refusal_status:
-            status_code = ticket.refusal_status
+        elif status_code == 404 and ticket is not None and \
+                isinstance(ticket.refusal, ContextTooLong):
+            return self._refuse_too_long(ticket.refusal)
         super()._set_completion_headers(status_code)
+
+    def _refuse_too_long(self, e: ContextTooLong) -> None:
+        """A prompt over the model's context, refused before any work: 400 in OpenAI's
+        shape (``context_length_exceeded``). mlx-lm goes on to write its own error reply,
+        which goes nowhere; the connection closes after this reply."""
+        body = json.dumps({"error": {"message": str(e), "type": "invalid_request_error",
+                                     "param": "messages",
+                                     "code": "context_length_exceeded"}}).encode()
+        super()._set_completion_headers(400)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+        self.close_connection = True
+        self.wfile = _Replied(self.wfile)
 
     def _send_json(self, status: int, body) -> None:
         data = json.dumps(body).encode()

@@ -15,22 +15,28 @@ function tools; server tools (a ``type`` other than ``custom``) are skipped with
 line. ``tool_choice``: ``none`` gives the template no tools, ``{"type": "tool", "name"}``
 only that one (a 400 when it is not among ``tools``); ``auto`` and ``any`` give it all
 (a template cannot force a call). ``temperature`` / ``top_p`` / ``top_k``
-are used when present, else the server's defaults; ``metadata.user_id`` names the session.
+are used when present, else the server's defaults; ``metadata.user_id`` names the session
+(Claude Code's ``session_id`` inside it: `session_of`). ``max_tokens`` is clamped to what
+the model's context leaves; without it the answer may run to the end of the context
+(`context.answer_tokens`); a prompt over the context is a 400 ``prompt is too long: N
+tokens > M maximum`` before any work. ``context_management`` and the ``anthropic-beta``
+headers are accepted and ignored (nothing here clears tool results: the prefix would break).
 ``thinking`` (``enabled`` / ``disabled``) is given to the chat template as
 ``enable_thinking`` where the template honours it, else ignored; ``budget_tokens`` caps
 the reasoning (`reasoning_budget`: after that many tokens the end of thinking is forced;
 any positive number, not only Anthropic's 1,024 or more).
 Whatever model name the client sends, the served model answers and the name is echoed.
 
-Answers: ``content`` blocks in the order the model produced them (``thinking``, ``text``,
-``tool_use`` from mlx-lm's tool-call parser), ``stop_reason`` ``end_turn`` /
-``max_tokens`` / ``stop_sequence`` / ``tool_use``, and honest ``usage``:
-``input_tokens`` the prompt tokens not read from the cache, ``cache_read_input_tokens``
-those restored, ``cache_creation_input_tokens`` those this request computed and the
-prompt cache stores for reuse, ``output_tokens`` — the numbers of the log line and
+Answers: ``content`` blocks in the order the model produced them (``thinking`` with a
+``signature``: `sign_thinking`; ``text``; ``tool_use`` from mlx-lm's tool-call parser),
+``stop_reason`` ``end_turn`` / ``max_tokens`` / ``stop_sequence`` / ``tool_use``, and
+``usage`` that adds up (`call.Usage`): ``cache_read_input_tokens`` restored +
+``cache_creation_input_tokens`` computed up to the last ``cache_control`` breakpoint +
+``input_tokens`` computed after it = the prompt = ``count_tokens``, in ``message_start``
+and at the end alike; ``output_tokens`` — the numbers of the log line and
 ``GET /v1/cache``. Streamed: ``message_start``, ``ping``, per block
-``content_block_start`` / ``content_block_delta`` (``text_delta``, ``thinking_delta``,
-``input_json_delta``) / ``content_block_stop``, ``message_delta`` (stop reason, usage),
+``content_block_start`` / ``content_block_delta`` (``text_delta``, ``thinking_delta`` and
+a closing ``signature_delta``, ``input_json_delta``) / ``content_block_stop``, ``message_delta`` (stop reason, usage),
 ``message_stop``; a failure after the answer started is an ``error`` event. Errors are
 ``{"type": "error", "error": {"type", "message"}}`` with the fitting status.
 """

@@ -369,14 +369,16 @@ class _ChatRun(CacheAPIHandler):
 
     def refusal(self) -> AgentRequestError:
         try:
-            msg = json.loads(self.error_body.decode() or "{}").get("error") or ""
+            err = json.loads(self.error_body.decode() or "{}").get("error") or ""
         except (ValueError, AttributeError):
-            msg = self.error_body.decode(errors="replace")
+            err = self.error_body.decode(errors="replace")
+        code = err.get("code") if isinstance(err, dict) else None  # (OpenAI's shape)
+        msg = err.get("message") if isinstance(err, dict) else err
         msg = str(msg or f"the request failed (HTTP {self.status})")
         if self.status == 503 or "generation thread" in msg:
             return AgentRequestError(msg, 503, "overloaded_error")
         if self.status in (400, 404):  # mlx-lm answers 404 to what failed its tokenizing
-            return AgentRequestError(msg, 400, "invalid_request_error")
+            return AgentRequestError(msg, 400, "invalid_request_error", code=code)
         return AgentRequestError(msg, 500, "api_error")
 
 
@@ -412,8 +414,8 @@ def run_chat(handler, call: ChatCall) -> "ChatEvents":
 class ChatEvents:
     """The events of one answer (an iterator; `close` it to stop early). Known before the
     first event: ``prompt_tokens``, the prompt's length, and ``cached_tokens``, what the
-    prompt cache restored, where it has already fetched (else None: the ``done`` event's
-    usage says)."""
+    prompt cache restored, where it has already fetched (else None until `start_usage`
+    waited for the fetch; the ``done`` event's usage says it too)."""
 
     def __init__(self, run: _ChatRun) -> None:
         self._run = run

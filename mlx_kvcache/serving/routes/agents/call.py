@@ -26,7 +26,8 @@ class ChatCall:
     ``"<label>.content[j]"``). ``tools``: OpenAI function tools (``[{"type": "function",
     "function": {"name", "description", "parameters"}}]``), given to the chat template.
     ``tool_choice``: the client's, as sent (`restrict_tools` enforces what can be).
-    ``max_tokens``: None for the server's ``--max-tokens``. ``sampling``: only what the
+    ``max_tokens``: the client's limit, None for none (the bridge then lets the answer run
+    to what the context leaves, or the user's ``--max-tokens``: `context.answer_tokens`). ``sampling``: only what the
     client sent (``temperature``, ``top_p``, ``top_k``); the rest are the server's
     defaults. ``stop``: stop strings. ``breakpoints``: ``(message index, part index)``
     whose END the client marked for reuse (part index 0 for a string content): the prompt
@@ -40,7 +41,7 @@ class ChatCall:
     template's default: given to the chat template as ``enable_thinking`` where it
     honours it, else ignored (a debug log line); ``reasoning_budget``: at most that many
     tokens of it (`reasoning_budget`), or None. ``session``: the client's session name (Codex
-    ``prompt_cache_key``, Anthropic ``metadata.user_id``), or None: listed with the request
+    ``prompt_cache_key``, Claude Code's ``session_id`` in ``metadata.user_id``), or None: listed with the request
     in the log line and ``GET /v1/cache`` ``recent``; eviction stays least-recently-used,
     which already takes other sessions' leaves first (see `TriePromptCache.expect`).
     """
