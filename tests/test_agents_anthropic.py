@@ -397,6 +397,12 @@ def test_budget_tokens_caps_the_reasoning(tmp_path, path):
                                   thinking={"type": "enabled", "budget_tokens": 50})
         assert blocks(roomy) == blocks(free)
         assert blocks(c.messages.create(model="m", max_tokens=32, messages=msgs)) == blocks(free)
+        # On every path the streamed message_start has the end's input counts (it waits
+        # for the prompt cache's fetch), the cache's read included.
+        events = list(c.messages.create(model="m", max_tokens=32, messages=msgs, stream=True))
+        start, end = events[0].message.usage, events[-2].usage
+        assert start.cache_read_input_tokens == end.cache_read_input_tokens > 0
+        assert (start.input_tokens, _prompt(start)) == (end.input_tokens, _prompt(end))
 
 
 def test_a_reasoning_budget_reads_where_the_reasoning_opened():
