@@ -34,6 +34,96 @@ def _prompt(u) -> int:
     return u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens
 
 
+# -- in process ------------------------------------------------------------------------------
+def _config_dir(path, config):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_the_context_length_comes_from_one_place(tmp_path):
+    from types import SimpleNamespace as NS
+
+    from mlx_kvcache.serving.guards.context import context_length
+
+    cases = {"plain": ({"max_position_embeddings": 4096, "sliding_window": 512}, 4096),
+             "vision": ({"model_type": "x", "text_config": {"max_position_embeddings": 8192}},
+                        8192),
+             "gguf_like": ({"n_ctx": 2048}, 2048),
+             "window_only": ({"sliding_window": 512}, None)}
+    for name, (config, want) in cases.items():
+        args = NS(model=_config_dir(tmp_path / name, config), context_length=None)
+        assert context_length(args) == want, name
+        # --context-length wins over the config
+        assert context_length(NS(model=args.model, context_length=1000)) == 1000
+    # No config names it: the loaded model's arguments may.
+    args = NS(model=str(tmp_path / "window_only"), context_length=None)
+    assert context_length(args, model=NS(args=NS(max_seq_len=3000))) == 3000
+
+
+def test_max_tokens_given_is_told_from_the_default():
+    import argparse
+
+    from mlx_kvcache.serving.guards.context import explicit_max_tokens, mark_default_max_tokens
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--max-tokens", type=int, default=512)
+    mark_default_max_tokens(parser)
+    default = parser.parse_args([])
+    assert default.max_tokens == 512 and explicit_max_tokens(default) is None
+    assert explicit_max_tokens(parser.parse_args(["--max-tokens", "512"])) == 512
+
+
+def test_answer_limits():
+    from mlx_kvcache.serving.guards.context import ContextTooLong, answer_tokens
+
+    assert answer_tokens(100, 30, None, None) == 70  # no limit: what the context leaves
+    assert answer_tokens(100, 30, None, 40) == 40  # the user's --max-tokens
+    assert answer_tokens(100, 30, 1000, 40) == 70  # a client's limit, clamped
+    assert answer_tokens(100, 99, 5, None) == 1
+    assert answer_tokens(None, 10**6, None, None) is None  # unknown context: the server's
+    with pytest.raises(ContextTooLong, match=r"^prompt is too long: 100 tokens > 99 maximum$"):
+        answer_tokens(100, 100, 5, None)
+
+
+def test_usage_splits_the_prompt():
+    from mlx_kvcache.serving.routes.agents.call import Usage
+
+    u = Usage.split(100, 60, 90, stores=True, output_tokens=7)
+    assert (u.cached_tokens, u.created_tokens, u.input_tokens) == (60, 30, 10)
+    assert u.cached_tokens + u.created_tokens + u.input_tokens == u.prompt_tokens == 100
+    assert Usage.split(100, 60, 90, stores=False).created_tokens == 0  # nothing stored
+    assert Usage.split(100, 95, 90, stores=True).input_tokens == 5  # read past the mark
+    assert Usage.split(100, 0, 0, stores=True).input_tokens == 100  # no breakpoint
+
+
+def test_the_session_inside_claude_codes_user_id():
+    from mlx_kvcache.serving.routes.agents.anthropic import session_of
+
+    assert session_of(json.dumps({"device_id": "d", "account_uuid": "a",
+                                  "session_id": "s-1"})) == "s-1"
+    assert session_of("user_ab12_account_1-2_session_3f-4e") == "3f-4e"
+    assert session_of(json.dumps({"device_id": "d"})) == json.dumps({"device_id": "d"})
+    assert session_of("someone") == "someone"
+
+
+def test_every_served_name_is_one_batch_key(tmp_path):
+    from types import SimpleNamespace as NS
+
+    from mlx_lm.server import ModelDescription
+
+    from mlx_kvcache.serving.routes.model_names import DEFAULT, batch_key
+
+    cli = NS(model=str(tmp_path), served_model_name=None)
+    other = tmp_path / "other"
+    other.mkdir()
+    for name, want in (("claude-sonnet-5", DEFAULT), ("gpt-4o", DEFAULT), (DEFAULT, DEFAULT),
+                       (str(tmp_path), DEFAULT), (str(other), str(other))):
+        args = NS(model=ModelDescription(model=name, draft=DEFAULT, adapter=None))
+        assert batch_key(cli, args).model == ModelDescription(want, DEFAULT, None), name
+
+
+# -- servers ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return write_long_dir(tmp_path_factory.mktemp("long") / "model", CTX)

@@ -20,7 +20,7 @@ from mlx_lm.server import APIHandler
 
 from ...generation.model_pair import vocab_size
 from ..guards.admin import AdminPolicy
-from ..guards.context import ContextTooLong
+from ..guards.context import ContextTooLong, context_length
 from ..guards.lifecycle import current_ticket, set_ticket
 from ..guards.validation import body_problem
 from .model_names import DEFAULT, model_entry, models_listing, resolve
@@ -172,10 +172,16 @@ class CacheAPIHandler(APIHandler):
     # model, and the listing never depends on a Hugging Face cache) ---------------------------
     def handle_models_request(self):
         args = self.response_generator.cli_args
+        provider = self.response_generator.model_provider
+        # The served model's (the default model's, while loaded: its arguments answer
+        # where its config names no length).
+        loaded = provider.model if provider.model_key and \
+            provider.model_key[0] == getattr(args, "model", None) else None
+        context = context_length(args, None, loaded)
         name = self.path.split("?", 1)[0].rstrip("/")[len("/v1/models"):].lstrip("/")
         if not name:
-            return self._send_json(200, models_listing(args, self.created))
-        entry = model_entry(args, self.created, name)
+            return self._send_json(200, models_listing(args, self.created, context))
+        entry = model_entry(args, self.created, name, context)
         if entry is None:
             return self._send_json(404, {"error": f"no model {name!r} is served here; "
                                                   f"GET /v1/models lists the served model"})
@@ -201,7 +207,8 @@ class CacheAPIHandler(APIHandler):
         shape (``context_length_exceeded``). mlx-lm goes on to write its own error reply,
         which goes nowhere; the connection closes after this reply."""
         body = json.dumps({"error": {"message": str(e), "type": "invalid_request_error",
-                                     "param": "messages",
+                                     "param": "prompt" if self.path == "/v1/completions"
+                                     else "messages",
                                      "code": "context_length_exceeded"}}).encode()
         super()._set_completion_headers(400)
         self.send_header("Content-Length", str(len(body)))

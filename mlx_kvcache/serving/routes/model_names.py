@@ -12,8 +12,8 @@ empty body (mlx-lm scans that cache and the scan raises). Here:
 * any other name is answered by the served model (the response still echoes the name the
   client sent);
 * ``/v1/models`` lists the served model under `served_id`, the id clients should send,
-  with its context length (`context.context_length`) as ``context_length`` and, as vLLM
-  names it, ``max_model_len`` (absent when unknown);
+  with its context length (the caller's: `context.context_length`) as ``context_length``
+  and, as vLLM names it, ``max_model_len`` (absent when unknown);
 * every name answered by the served model is one model to mlx-lm's batching
   (`batch_key`): mlx-lm compares the requested names and drains its batch when they differ.
 
@@ -29,8 +29,6 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional
-
-from ..guards.context import context_length
 
 __all__ = ["DEFAULT", "served_id", "resolve", "install", "batch_key", "models_listing",
            "model_entry"]
@@ -122,19 +120,21 @@ def batch_key(cli_args, args) -> Any:
     return args
 
 
-def models_listing(cli_args, created: int) -> Dict[str, Any]:
-    """The body of ``GET /v1/models``: the served model under `served_id`."""
+def models_listing(cli_args, created: int, context: Optional[int] = None) -> Dict[str, Any]:
+    """The body of ``GET /v1/models``: the served model under `served_id`, with its
+    ``context`` length where known."""
     sid = served_id(cli_args)
     return {"object": "list",
-            "data": [] if sid is None else [_entry(sid, created, context_length(cli_args))]}
+            "data": [] if sid is None else [_entry(sid, created, context)]}
 
 
-def model_entry(cli_args, created: int, name: str) -> Optional[Dict[str, Any]]:
+def model_entry(cli_args, created: int, name: str,
+                context: Optional[int] = None) -> Optional[Dict[str, Any]]:
     """The body of ``GET /v1/models/<name>`` (OpenAI's model object): ``name`` when a
     request naming it is answered by the served model, else None (404)."""
     if served_id(cli_args) is None or resolve(cli_args, name) != DEFAULT:
         return None
-    return _entry(name, created, context_length(cli_args))
+    return _entry(name, created, context)
 
 
 def _entry(name: str, created: int, context: Optional[int]) -> Dict[str, Any]:
