@@ -77,6 +77,7 @@ def _from_config(config: Dict[str, Any]) -> Optional[int]:
     return None
 
 
+#: Each model's config read once (by path or repo id): every request asks.
 _CONFIGS: Dict[str, Optional[int]] = {}
 
 
