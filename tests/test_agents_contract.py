@@ -61,6 +61,29 @@ def test_the_context_length_comes_from_one_place(tmp_path):
     assert context_length(args, model=NS(args=NS(max_seq_len=3000))) == 3000
 
 
+def test_the_memory_limit_bounds_the_served_context(tmp_path):
+    from types import SimpleNamespace as NS
+
+    from mlx_kvcache.serving.guards.context import memory_tokens, served_context
+    from mlx_kvcache.serving.guards.memory import Footprint
+
+    fp = Footprint(weights=1000, kv_fixed=0, kv_per_token=1.0, act_per_token=0.0, step=512)
+    # need(T) = 2 * T rounded up to mlx-lm's 256-token steps: 2 * 512 fits 2048 - 1000
+    # beside the weights, 2 * 768 does not.
+    assert memory_tokens(NS(footprint=fp, limit=2048)) == 512
+    assert fp.need(512, 0) <= 1048 < fp.need(513, 0)
+    assert memory_tokens(NS(footprint=fp, limit=None)) is None  # --memory-limit 0
+    assert memory_tokens(NS(footprint=None, limit=2048)) is None  # not measured
+    assert memory_tokens(NS(footprint=fp, limit=1000)) == 0
+    args = NS(model=_config_dir(tmp_path / "m", {"max_position_embeddings": 4096}),
+              context_length=None)
+    gen = NS(model_provider=NS(cli_args=args, model_key=(args.model, None, None), model=None),
+             memory=NS(footprint=fp, limit=2048))
+    assert served_context(gen) == 512  # the machine holds less than the model's 4096
+    gen.memory.limit = 1 << 20
+    assert served_context(gen) == 4096
+
+
 def test_max_tokens_given_is_told_from_the_default():
     import argparse
 

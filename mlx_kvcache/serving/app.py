@@ -331,7 +331,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
         if agree.rank != 0:
             _follow(generator, cache, life)
             return
-        _log_context(args, model_provider)
+        _log_context(args, model_provider, generator)
         handler = functools.partial(handler_class or CacheAPIHandler, routes=post_routes(),
                                     admin=AdminPolicy.make(args.admin_token, host))
         try:
@@ -344,13 +344,13 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
         _exit(1)
 
 
-def _log_context(args, model_provider) -> None:
+def _log_context(args, model_provider, generator) -> None:
     """The served model's context length and the coding clients' settings that match it."""
-    from .guards.context import client_settings, context_length
+    from .guards.context import client_settings, context_length, served_context
 
     key = model_provider.model_key
     n = context_length(args, key[0] if key else None, model_provider.model)
-    for what, settings in client_settings(n, args):
+    for what, settings in client_settings(served_context(generator), args, n):
         log.info("mlx_kvcache: %s: %s", what, settings)
 
 

@@ -33,7 +33,7 @@ from ...generation.draft_length import DraftLengths
 from ..cache import extract, sequential
 from ..cache.profile import count_share, loop_phase
 from ..cache.prompt_cache import TriePromptCache
-from ..guards.context import ContextTooLong, answer_tokens, context_length
+from ..guards.context import ContextTooLong, answer_tokens, served_context
 from ..guards.lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
 from ..guards.memory import AdmissionQueue, MemoryGuard, MemoryRefused
 from ..guards.validation import generation_problem
@@ -256,10 +256,8 @@ class ServerResponseGenerator(ResponseGenerator):
         """Refuse a prompt over the model's context (`ContextTooLong`, before any work) and
         clamp the answer to what the context leaves (every route; the agent routes did
         both in the HTTP thread already)."""
-        provider = self.model_provider
-        key = provider.model_key
-        n = context_length(provider.cli_args, key[0] if key else None, provider.model)
-        limit = answer_tokens(n, prompt_tokens, getattr(args, "max_tokens", None), None)
+        limit = answer_tokens(served_context(self), prompt_tokens,
+                              getattr(args, "max_tokens", None), None)
         if limit is not None:
             args.max_tokens = limit
 

@@ -8,6 +8,11 @@ model's own arguments; None when none says (then nothing is refused or clamped h
 ``sliding_window`` is not a context length (a sliding-window model attends that far back
 per layer, and its full-attention layers see the whole prompt).
 
+The server's context (`served_context`) is that, or less where the memory guard's limit
+cannot hold it (`memory_tokens`: the most tokens one request alone may hold): a request
+longer than that would never be admitted, and an answer without a client limit would be
+sized, and refused, for a context the machine does not have.
+
 What follows from it (`answer_tokens`): a prompt that leaves no room for one answer token
 is refused before any work (`ContextTooLong`, the number of tokens and the most a prompt
 may have); a client's ``max_tokens`` is clamped to what the context leaves; and with no
@@ -25,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["ContextTooLong", "DefaultMaxTokens", "mark_default_max_tokens",
            "explicit_max_tokens", "config_context_length", "context_length",
-           "answer_tokens", "client_settings"]
+           "memory_tokens", "served_context", "answer_tokens", "client_settings"]
 
 #: Keys a model config names its context length with, most specific first.
 _KEYS = ("max_position_embeddings", "max_seq_len", "max_sequence_length", "n_ctx",
@@ -133,6 +138,36 @@ def context_length(cli_args, model_path: Optional[str] = None, model: Any = None
     return found
 
 
+def memory_tokens(memory) -> Optional[int]:
+    """The most tokens (prompt and answer) one request alone may hold under ``memory``'s
+    limit (a `memory.MemoryGuard`: its measured footprint's need beside the weights), or
+    None without a limit or where caches do not grow with tokens."""
+    fp, limit = getattr(memory, "footprint", None), getattr(memory, "limit", None)
+    if fp is None or limit is None or not fp.kv_per_token:
+        return None
+    room = int(limit) - int(fp.weights)
+    if fp.need(1, 0) > room:
+        return 0
+    lo, hi = 1, 2
+    while fp.need(hi, 0) <= room and hi < 1 << 40:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # fp.need(lo, 0) fits, fp.need(hi, 0) does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fp.need(mid, 0) <= room else (lo, mid)
+    return lo
+
+
+def served_context(generator) -> Optional[int]:
+    """The context the server gives the loaded model (``generator``: the server's response
+    generator): `context_length`, less where the memory guard cannot hold it
+    (`memory_tokens`); None when the model's is unknown."""
+    provider = generator.model_provider
+    key = provider.model_key
+    n = context_length(provider.cli_args, key[0] if key else None, provider.model)
+    held = memory_tokens(getattr(generator, "memory", None))
+    return n if n is None or held is None else min(n, held)
+
+
 def answer_tokens(context: Optional[int], prompt_tokens: int, requested: Optional[int],
                   default: Optional[int]) -> Optional[int]:
     """The most tokens an answer to a ``prompt_tokens`` prompt may have: ``requested`` (the
@@ -149,9 +184,11 @@ def answer_tokens(context: Optional[int], prompt_tokens: int, requested: Optiona
     return room if want is None else min(want, room)
 
 
-def client_settings(context: Optional[int], cli_args) -> List[Tuple[str, str]]:
+def client_settings(context: Optional[int], cli_args, model_context: Optional[int] = None
+                    ) -> List[Tuple[str, str]]:
     """What the coding clients should be told of the served model, as ``(what, settings)``
-    lines for the start log: the context and the answer limit, Codex's
+    lines for the start log: the ``context`` (`served_context`; ``model_context``: the
+    model's own, when the memory limit makes it less) and the answer limit, Codex's
     ``~/.codex/config.toml`` keys and Claude Code's environment variables."""
     out = explicit_max_tokens(cli_args)
     if context is None:
@@ -159,6 +196,9 @@ def client_settings(context: Optional[int], cli_args) -> List[Tuple[str, str]]:
                             "sets it): answers without a client limit stop at --max-tokens "
                             f"({int(getattr(cli_args, 'max_tokens', 0) or 0)})")]
     source = "--context-length" if getattr(cli_args, "context_length", None) else "model config"
+    if model_context is not None and model_context > context:
+        source = (f"the memory limit's for one request; the model's is {model_context} by its "
+                  f"{source}")
     runs_to = f"--max-tokens {out}" if out is not None else "the end of the context"
     # Claude Code keeps its max output free below its window: a quarter leaves the
     # conversation most of it (and it asks 32000 at most by default).

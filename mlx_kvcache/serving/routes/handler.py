@@ -20,7 +20,7 @@ from mlx_lm.server import APIHandler
 
 from ...generation.model_pair import vocab_size
 from ..guards.admin import AdminPolicy
-from ..guards.context import ContextTooLong, context_length
+from ..guards.context import ContextTooLong, served_context
 from ..guards.lifecycle import current_ticket, set_ticket
 from ..guards.validation import body_problem
 from .model_names import DEFAULT, model_entry, models_listing, resolve
@@ -172,12 +172,7 @@ class CacheAPIHandler(APIHandler):
     # model, and the listing never depends on a Hugging Face cache) ---------------------------
     def handle_models_request(self):
         args = self.response_generator.cli_args
-        provider = self.response_generator.model_provider
-        # The served model's (the default model's, while loaded: its arguments answer
-        # where its config names no length).
-        loaded = provider.model if provider.model_key and \
-            provider.model_key[0] == getattr(args, "model", None) else None
-        context = context_length(args, None, loaded)
+        context = served_context(self.response_generator)
         name = self.path.split("?", 1)[0].rstrip("/")[len("/v1/models"):].lstrip("/")
         if not name:
             return self._send_json(200, models_listing(args, self.created, context))

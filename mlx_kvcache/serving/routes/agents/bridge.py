@@ -58,7 +58,7 @@ from mlx_lm.server import APIHandler
 
 from ...engine.templates import answer_extends_prompt, honours_thinking, system_policy
 from ...engine.generator import MarkedRequest
-from ...guards.context import ContextTooLong, answer_tokens, context_length, explicit_max_tokens
+from ...guards.context import ContextTooLong, answer_tokens, explicit_max_tokens, served_context
 from ...guards.lifecycle import current_ticket
 from ..handler import CacheAPIHandler
 from . import conversation
@@ -148,12 +148,10 @@ def _answer_limit(handler, call: ChatCall, prep: _Prepared) -> Optional[int]:
     ``--max-tokens``, else what the context leaves; clamped to what it leaves). A prompt
     over the context is refused here, before any work: Anthropic's message, OpenAI's
     ``context_length_exceeded`` code."""
-    provider = handler.response_generator.model_provider
-    key = provider.model_key
-    n = context_length(provider.cli_args, key[0] if key else None, provider.model)
+    generator = handler.response_generator
     try:
-        return answer_tokens(n, prep.layout.prompt_tokens, call.max_tokens,
-                             explicit_max_tokens(provider.cli_args))
+        return answer_tokens(served_context(generator), prep.layout.prompt_tokens,
+                             call.max_tokens, explicit_max_tokens(generator.cli_args))
     except ContextTooLong as e:
         raise AgentRequestError(str(e), 400, "invalid_request_error",
                                 code="context_length_exceeded") from None
