@@ -263,8 +263,8 @@ def test_explicit_max_tokens_and_context_length(model, tmp_path):
 
 def test_usage_adds_up_at_the_start_and_the_end(server, claude, codex):
     system = [{"type": "text", "text": "You write.", "cache_control": {"type": "ephemeral"}}]
-    msgs = [{"role": "user", "content": [
-        {"type": "text", "text": "Write at length, please.", "cache_control": {"type": "ephemeral"}}]}]
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Write at length, please.",
+                                          "cache_control": {"type": "ephemeral"}}]}]
     n = claude.messages.count_tokens(model="m", system=system, messages=msgs).input_tokens
 
     def streamed():

@@ -5,8 +5,9 @@ Every other route is mlx-lm's, CORS headers included, or one of the ``POST`` rou
 app hands the handler (`PostRoute`: the agent APIs). Ours add: the admin route's access
 rules (`admin`), a 400 for request fields that would end mlx-lm's generation thread
 (`validation`), a 400 in OpenAI's shape for a prompt over the model's context (`context`:
-``context_length_exceeded``, where mlx-lm would answer 404), and the stop (`lifecycle`): a request that arrives while the server stops
-gets a 503; an answer the stop cuts short ends with ``finish_reason: "length"``.
+``context_length_exceeded``, where mlx-lm would answer 404), and the stop (`lifecycle`): a
+request that arrives while the server stops gets a 503; an answer the stop cuts short ends
+with ``finish_reason: "length"``.
 """
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ and at the end alike; ``output_tokens`` — the numbers of the log line and
 ``GET /v1/cache``. Streamed: ``message_start``, ``ping``, per block
 ``content_block_start`` / ``content_block_delta`` (``text_delta``, ``thinking_delta`` and
 a closing ``signature_delta``, ``input_json_delta``) / ``content_block_stop``,
-``message_delta`` (stop reason, usage), ``message_stop``; a failure after the answer started is an ``error`` event. Errors are
-``{"type": "error", "error": {"type", "message"}}`` with the fitting status.
+``message_delta`` (stop reason, usage), ``message_stop``; a failure after the answer
+started is an ``error`` event. Errors are ``{"type": "error", "error": {"type",
+"message"}}`` with the fitting status.
 """
 
 from __future__ import annotations

@@ -27,10 +27,10 @@ class ChatCall:
     "function": {"name", "description", "parameters"}}]``), given to the chat template.
     ``tool_choice``: the client's, as sent (`restrict_tools` enforces what can be).
     ``max_tokens``: the client's limit, None for none (the bridge then lets the answer run
-    to what the context leaves, or the user's ``--max-tokens``: `context.answer_tokens`). ``sampling``: only what the
-    client sent (``temperature``, ``top_p``, ``top_k``); the rest are the server's
-    defaults. ``stop``: stop strings. ``breakpoints``: ``(message index, part index)``
-    whose END the client marked for reuse (part index 0 for a string content): the prompt
+    to what the context leaves, or the user's ``--max-tokens``: `context.answer_tokens`).
+    ``sampling``: only what the client sent (``temperature``, ``top_p``, ``top_k``); the
+    rest are the server's defaults. ``stop``: stop strings. ``breakpoints``: ``(message
+    index, part index)`` whose END the client marked for reuse (part index 0 for a string content): the prompt
     cache stores a checkpoint there; ``tool_breakpoints`` (indices of ``tools``) and
     ``call_breakpoints`` (``(message index, tool call index)``) likewise; ``end_mark``:
     the ``(message, part)`` where the input ends, marked by the route itself where the
@@ -40,10 +40,11 @@ class ChatCall:
     whether the model should reason first (Anthropic's ``thinking``), None for the
     template's default: given to the chat template as ``enable_thinking`` where it
     honours it, else ignored (a debug log line); ``reasoning_budget``: at most that many
-    tokens of it (`reasoning_budget`), or None. ``session``: the client's session name (Codex
-    ``prompt_cache_key``, Claude Code's ``session_id`` in ``metadata.user_id``), or None: listed with the request
-    in the log line and ``GET /v1/cache`` ``recent``; eviction stays least-recently-used,
-    which already takes other sessions' leaves first (see `TriePromptCache.expect`).
+    tokens of it (`reasoning_budget`), or None. ``session``: the client's session name
+    (Codex ``prompt_cache_key``, Claude Code's ``session_id`` in ``metadata.user_id``), or
+    None: listed with the request in the log line and ``GET /v1/cache`` ``recent``;
+    eviction stays least-recently-used, which already takes other sessions' leaves first
+    (see `TriePromptCache.expect`).
     ``keep_reasoning``: render earlier assistant turns with their reasoning as generated
     (the client's ``keep_reasoning``; None: the server's ``--keep-reasoning``).
     """
