@@ -30,8 +30,8 @@ class ChatCall:
     to what the context leaves, or the user's ``--max-tokens``: `context.answer_tokens`).
     ``sampling``: only what the client sent (``temperature``, ``top_p``, ``top_k``); the
     rest are the server's defaults. ``stop``: stop strings. ``breakpoints``: ``(message
-    index, part index)`` whose END the client marked for reuse (part index 0 for a string content): the prompt
-    cache stores a checkpoint there; ``tool_breakpoints`` (indices of ``tools``) and
+    index, part index)`` whose END the client marked for reuse (part index 0 for a string
+    content): the prompt cache stores a checkpoint there; ``tool_breakpoints`` (indices of ``tools``) and
     ``call_breakpoints`` (``(message index, tool call index)``) likewise; ``end_mark``:
     the ``(message, part)`` where the input ends, marked by the route itself where the
     client comes back with the conversation extended, and checkpointed only where that
