@@ -31,20 +31,20 @@ class ChatCall:
     ``sampling``: only what the client sent (``temperature``, ``top_p``, ``top_k``); the
     rest are the server's defaults. ``stop``: stop strings. ``breakpoints``: ``(message
     index, part index)`` whose END the client marked for reuse (part index 0 for a string
-    content): the prompt cache stores a checkpoint there; ``tool_breakpoints`` (indices of ``tools``) and
-    ``call_breakpoints`` (``(message index, tool call index)``) likewise; ``end_mark``:
-    the ``(message, part)`` where the input ends, marked by the route itself where the
-    client comes back with the conversation extended, and checkpointed only where that
-    next request may diverge right after it (`templates`: a template whose generation
-    prompt the history does not repeat, or a reasoning model). ``thinking``:
-    whether the model should reason first (Anthropic's ``thinking``), None for the
-    template's default: given to the chat template as ``enable_thinking`` where it
-    honours it, else ignored (a debug log line); ``reasoning_budget``: at most that many
-    tokens of it (`reasoning_budget`), or None. ``session``: the client's session name
-    (Codex ``prompt_cache_key``, Claude Code's ``session_id`` in ``metadata.user_id``), or
-    None: listed with the request in the log line and ``GET /v1/cache`` ``recent``;
-    eviction stays least-recently-used, which already takes other sessions' leaves first
-    (see `TriePromptCache.expect`).
+    content): the prompt cache stores a checkpoint there; ``tool_breakpoints`` (indices of
+    ``tools``) and ``call_breakpoints`` (``(message index, tool call index)``) likewise;
+    ``end_mark``: the ``(message, part)`` where the input ends, marked by the route itself
+    where the client comes back with the conversation extended, and checkpointed only where
+    that next request may diverge right after it (`templates`: a template whose generation
+    prompt the history does not repeat, or a reasoning model). ``thinking``: whether the
+    model should reason first (Anthropic's ``thinking``), None for the template's default:
+    given to the chat template as ``enable_thinking`` where it honours it, else ignored (a
+    debug log line); ``reasoning_budget``: at most that many tokens of it
+    (`reasoning_budget`), or None. ``session``: the client's session name (Codex
+    ``prompt_cache_key``, Claude Code's ``session_id`` in ``metadata.user_id``), or None:
+    listed with the request in the log line and ``GET /v1/cache`` ``recent``; eviction stays
+    least-recently-used, which already takes other sessions' leaves first (see
+    `TriePromptCache.expect`).
     ``keep_reasoning``: render earlier assistant turns with their reasoning as generated
     (the client's ``keep_reasoning``; None: the server's ``--keep-reasoning``).
     """
