@@ -49,7 +49,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import re
 import time
 import uuid
@@ -377,20 +376,21 @@ def parse_request(body: Any, count_only: bool = False) -> ChatCall:
     return call
 
 
-#: This process's key for thinking blocks' signatures (opaque to clients; a block comes
-#: back signed by another process, or by none, and is rendered all the same).
-_SIGNING_KEY = os.urandom(32)
+#: What thinking blocks' signatures are keyed with: a fixed key, so the same answer is the
+#: same bytes from any server and after a restart (nothing is trusted on a signature: a
+#: block coming back is only rendered, signed or not).
+_SIGNING_KEY = b"mlx-kvcache thinking v1"
 
 
 def sign_thinking(thinking: str) -> str:
     """The ``signature`` of a thinking block this server produced: an HMAC of its text
-    (Claude Code drops thinking blocks without one)."""
+    (opaque to clients; Claude Code drops thinking blocks without one)."""
     mac = hmac.new(_SIGNING_KEY, thinking.encode("utf-8"), hashlib.sha256).digest()
     return base64.b64encode(mac).decode("ascii")
 
 
 def signed_here(thinking: str, signature: Any) -> bool:
-    """Whether ``signature`` is this process's for ``thinking``."""
+    """Whether ``signature`` is the one this server gives ``thinking``."""
     return isinstance(signature, str) and hmac.compare_digest(signature,
                                                               sign_thinking(thinking))
 
