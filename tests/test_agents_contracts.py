@@ -74,6 +74,9 @@ class _Silent:
     def __init__(self, script) -> None:
         self._script = list(script)
 
+    def start_usage(self) -> Usage:  # (ChatEvents': the prompt's, before the answer)
+        return Usage(self.prompt_tokens, self.cached_tokens, 0, 0)
+
     def next_event(self, timeout):
         if not self._script:
             return None

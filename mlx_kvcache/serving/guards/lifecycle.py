@@ -46,8 +46,7 @@ class Ticket:
     (`set_client_watch`), None where nothing watches."""
 
     __slots__ = ("started", "cut", "refused", "status", "error", "ctx", "last_tokens",
-                 "answered", "left",
-                 "keepalive")
+                 "answered", "left", "keepalive", "refusal")
 
     def __init__(self) -> None:
         self.started = False
@@ -61,6 +60,10 @@ class Ticket:
         self.left: Optional[threading.Event] = client_watch()
         #: Called while the answer waits for its next token (its stream's keep-alive).
         self.keepalive: Optional[Callable[[], None]] = None
+        #: What refused the request before its answer started, where the client is to
+        #: fix it (a prompt over the model's context): the handler answers it, not with
+        #: mlx-lm's 404.
+        self.refusal: Optional[Exception] = None
 
 
 _local = threading.local()
