@@ -64,6 +64,9 @@ class _Handler:
     def end_headers(self):
         pass
 
+    def by_api_key(self):  # (`CacheAPIHandler.by_api_key`: the cache namespace's source)
+        return False
+
 
 class _Silent:
     """Scripted events: `NOTHING` (an interval passed in silence) where the script says
