@@ -202,8 +202,6 @@ class TriePromptCache:
         nothing."""
         def plan():
             st = self._state(model_key)
-            if st.manager is None:
-                return []
             if st.store is not None:  # parked nodes of this prompt: start reading them
                 st.manager.peek(st.store.prefetch, tokens)
             if not st.manager.whole_state or len(tokens) < 2:
@@ -227,13 +225,13 @@ class TriePromptCache:
         """Whether a request's prompt is stored for reuse once computed (the trie is open
         and the model's caches can be snapshotted)."""
         st = self._model
-        return st is not None and st.manager is not None
+        return st is not None and st.why_not is None
 
     def _fetch(self, model_key, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:
         # The server's list becomes an array once; everything after is O(edges + bytes).
         st = self._state(model_key)
         seq = sequential.current()
-        if st.manager is None or not len(tokens):
+        if st.why_not is not None or not len(tokens):  # mlx-lm computes the whole prompt
             why = st.why_not or "the prompt cache is off"
             self._log.fetched(tokens, 0, 0, "sequential" if seq else "batch",
                               Reuse("off", 0, len(tokens), None, "", "", "", f"caching is off: {why}"))
@@ -308,7 +306,7 @@ class TriePromptCache:
     def _insert(self, model_key, tokens: np.ndarray, prompt_cache: List[Any], cache_type: str,
                 final: Optional[int] = None) -> None:
         st = self._state(model_key)
-        if st.manager is None or not len(tokens):
+        if st.why_not is not None or not len(tokens):  # caching off: nothing to store or log
             return
         seq = sequential.current()
         note, key = "", tokens  # prompt + answer; ``tokens`` what the caches hold
@@ -381,7 +379,7 @@ class TriePromptCache:
         st = self._model
         if st is not None and st.writer is not None:
             st.writer.idle()
-        if not self._writes.pending or st is None or st.manager is None:
+        if not self._writes.pending or st is None:
             return
         self._guard("capturing the prompt cache for the disk", lambda: self._capture(st),
                     None, "idle")
@@ -402,7 +400,7 @@ class TriePromptCache:
 
     def trim_to(self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None) -> None:
         st = self._model
-        if st is None or st.manager is None:
+        if st is None:
             return
         mgr = st.manager
 
@@ -428,7 +426,7 @@ class TriePromptCache:
         """After the turn's collective, on every rank (``agreed``: every rank's
         `turn_flags`, element-wise max): fit the budget, drop what not every rank stored."""
         st = self._model
-        if st is None or st.manager is None:
+        if st is None:
             return
 
         def settle() -> None:
@@ -440,12 +438,11 @@ class TriePromptCache:
     def nbytes(self) -> int:
         st = self._model
         # snapshots, and the last sequential request's caches kept for the next (`adopt`)
-        return 0 if st is None or st.manager is None else st.manager.peek(
-            lambda: st.manager.held_bytes)
+        return 0 if st is None else st.manager.peek(lambda: st.manager.held_bytes)
 
     def __len__(self) -> int:
         st = self._model
-        if st is None or st.manager is None:
+        if st is None:
             return 0
         return st.manager.trie.node_count  # a counter: no lock needed to read one int
 
@@ -455,7 +452,7 @@ class TriePromptCache:
     def stats_by_type(self) -> Dict[str, Dict[str, int]]:
         out = {t: {"n_sequences": 0, "n_bytes": 0} for t in ("assistant", "user", "system")}
         st = self._model
-        if st is None or st.manager is None:
+        if st is None:
             return out
 
         # mlx-lm logs this before every request: counters kept by the trie, O(labels).
@@ -469,7 +466,7 @@ class TriePromptCache:
     # and a clear that is durable on every rank before it answers ------------------------
     def _local(self) -> Tuple[int, ...]:
         st = self._model
-        if st is None or st.manager is None:
+        if st is None:
             return (0, 0, 0, 0, self.requests, self.cached_tokens, self.disk_tokens)
         mgr = st.manager
         # Counters only: O(1) in the trie's size (the idle set: O(layers)), under the lock.
@@ -504,11 +501,11 @@ class TriePromptCache:
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "evicted_bytes": evicted, "checkpoint_interval": self.checkpoint_interval,
             "cache_dir": str(st.store.directory()) if st and st.store else None,
-            "cold_bits": self.cold_bits, "enabled": bool(st and st.manager),
+            "cold_bits": self.cold_bits, "enabled": st is not None and st.why_not is None,
             # the layers each node holds (with a draft model: the target's, then the draft's)
-            "layers": len(st.manager.ops) if st and st.manager else 0,
-            "kv_bits": st.manager.kv_quant.signature()[1:] if st and st.manager
-            and st.manager.kv_quant else None,
+            "layers": len(st.manager.ops) if st else 0,
+            "kv_bits": st.manager.kv_quant.signature()[1:] if st and st.manager.kv_quant
+            else None,
             "recent": self._log.listing(), "prompt_excerpts": self.excerpts,
             "profile": self.profile.snapshot(),
         }
@@ -519,7 +516,7 @@ class TriePromptCache:
             # inserts the disk does not hold yet (written once the server idles a moment)
             out["disk_writes_pending"] = bool(self._writes.pending) or (
                 st.writer is not None and st.writer.pending)
-        if st is not None and st.manager is None:
+        if st is not None and st.why_not is not None:
             out["disabled_because"] = st.why_not
         if self.memory is not None:  # the server's memory guard
             out["memory"] = self.memory.report()
@@ -543,7 +540,7 @@ class TriePromptCache:
         st = self._model
         mine: Dict[str, Any] = {"rank": self.agree.rank, "memory_cleared": True,
                                 "disk_cleared": True, "freed_bytes": 0, "freed_files": 0}
-        if st is not None and st.manager is not None:
+        if st is not None:
             st.manager.clear()
             self.clears += 1
             if st.store is not None:
@@ -588,7 +585,7 @@ class TriePromptCache:
         st = self._model
         if st is None:
             return
-        if st.writer is not None and self._writes.pending and st.manager is not None:
+        if st.writer is not None and self._writes.pending:
             self._capture(st)  # the generation thread has stopped: nothing else runs MLX
         st.core.close(timeout, recapture=False)
 
