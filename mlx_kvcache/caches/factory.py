@@ -112,6 +112,18 @@ def leaf_caches(caches: Sequence[Any]) -> List[Any]:
     return out
 
 
+def restore_rule_of(c: Any) -> str:
+    """Why a restore of layer cache ``c`` landed short, in words: its class's
+    ``restore_rule``; for mlx-lm's class of a kind we have, that kind's; for any other
+    class, a whole-state class's (`GenericCache.rule_for`)."""
+    if isinstance(c, LEAF_TYPES) or isinstance(c, GenericCache):
+        return c.restore_rule
+    for cls in LEAF_TYPES:
+        if type(c) is cls.mlx_class:
+            return cls.restore_rule
+    return GenericCache.rule_for(class_name(c))
+
+
 def settle(caches: Sequence[Any], n: int) -> None:
     """Call after every forward pass of ``n`` tokens over ``caches`` (a model's cache list):
     recurrent layers that wrote state without `advance`, and objects adapted without an
