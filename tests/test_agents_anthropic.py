@@ -391,12 +391,12 @@ def test_a_reasoning_budget_reads_where_the_reasoning_opened():
 def test_thinking_switch_reaches_a_template_that_honours_it(tmp_path):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlx_kvcache.serving.routes.agents import conversation as cv
+    from mlx_kvcache.serving.engine import templates
 
     plain = write_thinking_dir(tmp_path / "plain")
     model = write_thinking_dir(tmp_path / "switch", switch=True)
-    assert not cv.honours_thinking(load_tokenizer(plain))
-    assert cv.honours_thinking(load_tokenizer(model))
+    assert not templates.honours_thinking(load_tokenizer(plain))
+    assert templates.honours_thinking(load_tokenizer(model))
     msgs = [{"role": "user", "content": "Do it."}]
     on = {"type": "enabled", "budget_tokens": 2048}
     with Server.ours(model, tmp_path / "log.txt", tmp_path / "home", "--no-persist") as s:

@@ -15,7 +15,8 @@ anthropic = pytest.importorskip("anthropic")
 from mlx_lm.tokenizer_utils import load as load_tokenizer  # noqa: E402
 
 from mlx_kvcache.serving.routes.agents import conversation as cv  # noqa: E402
-from mlx_kvcache.serving.engine.answer_turn import answer_extends_prompt  # noqa: E402
+from mlx_kvcache.serving.engine import templates  # noqa: E402
+from mlx_kvcache.serving.engine.templates import answer_extends_prompt  # noqa: E402
 from mlx_kvcache.testing import write_model_dir  # noqa: E402
 from mlx_kvcache.testing.agent_dirs import (write_refusing_dir,  # noqa: E402
                                            write_thinking_dir, write_tool_template_dir)
@@ -158,8 +159,8 @@ def tokenizers(dirs):
 
 
 def test_template_policy_is_probed(tokenizers):
-    assert cv.system_policy(tokenizers["in_place"]) == "in_place"
-    assert cv.system_policy(tokenizers["refusing"]) == "fold"
+    assert templates.system_policy(tokenizers["in_place"]) == "in_place"
+    assert templates.system_policy(tokenizers["refusing"]) == "fold"
 
 
 class _Jinja:
@@ -202,7 +203,7 @@ def _render(tok, msgs, breakpoints=()):
     conv = cv.Conversation.from_call(msgs, [f"messages[{i}]" for i in range(len(msgs))],
                                      breakpoints=breakpoints)
     conv.drop_lines(cv.line_filter())
-    conv.fit_template(cv.system_policy(tok))
+    conv.fit_template(templates.system_policy(tok))
     return tok.apply_chat_template(conv.messages(), add_generation_prompt=False, tokenize=False), conv
 
 
@@ -294,11 +295,11 @@ def test_a_template_without_system_messages_gets_them_in_the_user_turn():
             return "".join(m["content"] for m in msgs)
 
     tok = NoSystem()
-    assert cv.system_policy(tok) == "fold_all"
+    assert templates.system_policy(tok) == "fold_all"
     conv = cv.Conversation.from_call([{"role": "system", "content": "S"},
                                       {"role": "user", "content": "U"},
                                       {"role": "system", "content": "R"}])
-    conv.fit_template(cv.system_policy(tok))
+    conv.fit_template(templates.system_policy(tok))
     assert conv.messages() == [{"role": "user", "content": "<system-reminder>\nS\n"
                                 "</system-reminder>\n\nU\n\n<system-reminder>\nR\n</system-reminder>"}]
 

@@ -10,7 +10,7 @@ import json
 import pytest
 from pydantic import TypeAdapter
 
-from mlx_kvcache.serving.routes.agents.bridge import AgentRequestError, Event, Usage
+from mlx_kvcache.serving.routes.agents.call import AgentRequestError, Event, Usage
 from mlx_kvcache.serving.routes.agents.responses import ResponseBuilder, parse_request, render
 
 openai = pytest.importorskip("openai")

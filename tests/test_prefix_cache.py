@@ -112,7 +112,7 @@ def test_guessed_stops_are_taken_where_they_pay():
     assert stops(n, 200, 201, extra=[n - 17], **kw) == [n - 17, n - 1]
     # no mark: the stop before the end pays (far above the restore)
     assert stops(n, 200, 201, **kw) == [n - MARGIN, n - 1]
-    # ... unless the caller knows the next request goes on past the end (`answer_turn`)
+    # ... unless the caller knows the next request goes on past the end (`templates`)
     assert stops(n, 200, 201, guess_end=False, **kw) == [n - 1]
     assert stops(n, 100, 100 + gap, guess_end=False, **kw) == [100 + gap, n - 1]
     # a branch far above the restore is taken

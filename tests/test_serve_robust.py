@@ -402,8 +402,15 @@ def test_memory_footprint_and_admission_units():
     g = MemoryGuard(limit=20_000, active_memory=lambda: active["n"])
     g.footprint = fp
     held = {"n": 16_000}
-    g.cache_bytes = lambda: held["n"]
-    g.trim_cache = lambda n: held.update(n=min(held["n"], n))
+
+    class Held:  # the prompt cache, as the guard sees it
+        @property
+        def nbytes(self):
+            return held["n"]
+
+        def trim_to(self, *, n_sequences=None, n_bytes=None):
+            held.update(n=min(held["n"], n_bytes))
+    g.hold(Held())
     need = g.need(100, 100)
     assert g.try_admit(need) and held["n"] == 20_000 - 1000 - need  # the cache gave way
     release = g.reserve(need, 200)

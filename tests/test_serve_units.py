@@ -235,7 +235,7 @@ def test_checkpoints_only_for_models_that_need_them():
     # the interval's 64 (`planner.guess_spacing`)
     assert hybrid.checkpoints(KEY, list(range(1, 70))) == [16, 32, 48, 64, 68]
     assert hybrid.checkpoints(KEY, list(range(1, 78))) == [16, 32, 48, 64, 73, 76]
-    # a chat whose next request goes on past the answer (`answer_turn`): no guess at 73
+    # a chat whose next request goes on past the answer (`templates`): no guess at 73
     assert hybrid.checkpoints(KEY, list(range(1, 78)), guess_end=False) == [16, 32, 48, 64, 76]
     plain = TriePromptCache(provider(build("llama")), max_bytes=1 << 30, checkpoint_interval=16)
     assert plain.checkpoints(KEY, list(range(1, 70))) == []

@@ -10,6 +10,7 @@ its loop at the same turn, each rank flushes its cache writes and exits with sta
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -202,6 +203,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from .cache.agreement import agreement
     from .engine.draft_use import install as install_draft_use
     from .engine.generator import ServerResponseGenerator
+    from .routes.agents import post_routes
     from .routes.handler import CacheAPIHandler
     from .guards.lifecycle import Lifecycle
     from .routes.model_names import install as install_model_names
@@ -234,22 +236,20 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
             _exit(1)
     sharding = (f"{'pipeline' if args.pipeline else 'tensor'}-{agree.size}-rank{agree.rank}"
                 if agree.size > 1 else "")
+    memory = MemoryGuard(None if args.memory_limit == 0 else args.memory_limit,
+                         args.memory_wait)
     cache = TriePromptCache(model_provider, max_bytes=args.prompt_cache_bytes,
                             checkpoint_interval=args.checkpoint_interval, cache_dir=cache_dir,
                             max_disk_bytes=args.max_disk_bytes, max_entries=args.prompt_cache_size,
                             agree=agree, sharding=sharding, cold_bits=args.cold_bits,
                             profile=profile,
-                            excerpts=excerpts_shown(args.prompt_excerpts, host, args.admin_token))
+                            excerpts=excerpts_shown(args.prompt_excerpts, host, args.admin_token),
+                            # the prompt cache gives way to requests
+                            memory=memory if args.memory_limit != 0 else None)
     log.info("mlx_kvcache: prompt excerpts in the log and GET /v1/cache: %s (--prompt-excerpts "
              "%s); /v1/cache: %s", "shown" if cache.excerpts else "left out",
              args.prompt_excerpts, "admin token required" if args.admin_token else
              "clients on this machine's loopback only")
-    memory = MemoryGuard(None if args.memory_limit == 0 else args.memory_limit,
-                         args.memory_wait)
-    if args.memory_limit != 0:
-        cache.memory = memory  # the prompt cache gives way to requests
-        memory.cache_bytes = lambda: cache.nbytes
-        memory.trim_cache = lambda n: cache.trim_to(n_bytes=n)
     load_default = model_provider.load_default
     started = StartCheck()
 
@@ -292,8 +292,8 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     if agree.rank != 0:
         _follow(generator, cache, life)
         return
-    handler = type("CacheAPIHandler", (handler_class or CacheAPIHandler,),
-                   {"admin": AdminPolicy.make(args.admin_token, host)})
+    handler = functools.partial(handler_class or CacheAPIHandler, routes=post_routes(),
+                                admin=AdminPolicy.make(args.admin_token, host))
     _serve(host, port, generator, cache, server_class or ThreadingHTTPServer, handler, life)
 
 

@@ -50,6 +50,7 @@ import numpy as np
 from ...prefix.agreement import SOLO, Agreement
 from ...prefix.explain import Explainer, Reuse
 from ...prefix.tokens import as_tokens
+from ..guards.memory import MemoryGuard
 from . import sequential
 from .extract import release
 from .idle_writes import IdleWrites
@@ -97,7 +98,7 @@ class TriePromptCache:
                  max_entries: Optional[int] = None, pre_end_margin: int = 4,
                  agree: Agreement = SOLO, sharding: str = "",
                  cold_bits: Optional[int] = None, profile: Optional[Profile] = None,
-                 excerpts: bool = True) -> None:
+                 excerpts: bool = True, memory: Optional[MemoryGuard] = None) -> None:
         self.provider = model_provider
         self.excerpts = bool(excerpts)
         self.asked_max_bytes = None if max_bytes is None else int(max_bytes)
@@ -123,9 +124,11 @@ class TriePromptCache:
         self._told_padded = False
         self._ranks: List[Tuple[int, ...]] = []  # every rank's counters, as last shared
         self.profile = profile or getattr(agree, "profile", None) or Profile()
-        #: The server's memory guard (`memory.MemoryGuard`), when it has one: the cache
-        #: holds at most what its limit leaves beside the running requests.
-        self.memory = None
+        #: The server's memory guard (`MemoryGuard`), when it has one: the cache holds at
+        #: most what its limit leaves beside the running requests, and gives way to them.
+        self.memory = memory
+        if memory is not None:
+            memory.hold(self)
         self._turn = RankTurn()
         # `expect`: (prompt length, marks, session) of the next fetch
         self._marks: Optional[Tuple[int, List[Tuple[int, str]], Optional[str]]] = None

@@ -58,7 +58,7 @@ class SequentialRequest:
     vision: Any = None
     #: Offsets the request itself asks to checkpoint at (an agent's ``cache_control``).
     extra_stops: List[int] = field(default_factory=list)
-    #: False where the next request goes on past this prompt's end (`answer_turn`): no
+    #: False where the next request goes on past this prompt's end (`templates`): no
     #: stop a few tokens before it.
     guess_end: bool = True
     #: mlx-lm's ``GenerationContext`` (its ``prompt_cache_count`` is what usage reports).

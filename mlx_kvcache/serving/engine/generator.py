@@ -31,12 +31,13 @@ from mlx_lm.server import CompletionRequest, GenerationContext, ResponseGenerato
 
 from ...generation.draft_length import DraftLengths
 from ..cache import extract, sequential
-from .answer_turn import answer_extends_prompt
-from ..guards.lifecycle import (Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket)
-from ..guards.memory import AdmissionQueue, MemoryGuard, MemoryRefused
 from ..cache.profile import count_share, loop_phase
-from .reasoning_budget import ReasoningBudget
+from ..cache.prompt_cache import TriePromptCache
+from ..guards.lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
+from ..guards.memory import AdmissionQueue, MemoryGuard, MemoryRefused
 from ..guards.validation import generation_problem
+from .templates import answer_extends_prompt
+from .reasoning_budget import ReasoningBudget
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -152,7 +153,10 @@ class ServerResponseGenerator(ResponseGenerator):
     and a stop that ends answers properly.
 
     Args:
-        model_provider, prompt_cache: as mlx-lm's.
+        model_provider: as mlx-lm's.
+        prompt_cache: our `TriePromptCache` (what the engine calls on the cache, called
+            directly: fetch and insert as mlx-lm does, plus checkpoints, the request's
+            layout, idle / busy, the ranks' turn, stats and clear).
         lifecycle: the stop state shared with the HTTP handler and the app.
         agree: the ranks' `Agreement` (forwards stop signals to rank 0).
     """
@@ -171,8 +175,9 @@ class ServerResponseGenerator(ResponseGenerator):
         # (--draft-policy; mlx-lm refuses a draft model under mlx.launch)
         self._draft_lengths = DraftLengths(
             getattr(getattr(model_provider, "cli_args", None), "draft_policy", "adaptive"))
-        if hasattr(prompt_cache, "checkpoints"):  # ours: it copies only the rows it lacks
-            extract.install()
+        # The prompt cache copies only the rows it lacks: mlx-lm's extraction as views.
+        extract.install()
+        self.prompt_cache: TriePromptCache = prompt_cache
         super().__init__(model_provider, prompt_cache)
 
     def _log_cache_stats(self) -> None:
@@ -224,25 +229,25 @@ class ServerResponseGenerator(ResponseGenerator):
         if budget:  # mlx-lm makes this request's logits processors next (`reasoning_budget`)
             args.reasoning_budget = ReasoningBudget.for_tokenizer(tokenizer, budget)
         marked = [c for c in getattr(request, "cuts", None) or () if 0 < c < len(prompt)]
-        expect = getattr(self.prompt_cache, "expect", None)
-        if expect is not None:  # this request's layout, for its fetch's explanation
-            expect(prompt, getattr(request, "marks", None) or (), getattr(request, "session", None))
+        # This request's layout, for its fetch's explanation.
+        self.prompt_cache.expect(prompt, getattr(request, "marks", None) or (),
+                                 getattr(request, "session", None))
         guess_end = not self._goes_on_past_answer(tokenizer, request, args)
         seq = sequential.current()
         if seq is not None:  # the sequential fetch plans its own stops
             seq.prompt, seq.vision, seq.extra_stops = prompt, vision, marked
             seq.guess_end = guess_end
             return prompt, segments, types, state, vision
-        checkpoints = getattr(self.prompt_cache, "checkpoints", None)
-        if vision is None and checkpoints is not None and self.model_provider.model is not None:
-            cuts = checkpoints(self.model_provider.model_key, prompt, marked, guess_end)
+        if vision is None and self.model_provider.model is not None:
+            cuts = self.prompt_cache.checkpoints(self.model_provider.model_key, prompt, marked,
+                                                 guess_end)
             if cuts:
                 segments, types = split_segments(segments, types, cuts)
         return prompt, segments, types, state, vision
 
     def _goes_on_past_answer(self, tokenizer, request, args) -> bool:
         """Whether this chat request's next turn will extend its prompt and answer (the
-        template's generation prompt re-renders as the answer's turn: `answer_turn`), so
+        template's generation prompt re-renders as the answer's turn: `templates`), so
         the prompt cache need not guess a stop before the prompt's end."""
         if getattr(request, "request_type", None) != "chat":
             return False
@@ -284,24 +289,20 @@ class ServerResponseGenerator(ResponseGenerator):
     def _next_request(self, timeout=None):
         if not (self._is_distributed and self._agree is not None):
             if timeout is not None:  # no request in flight: work that waited for that
-                idle = getattr(self.prompt_cache, "idle", None)
-                if idle is not None:
-                    idle()
+                self.prompt_cache.idle()
             request = super()._next_request(timeout)
-            busy = getattr(self.prompt_cache, "busy", None)
-            if request is not None and busy is not None and not isinstance(request[1], Control):
-                busy()  # from here to the next idle loop, the disk writer waits
+            if request is not None and not isinstance(request[1], Control):
+                self.prompt_cache.busy()  # from here to the next idle loop, the disk writer waits
         else:
             with self._phase(loop_phase(timeout)):
                 # One tiny collective a turn: a stop signal on any rank reaches rank 0,
                 # and the prompt cache settles what its inserts left rank-local.
                 cache = self.prompt_cache
-                flags = cache.turn_flags() if hasattr(cache, "turn_flags") else [0, 0]
+                flags = cache.turn_flags()
                 agreed = self._agree.all_max([int(self.lifecycle.signals > 0), *flags])
                 if agreed[0] and self._rank == 0:
                     self.lifecycle.stop_asked.set()
-                if hasattr(cache, "end_turn"):
-                    cache.end_turn(agreed[1:])
+                cache.end_turn(agreed[1:])
                 request = super()._next_request(timeout)
         if request is None or not isinstance(request[1], Control):
             return request
@@ -310,21 +311,17 @@ class ServerResponseGenerator(ResponseGenerator):
 
     def _run_control(self, rqueue: Queue, control: Control) -> None:
         if control.kind == "stop":
-            idle = getattr(self.prompt_cache, "idle", None)
-            if idle is not None and not self._is_distributed:
-                idle()  # what waited for an idle batch is captured here, on this thread
+            if not self._is_distributed:
+                self.prompt_cache.idle()  # what waited for an idle batch is captured here, on this thread
             self._stop = True
             self.lifecycle.stopped.set()
             rqueue.put(None)
         elif control.kind == "stats":  # every rank's counters, gathered for GET /v1/cache
-            share = getattr(self.prompt_cache, "share_stats", None)
-            if share is not None:
-                share()
+            self.prompt_cache.share_stats()
             rqueue.put({})
         elif control.kind == "clear":
-            clear = getattr(self.prompt_cache, "clear", None)
             try:
-                result = clear() if clear is not None else {"error": "no prompt cache"}
+                result = self.prompt_cache.clear()
             except Exception as e:  # never into the generation loop
                 log.exception("mlx_kvcache: clearing the prompt cache failed")
                 result = {"error": f"clearing the prompt cache failed: {e}"}

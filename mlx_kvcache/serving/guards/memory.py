@@ -32,7 +32,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from queue import Empty, Queue
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 import mlx.core as mx
 from mlx_lm.server import GenerationContext
@@ -119,6 +119,17 @@ def measure(models: List[Any], make_caches: Callable[[Any], List[Any]], step: in
     return Footprint(model_bytes(*models), int(fixed), per_token, act, step)
 
 
+class Held(Protocol):
+    """What the guard asks of the prompt cache beside it (`hold`): the bytes its snapshots
+    hold, and a trim to a byte count when a request needs the room."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def trim_to(self, *, n_sequences: Optional[int] = None,
+                n_bytes: Optional[int] = None) -> None: ...
+
+
 class MemoryGuard:
     """The limit, what admitted requests reserved, and the counters of
     ``GET /v1/cache``'s ``memory``. Admission runs on the generation thread; `report` may
@@ -137,9 +148,7 @@ class MemoryGuard:
         self.limit: Optional[int] = self.asked
         self.wait = float(wait)
         self.footprint: Optional[Footprint] = None
-        #: The prompt cache's held bytes and a trim to a byte count (set by the app).
-        self.cache_bytes: Callable[[], int] = lambda: 0
-        self.trim_cache: Callable[[int], None] = lambda n: None
+        self._held: Optional[Held] = None  # the prompt cache that gives way (`hold`)
         self._mu = threading.Lock()
         self._reserved: Dict[int, Tuple[int, int]] = {}  # id -> (bytes, tokens)
         self._ids = 0
@@ -169,6 +178,14 @@ class MemoryGuard:
     def active(self) -> bool:
         return self.limit is not None and self.footprint is not None
 
+    def hold(self, held: Held) -> None:
+        """Count ``held`` (the prompt cache, which calls this once as it is made) as
+        memory that gives way to requests: not in use, trimmed when a request needs it."""
+        self._held = held
+
+    def _cache_bytes(self) -> int:
+        return self._held.nbytes if self._held is not None else 0
+
     # -- accounting -----------------------------------------------------------------------
     def in_use(self) -> int:
         """Bytes in use that the prompt cache cannot free: the larger of MLX's active
@@ -177,7 +194,7 @@ class MemoryGuard:
         with self._mu:
             reserved = sum(b for b, _ in self._reserved.values())
         accounted = (fp.weights if fp is not None else 0) + reserved
-        return max(self._active_memory() - self.cache_bytes(), accounted)
+        return max(self._active_memory() - self._cache_bytes(), accounted)
 
     def need(self, prompt_tokens: int, max_tokens: int) -> int:
         """What admitting a request adds: its caches, padded to the batch's longest row
@@ -207,11 +224,11 @@ class MemoryGuard:
         other = self.in_use()
         if other + need > self.limit:
             return False
-        cached = self.cache_bytes()
-        if other + need + cached > self.limit:
+        cached = self._cache_bytes()
+        if other + need + cached > self.limit and self._held is not None:
             keep = max(self.limit - other - need, 0)
-            self.trim_cache(keep)
-            self.trimmed_bytes += max(cached - self.cache_bytes(), 0)
+            self._held.trim_to(n_bytes=keep)
+            self.trimmed_bytes += max(cached - self._cache_bytes(), 0)
         return True
 
     def reserve(self, need: int, tokens: int) -> Callable[[], None]:

@@ -1,7 +1,8 @@
 """mlx-lm's HTTP handler plus ``GET /v1/cache`` (what the prompt cache holds, as JSON) and
 ``DELETE /v1/cache`` (drop it, in memory and on disk, on every rank, before answering).
 
-Every other route is mlx-lm's, CORS headers included. Ours add: the admin route's access
+Every other route is mlx-lm's, CORS headers included, or one of the ``POST`` routes the
+app hands the handler (`PostRoute`: the agent APIs). Ours add: the admin route's access
 rules (`admin`), a 400 for request fields that would end mlx-lm's generation thread
 (`validation`), and the stop (`lifecycle`): a request that arrives while the server stops
 gets a 503; an answer the stop cuts short ends with ``finish_reason: "length"``.
@@ -9,25 +10,31 @@ gets a 503; an answer the stop cuts short ends with ``finish_reason: "length"``.
 
 from __future__ import annotations
 
-import importlib
 import json
-from typing import Any, Callable, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from mlx_lm.server import APIHandler
 
 from ...generation.model_pair import vocab_size
 from ..guards.admin import AdminPolicy
 from ..guards.lifecycle import current_ticket, set_ticket
-from .model_names import DEFAULT, model_entry, models_listing, resolve
 from ..guards.validation import body_problem
+from .model_names import DEFAULT, model_entry, models_listing, resolve
 
-#: The agent routes (any query string accepted: Claude Code sends ``?beta=true``):
-#: path -> (module, function taking the live handler).
-_AGENT_ROUTES = {
-    "/v1/messages": (".agents.anthropic", "serve_messages"),
-    "/v1/messages/count_tokens": (".agents.anthropic", "serve_count_tokens"),
-    "/v1/responses": (".agents.responses", "serve_responses"),
-}
+
+@dataclass(frozen=True)
+class PostRoute:
+    """A ``POST`` route served beside mlx-lm's (the app hands the handler its table).
+
+    ``serve`` answers one request on the live handler (admitted, its body unread);
+    ``refusal`` is the API's error body for a request the handler refuses itself (the
+    server stopping), from its message — so each API's error shape is written once, by
+    its route."""
+
+    serve: Callable[["CacheAPIHandler"], None]
+    refusal: Callable[[str], Dict[str, Any]]
+
 
 #: The most request body read (and dropped) before refusing a request.
 _DRAIN_LIMIT = 64 << 20
@@ -51,8 +58,21 @@ def send_json(handler, status: int, body: Dict[str, Any],
 
 
 class CacheAPIHandler(APIHandler):
-    #: Who may use ``/v1/cache`` (the app sets it from ``--admin-token`` and ``--host``).
-    admin: AdminPolicy = AdminPolicy.make(None, "127.0.0.1")
+    """mlx-lm's handler with ``/v1/cache`` and the routes of ``routes``.
+
+    Args:
+        response_generator, system_fingerprint: as mlx-lm's.
+        routes: the ``POST`` routes besides mlx-lm's, by path (any query string accepted:
+            Claude Code sends ``?beta=true``).
+        admin: who may use ``/v1/cache`` (from ``--admin-token`` and ``--host``).
+    """
+
+    def __init__(self, response_generator, *args, routes: Mapping[str, PostRoute] = {},
+                 admin: Optional[AdminPolicy] = None, **kwargs) -> None:
+        # Set before mlx-lm's __init__, which serves the request.
+        self.routes = routes
+        self.admin = admin or AdminPolicy.make(None, "127.0.0.1")
+        super().__init__(response_generator, *args, **kwargs)
 
     # -- admitting requests (a stop refuses new ones) ----------------------------------------
     # Counted per request, not per connection: an idle keep-alive connection waiting for
@@ -74,13 +94,9 @@ class CacheAPIHandler(APIHandler):
 
     def _refuse_while_stopping(self) -> None:
         self._drain_body()
-        body = {"error": "the server is stopping"}
-        if self._agent_route() is not None and self._agent_route()[0].endswith("anthropic"):
-            body = {"type": "error", "error": {"type": "overloaded_error",
-                                               "message": "the server is stopping"}}
-        elif self._agent_route() is not None:
-            body = {"error": {"type": "server_error", "code": "server_stopping",
-                              "message": "the server is stopping"}}
+        route = self._post_route() if self.command == "POST" else None
+        message = "the server is stopping"
+        body = route.refusal(message) if route is not None else {"error": message}
         if self._is_cache_route():
             self._send_admin(503, body)
         else:
@@ -100,17 +116,14 @@ class CacheAPIHandler(APIHandler):
             n -= len(chunk)
 
     # -- mlx-lm's routes and the agent routes ----------------------------------------------
-    def _agent_route(self):
-        return _AGENT_ROUTES.get(self.path.split("?", 1)[0].rstrip("/"))
+    def _post_route(self) -> Optional[PostRoute]:
+        return self.routes.get(self.path.split("?", 1)[0].rstrip("/"))
 
     def do_POST(self):
-        route = self._agent_route()
+        route = self._post_route()
         if route is None:
             return self._admitted(super().do_POST)
-        module, verb = route
-        # Imported on first use: the routes are adapters above this handler.
-        serve = getattr(importlib.import_module(module, __package__), verb)
-        self._admitted(lambda: serve(self))
+        self._admitted(lambda: route.serve(self))
 
     def do_OPTIONS(self):
         self._admitted(lambda: self._admin_route("OPTIONS") if self._is_cache_route()

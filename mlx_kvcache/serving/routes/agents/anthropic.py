@@ -1,7 +1,7 @@
 """The Anthropic Messages API: ``POST /v1/messages`` (also ``?beta=true``), streamed and
 not, and ``POST /v1/messages/count_tokens`` — what Claude Code speaks.
 
-A request becomes a `bridge.ChatCall` (OpenAI chat-format messages, in the client's order):
+A request becomes a `call.ChatCall` (OpenAI chat-format messages, in the client's order):
 ``system`` (a string or text blocks) is the first system message; a ``system`` message
 inside ``messages`` stays where it is (`conversation`); ``text`` blocks are content parts;
 ``image`` blocks image parts (served where the model has an image processor, else a 400
@@ -43,10 +43,12 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
-from .bridge import (AgentRequestError, ChatCall, ChatEvents, Event, Route, count_tokens, read_body, restrict_tools, run_chat, send_json, serve, served_model)
+from .call import AgentRequestError, ChatCall, Event, restrict_tools
+from .bridge import ChatEvents, count_tokens, run_chat, served_model
+from .wire import Route, read_body, send_json, serve
 
 __all__ = ["parse_request", "MessageBuilder", "serve_messages", "serve_count_tokens",
-           "error_body", "ROUTE"]
+           "error_body", "refusal", "ROUTE"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -487,6 +489,11 @@ class MessageBuilder:
 def _error(e: AgentRequestError) -> Dict[str, Any]:
     kind = e.kind if e.kind in _ERROR_KINDS.values() else _ERROR_KINDS.get(e.status, "api_error")
     return error_body(e.message, kind)
+
+
+def refusal(message: str) -> Dict[str, Any]:
+    """The body of a request the server refuses while it stops."""
+    return _error(AgentRequestError(message, 503, "overloaded_error"))
 
 
 def _request_id() -> Dict[str, str]:

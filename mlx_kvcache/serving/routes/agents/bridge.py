@@ -2,10 +2,10 @@
 machinery and our prompt cache, seen as a stream of neutral `Event`s.
 
 Both agent front ends (`anthropic`: ``/v1/messages``; `responses`: ``/v1/responses``)
-translate their request into a `ChatCall` (OpenAI chat-format messages, tools, limits)
-and render the events in their API's shape; `serve` is the one driver both routes run
-(read the body, parse it, `run_chat`, the answer whole or streamed, errors in the route's
-shape), given a `Route`: the API's parser, answer builder and error shape.
+translate their request into a `ChatCall` (`call`: OpenAI chat-format messages, tools,
+limits) and render the events in their API's shape; `wire.serve` is the one driver both
+routes run (read the body, parse it, `run_chat`, the answer whole or streamed, errors in
+the route's shape).
 
 The seam, and why this one: `run_chat` builds the body of the ``/v1/chat/completions``
 request mlx-lm's handler expects (always streamed, with usage) and runs mlx-lm's own
@@ -50,156 +50,22 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from queue import Queue
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from mlx_lm.server import APIHandler
 
-from ...engine.answer_turn import answer_extends_prompt
+from ...engine.templates import answer_extends_prompt, honours_thinking, system_policy
 from ...engine.generator import MarkedRequest
-from ..handler import CacheAPIHandler, send_json
 from ...guards.lifecycle import current_ticket
+from ..handler import CacheAPIHandler
 from . import conversation
+from .call import AgentRequestError, ChatCall, Event, Usage
 
-__all__ = ["ChatCall", "Usage", "Event", "AgentRequestError", "ChatEvents", "run_chat",
-           "count_tokens", "served_model", "restrict_tools", "Answer", "Route", "serve", "read_body", "send_json"]
+__all__ = ["ChatEvents", "run_chat", "count_tokens", "served_model"]
 
 log = logging.getLogger("mlx_kvcache")
-
-
-@dataclass
-class ChatCall:
-    """One chat request, as both agent front ends hand it to the bridge.
-
-    ``messages``: OpenAI chat-format messages, roles ``system`` / ``user`` / ``assistant`` /
-    ``tool``; ``content`` a string or a list of ``{"type": "text", "text": ...}`` parts
-    (joined with nothing between them, as mlx-lm's chat route joins them); an assistant
-    message may carry ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
-    "arguments" (a JSON string)}}]``) and ``reasoning``; a tool message ``tool_call_id``.
-    System messages may be anywhere: they render where they are (see `conversation`).
-    ``labels``: per message, the client's name for it (``"messages[3]"``, ``"input[4]"``),
-    used by the miss explanation; ``part_labels`` optionally names each content part (else
-    ``"<label>.content[j]"``). ``tools``: OpenAI function tools (``[{"type": "function",
-    "function": {"name", "description", "parameters"}}]``), given to the chat template.
-    ``tool_choice``: the client's, as sent (`restrict_tools` enforces what can be).
-    ``max_tokens``: None for the server's ``--max-tokens``. ``sampling``: only what the
-    client sent (``temperature``, ``top_p``, ``top_k``); the rest are the server's
-    defaults. ``stop``: stop strings. ``breakpoints``: ``(message index, part index)``
-    whose END the client marked for reuse (part index 0 for a string content): the prompt
-    cache stores a checkpoint there; ``tool_breakpoints`` (indices of ``tools``) and
-    ``call_breakpoints`` (``(message index, tool call index)``) likewise; ``end_mark``:
-    the ``(message, part)`` where the input ends, marked by the route itself where the
-    client comes back with the conversation extended, and checkpointed only where that
-    next request may diverge right after it (`answer_turn`: a template whose generation
-    prompt the history does not repeat, or a reasoning model). ``thinking``:
-    whether the model should reason first (Anthropic's ``thinking``), None for the
-    template's default: given to the chat template as ``enable_thinking`` where it
-    honours it, else ignored (a debug log line); ``reasoning_budget``: at most that many
-    tokens of it (`reasoning_budget`), or None. ``session``: the client's session name (Codex
-    ``prompt_cache_key``, Anthropic ``metadata.user_id``), or None: listed with the request
-    in the log line and ``GET /v1/cache`` ``recent``; eviction stays least-recently-used,
-    which already takes other sessions' leaves first (see `TriePromptCache.expect`).
-    """
-
-    messages: List[Dict[str, Any]]
-    labels: List[str] = field(default_factory=list)
-    tools: Optional[List[Dict[str, Any]]] = None
-    tool_choice: Any = None
-    max_tokens: Optional[int] = None
-    sampling: Dict[str, Any] = field(default_factory=dict)
-    stop: List[str] = field(default_factory=list)
-    breakpoints: List[Tuple[int, int]] = field(default_factory=list)
-    session: Optional[str] = None
-    part_labels: Optional[List[Optional[List[str]]]] = None
-    tool_breakpoints: List[int] = field(default_factory=list)
-    call_breakpoints: List[Tuple[int, int]] = field(default_factory=list)
-    thinking: Optional[bool] = None
-    reasoning_budget: Optional[int] = None
-    end_mark: Optional[Tuple[int, int]] = None
-
-
-def restrict_tools(call: ChatCall, none: bool = False, name: Optional[str] = None,
-                   param: str = "tool_choice", allowed: Optional[List[str]] = None) -> None:
-    """Enforce what a ``tool_choice`` can honestly enforce on ``call``: ``none`` — the chat
-    template is given no tools (the model is told of none); ``name`` — only that tool
-    (the model is told of no other); ``allowed`` — only those tools, in the request's
-    order. Otherwise (``auto``, ``any`` / ``required``) the tools stay as they are: a
-    template cannot force a call. A name not among ``call.tools`` is an
-    `AgentRequestError` naming it (``param``: the field)."""
-    if none:
-        call.tools, call.tool_breakpoints = None, []
-        return
-    wanted = [name] if name is not None else allowed
-    if wanted is None:
-        return
-    names = [t["function"]["name"] for t in call.tools or ()]
-    for w in wanted:
-        if w not in names:
-            among = f"which is not among tools ({', '.join(names)})" if names else \
-                "but the request has no tools"
-            raise _named(f"{param} names the tool {w!r}, {among}", param)
-    keep = [k for k, n in enumerate(names) if n in wanted]
-    call.tool_breakpoints = [i for i, k in enumerate(keep) if k in call.tool_breakpoints]
-    call.tools = [call.tools[k] for k in keep] or None
-
-
-def _named(message: str, param: str) -> "AgentRequestError":
-    err = AgentRequestError(message)
-    err.param = param
-    return err
-
-
-@dataclass
-class Usage:
-    """Token counts of one answer. ``prompt_tokens``: the whole prompt; ``cached_tokens``:
-    of those, restored from the prompt cache (the log line's ``cached``);
-    ``created_tokens``: of those, computed by this request and stored for reuse (the
-    prompt cache stores every prompt it computes unless it is off or the model's caches
-    cannot be stored: then 0); ``output_tokens``: the answer's."""
-
-    prompt_tokens: int
-    cached_tokens: int
-    created_tokens: int
-    output_tokens: int
-
-    @property
-    def uncached_tokens(self) -> int:
-        """Prompt tokens not read from the cache (Anthropic's ``input_tokens``)."""
-        return self.prompt_tokens - self.cached_tokens
-
-
-@dataclass
-class Event:
-    """One step of an answer.
-
-    ``kind``: ``"text"`` / ``"reasoning"`` (``text`` is the delta), ``"tool_call"``
-    (``tool_call``: ``{"id", "name", "arguments"}``, arguments a JSON string, one whole
-    call, as mlx-lm's parser yields them), ``"progress"`` (prompt processing:
-    ``text`` is ``"done/total"``; a front end may send a keep-alive, else ignore it),
-    ``"error"`` (the answer failed after it started: ``text`` says why; the last event), or
-    ``"done"`` (the last event of a complete answer). On ``"done"``: ``finish_reason``
-    (``"stop"``, ``"length"`` — also when the server's stop cut the answer —,
-    ``"tool_calls"`` or ``"stop_sequence"``), ``stop_sequence`` (which one), ``usage``.
-    Front ends ignore kinds they do not know.
-    """
-
-    kind: str
-    text: str = ""
-    tool_call: Optional[Dict[str, Any]] = None
-    finish_reason: Optional[str] = None
-    stop_sequence: Optional[str] = None
-    usage: Optional[Usage] = None
-
-
-class AgentRequestError(Exception):
-    """A request the bridge will not run, raised before any event: ``status`` (HTTP),
-    ``message`` (for the client), ``kind`` (``"invalid_request_error"``, ``"overloaded_error"``
-    while the server stops, ``"api_error"``)."""
-
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
 
 
 def served_model(handler) -> str:
@@ -239,7 +105,7 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
     template_args = dict(base_args)
     templated = getattr(tokenizer, "has_chat_template", False)
     if templated and call.thinking is not None:
-        if conversation.honours_thinking(tokenizer, base_args):
+        if honours_thinking(tokenizer, base_args):
             template_args["enable_thinking"] = call.thinking
         else:
             log.debug("mlx_kvcache: the chat template ignores enable_thinking: the "
@@ -256,7 +122,7 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
         keep_billing=bool(getattr(args, "keep_billing_header", False)),
         extra=getattr(args, "drop_lines", None)))
     if templated:
-        conv.fit_template(conversation.system_policy(tokenizer, base_args))
+        conv.fit_template(system_policy(tokenizer, base_args))
     messages = conv.messages()
     tools = call.tools or None
     try:
@@ -339,6 +205,7 @@ class _ChatRun(CacheAPIHandler):
         run = cls.__new__(cls)
         raw = json.dumps(body).encode()
         run.response_generator = handler.response_generator
+        run.routes, run.admin = {}, handler.admin  # (mlx-lm's chat route only)
         run.system_fingerprint = handler.system_fingerprint
         run.created = handler.created
         run.client_address = handler.client_address
@@ -532,118 +399,3 @@ class ChatEvents:
                     return
         finally:
             run.closed = True
-
-
-# -- the HTTP side of both routes -------------------------------------------------------------
-#: A stream event: its name and its JSON data.
-SSE = Tuple[str, Dict[str, Any]]
-
-
-class Answer(Protocol):
-    """One answer in an API's shape, fed the bridge's events (a route's builder)."""
-
-    def start(self) -> List[SSE]:
-        """The stream's opening events."""
-
-    def feed(self, ev: Event) -> List[SSE]:
-        """The stream events ``ev`` makes; an ``"error"`` event is the API's closing
-        failure."""
-
-    def keepalive(self, ev: Event) -> bytes:
-        """What a long prefill's ``"progress"`` event writes on the stream (may be empty)."""
-
-    def whole(self) -> Tuple[int, Dict[str, Any]]:
-        """The status and body of the non-streamed answer, once every event was fed."""
-
-
-@dataclass(frozen=True)
-class Route:
-    """What one agent API puts around the bridge: ``parse`` (a request body to a
-    `ChatCall`, `AgentRequestError` naming the problem), ``answer`` (the builder of one
-    answer, from the handler, the body and the events), ``error`` (an `AgentRequestError` in the
-    API's error shape) and ``headers`` (extra headers on every reply)."""
-
-    parse: Callable[[Any], ChatCall]
-    answer: Callable[[Any, Any, Any], Answer]
-    error: Callable[[AgentRequestError], Dict[str, Any]]
-    headers: Callable[[], Dict[str, str]] = dict
-
-
-def read_body(handler) -> Any:
-    """The request's JSON body; `AgentRequestError` when it has none or it is not JSON."""
-    n = handler.headers.get("Content-Length")
-    if n is None:
-        raise AgentRequestError("a Content-Length header is required", 411)
-    try:
-        n = int(n)
-    except ValueError:
-        raise AgentRequestError("the Content-Length header is not an integer") from None
-    raw = handler.rfile.read(n) if n > 0 else b""
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise AgentRequestError(f"the request body is not valid JSON: {e}") from None
-
-
-def _sse(batch: Iterable[SSE]) -> bytes:
-    return b"".join(f"event: {k}\ndata: {json.dumps(d)}\n\n".encode() for k, d in batch)
-
-
-def serve(handler, route: Route, run: Optional[Callable[[Any, ChatCall], Any]] = None) -> None:
-    """Answer one agent request on ``handler`` (the live `CacheAPIHandler`, admitted, its
-    body unread): read the body, ``route.parse`` it, run it (``run``: `run_chat`), and
-    send the answer whole or streamed (``"stream": true``). Bad input is a reply in the
-    route's error shape, never an exception; a client gone mid-answer ends the generation."""
-    headers = route.headers()
-    try:
-        body = read_body(handler)
-        events = (run or run_chat)(handler, route.parse(body))
-    except AgentRequestError as e:
-        return send_json(handler, e.status, route.error(e), headers)
-    try:
-        answer = route.answer(handler, body, events)
-        if body.get("stream"):
-            _stream(handler, answer, events, headers)
-        else:
-            _whole(handler, answer, events, headers)
-    finally:
-        events.close()  # a client gone mid-answer ends the generation
-
-
-def _answer_events(events: Iterable[Event]) -> Iterator[Event]:
-    """``events`` up to the first ``done`` or ``error``; an ``error`` when they end
-    without either."""
-    for ev in events:
-        yield ev
-        if ev.kind in ("done", "error"):
-            return
-    yield Event("error", text="the answer ended early")
-
-
-def _whole(handler, answer: Answer, events, headers: Dict[str, str]) -> None:
-    for ev in _answer_events(events):
-        if ev.kind != "progress":
-            answer.feed(ev)
-    status, body = answer.whole()
-    send_json(handler, status, body, headers)
-
-
-def _stream(handler, answer: Answer, events, headers: Dict[str, str]) -> None:
-    handler.send_response(200)
-    handler.send_header("Content-Type", "text/event-stream")
-    handler.send_header("Cache-Control", "no-cache")
-    for k, v in headers.items():
-        handler.send_header(k, v)
-    handler.end_headers()
-
-    def write(data: bytes) -> None:
-        if data:
-            handler.wfile.write(data)
-            handler.wfile.flush()
-
-    try:
-        write(_sse(answer.start()))
-        for ev in _answer_events(events):
-            write(answer.keepalive(ev) if ev.kind == "progress" else _sse(answer.feed(ev)))
-    except (BrokenPipeError, ConnectionResetError):
-        return  # the client left; closing the events ends the generation

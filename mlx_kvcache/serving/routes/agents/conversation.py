@@ -7,7 +7,7 @@ that in three ways, each avoided here:
 * Hoisting system messages: Claude Code puts ``system`` messages inside the conversation
   (nudges, reminders after user messages). They stay where the client put them. Where the
   model's chat template refuses a system message after the first (Qwen-style templates
-  raise) or silently drops it, `system_policy` finds that out once per template, by
+  raise) or silently drops it, `templates.system_policy` finds that out once per template, by
   rendering a probe, and `Conversation.fit_template` then renders each later system
   message inside the adjacent user turn as a ``<system-reminder>`` block: appended to the
   user message before it, else prepended to the user message after it, else as a user
@@ -41,10 +41,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from mlx_lm.server import convert_chat, process_message_content
 
-from ...engine.template_probe import decided
 
-__all__ = ["Conversation", "Layout", "line_filter", "system_policy", "honours_thinking",
-           "layout", "BILLING_LINE",
+__all__ = ["Conversation", "Layout", "line_filter", "layout", "BILLING_LINE",
            "REMINDER_OPEN", "REMINDER_CLOSE"]
 
 log = logging.getLogger("mlx_kvcache")
@@ -116,7 +114,7 @@ class Conversation:
                   part_labels: Optional[Sequence[Optional[List[str]]]] = None,
                   breakpoints: Sequence[Tuple[int, int]] = (),
                   call_breakpoints: Sequence[Tuple[int, int]] = ()) -> "Conversation":
-        """From OpenAI chat-format messages (see `bridge.ChatCall`); ValueError names the
+        """From OpenAI chat-format messages (see `call.ChatCall`); ValueError names the
         first malformed message. ``breakpoints``: ``(message, part)`` whose end the client
         marked; ``call_breakpoints``: ``(message, tool call)`` likewise."""
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -212,67 +210,6 @@ def line_filter(keep_billing: bool = False, extra: Optional[str] = None) -> Call
     if extra:
         pats.append(re.compile(extra))
     return lambda line: not any(p.match(line) for p in pats)
-
-
-# -- probing a template ----------------------------------------------------------------------
-_PROBE_MARK = "zq7-probe-system"
-
-
-def system_policy(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> str:
-    """``"in_place"`` when the chat template renders a system message after the first where
-    it stands, ``"fold_all"`` when it renders no system message at all, else ``"fold"``.
-    Probed once per template (and template arguments: `template_probe`)."""
-    probes = [
-        [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
-         {"role": "assistant", "content": "A"}, {"role": "system", "content": _PROBE_MARK},
-         {"role": "user", "content": "V"}],
-        [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
-         {"role": "system", "content": _PROBE_MARK}],
-    ]
-
-    def renders(msgs) -> bool:
-        try:
-            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
-                                                 **(template_args or {}))
-        except Exception:
-            return False
-        return isinstance(text, str) and _PROBE_MARK in text
-
-    def probe() -> str:
-        if not renders([{"role": "system", "content": _PROBE_MARK},
-                        {"role": "user", "content": "U"}]):
-            policy = "fold_all"
-        elif all(renders(msgs) for msgs in probes):
-            policy = "in_place"
-        else:
-            policy = "fold"
-        log.info("mlx_kvcache: the chat template %s; system messages inside the conversation "
-                 "are rendered %s", "renders later system messages in place"
-                 if policy == "in_place" else "refuses later system messages",
-                 "where they are" if policy == "in_place" else "inside the adjacent user turn")
-        if policy == "fold_all":
-            log.info("mlx_kvcache: the chat template renders no system message: the first one "
-                     "goes into the first user turn too")
-        return policy
-    return decided(tokenizer, "system_policy", template_args, probe)
-
-
-def honours_thinking(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> bool:
-    """Whether the chat template renders differently with ``enable_thinking`` on and off
-    (mlx-lm's tokenizer passes it under the name the template reads). Probed once per
-    template (and template arguments: `template_probe`)."""
-    def probe() -> bool:
-        msgs = [{"role": "user", "content": "U"}]
-        try:
-            on, off = (tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
-                                                     tokenize=False,
-                                                     **{**(template_args or {}),
-                                                        "enable_thinking": flag})
-                       for flag in (True, False))
-        except Exception:  # a template that refuses the flag does not honour it
-            return False
-        return on != off
-    return decided(tokenizer, "honours_thinking", template_args, probe)
 
 
 # -- the rendered prompt's layout ----------------------------------------------------------

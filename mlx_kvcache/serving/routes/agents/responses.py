@@ -33,9 +33,11 @@ import time
 import uuid
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from .bridge import (AgentRequestError, ChatCall, Event, Route, restrict_tools, run_chat, serve, served_model)
+from .call import AgentRequestError, ChatCall, Event, restrict_tools
+from .bridge import run_chat, served_model
+from .wire import Route, serve
 
-__all__ = ["serve_responses", "parse_request", "ResponseBuilder", "error_body", "ROUTE"]
+__all__ = ["serve_responses", "parse_request", "ResponseBuilder", "error_body", "refusal", "ROUTE"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -44,9 +46,7 @@ _SKIPPED_LOGGED: set = set()
 
 
 def _bad(message: str, param: Optional[str] = None) -> AgentRequestError:
-    err = AgentRequestError(message, 400, "invalid_request_error")
-    err.param = param
-    return err
+    return AgentRequestError(message, 400, "invalid_request_error", param=param)
 
 
 def error_body(message: str, kind: str = "invalid_request_error",
@@ -554,7 +554,12 @@ def render(body: Dict[str, Any], model: str, events: Iterable[Event]
 
 # -- HTTP --------------------------------------------------------------------------------------
 def _error(e: AgentRequestError) -> Dict[str, Any]:
-    return error_body(e.message, e.kind, getattr(e, "param", None))
+    return error_body(e.message, e.kind, e.param, e.code)
+
+
+def refusal(message: str) -> Dict[str, Any]:
+    """The body of a request the server refuses while it stops."""
+    return _error(AgentRequestError(message, 503, "server_error", code="server_stopping"))
 
 
 def _answer(handler, body: Dict[str, Any], events) -> "ResponseBuilder":

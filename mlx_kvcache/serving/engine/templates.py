@@ -1,0 +1,156 @@
+"""The chat template's questions the server asks, each answered once by rendering probes.
+
+* `answer_extends_prompt` — where a chat client's next request goes on from this one: past
+  the answer, or back at the generation prompt. A chat client sends the conversation with
+  the model's answer appended. Whether that next prompt extends this prompt and the answer
+  depends on the chat template: a ChatML-style template renders its generation prompt
+  (``<|im_start|>assistant\\n``) exactly as the answer's turn opens in the history, so the
+  next request diverges only after the answer ends (where the prompt cache stores the
+  caches anyway). A thinking template renders a generation prompt the history does not
+  repeat (an empty ``<think></think>`` pair, or the answer's reasoning dropped from the
+  history), so the next request diverges right after the input: hybrid and sliding-window
+  models then restore only where a state was stored before that point, which is what the
+  prompt cache's stop a few tokens before the end is for (`prefix.planner.stops`,
+  ``guess_end``).
+* `system_policy` — whether it renders later system messages in place (the agent routes'
+  `conversation` folds them into the adjacent user turn where it does not).
+* `honours_thinking` — whether it honours ``enable_thinking``.
+
+Each answer depends only on the template and its arguments, so it is decided once and
+remembered (`decided`), keyed by the tokenizer, its template's text and the arguments (a
+reloaded model with another template is asked again). Deterministic probes, so every rank
+of a sharded model decides the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
+
+__all__ = ["decided", "answer_extends_prompt", "system_policy", "honours_thinking"]
+
+log = logging.getLogger("mlx_kvcache")
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_answers: Dict[Tuple[int, str, str, str], Any] = {}
+
+
+def decided(tokenizer, question: str, template_args: Optional[Dict[str, Any]],
+            probe: Callable[[], T]) -> T:
+    """``probe()``'s answer to ``question`` for ``tokenizer``'s chat template with
+    ``template_args``: computed the first time (outside the lock: a probe renders the
+    template, and two threads asking at once both get the same answer), remembered after."""
+    template = getattr(tokenizer, "chat_template", None)
+    digest = hashlib.blake2b(str(template).encode(), digest_size=8).hexdigest()
+    key = (id(tokenizer), digest, question, repr(sorted((template_args or {}).items())))
+    with _lock:
+        if key in _answers:
+            return _answers[key]
+    answer = probe()
+    with _lock:
+        return _answers.setdefault(key, answer)
+
+
+# -- the questions ---------------------------------------------------------------------------
+_PROBE_USER, _PROBE_ANSWER, _PROBE_NEXT = "Ping 7", "Pong 7.", "Again"
+
+
+def answer_extends_prompt(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> bool:
+    """Whether the next request of a conversation extends this prompt and its answer:
+    the template's rendering of ``[user]`` with the generation prompt, followed by the
+    answer's text, starts the rendering of ``[user, assistant, user]``, and the model does
+    not reason first (a reasoning model's answer comes back without its reasoning).
+    False where it cannot be told (no chat template, a template that raises).
+    ``template_args``: the chat template's arguments (``enable_thinking``, …)."""
+    def probe() -> bool:
+        extends = _probe(tokenizer, dict(template_args or {}))
+        log.info("mlx_kvcache: the chat template %s",
+                 "re-renders its generation prompt as the answer's turn: a conversation's "
+                 "next request goes on past the answer" if extends else
+                 "does not re-render its generation prompt as the answer's turn (or the "
+                 "model reasons first): hybrid and sliding-window models also store the "
+                 "caches a few tokens before each prompt's end")
+        return extends
+    return decided(tokenizer, "answer_extends_prompt", template_args, probe)
+
+
+def _probe(tokenizer, template_args: Dict[str, Any]) -> bool:
+    if not getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "has_thinking",
+                                                                     False):
+        return False
+    user = {"role": "user", "content": _PROBE_USER}
+    try:
+        prompt = tokenizer.apply_chat_template([user], add_generation_prompt=True,
+                                               tokenize=False, **template_args)
+        after = tokenizer.apply_chat_template(
+            [user, {"role": "assistant", "content": _PROBE_ANSWER},
+             {"role": "user", "content": _PROBE_NEXT}],
+            add_generation_prompt=True, tokenize=False, **template_args)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe: keep the stop
+        return False
+    return isinstance(prompt, str) and isinstance(after, str) and after.startswith(
+        prompt + _PROBE_ANSWER)
+
+
+_PROBE_MARK = "zq7-probe-system"
+
+
+def system_policy(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> str:
+    """``"in_place"`` when the chat template renders a system message after the first where
+    it stands, ``"fold_all"`` when it renders no system message at all, else ``"fold"``.
+    Probed once per template (and template arguments: `decided`)."""
+    probes = [
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+         {"role": "assistant", "content": "A"}, {"role": "system", "content": _PROBE_MARK},
+         {"role": "user", "content": "V"}],
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+         {"role": "system", "content": _PROBE_MARK}],
+    ]
+
+    def renders(msgs) -> bool:
+        try:
+            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
+                                                 **(template_args or {}))
+        except Exception:
+            return False
+        return isinstance(text, str) and _PROBE_MARK in text
+
+    def probe() -> str:
+        if not renders([{"role": "system", "content": _PROBE_MARK},
+                        {"role": "user", "content": "U"}]):
+            policy = "fold_all"
+        elif all(renders(msgs) for msgs in probes):
+            policy = "in_place"
+        else:
+            policy = "fold"
+        log.info("mlx_kvcache: the chat template %s; system messages inside the conversation "
+                 "are rendered %s", "renders later system messages in place"
+                 if policy == "in_place" else "refuses later system messages",
+                 "where they are" if policy == "in_place" else "inside the adjacent user turn")
+        if policy == "fold_all":
+            log.info("mlx_kvcache: the chat template renders no system message: the first one "
+                     "goes into the first user turn too")
+        return policy
+    return decided(tokenizer, "system_policy", template_args, probe)
+
+
+def honours_thinking(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> bool:
+    """Whether the chat template renders differently with ``enable_thinking`` on and off
+    (mlx-lm's tokenizer passes it under the name the template reads). Probed once per
+    template (and template arguments: `decided`)."""
+    def probe() -> bool:
+        msgs = [{"role": "user", "content": "U"}]
+        try:
+            on, off = (tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                     tokenize=False,
+                                                     **{**(template_args or {}),
+                                                        "enable_thinking": flag})
+                       for flag in (True, False))
+        except Exception:  # a template that refuses the flag does not honour it
+            return False
+        return on != off
+    return decided(tokenizer, "honours_thinking", template_args, probe)

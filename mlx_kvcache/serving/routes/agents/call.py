@@ -1,0 +1,144 @@
+"""One agent request as both agent APIs hand it to the bridge (`ChatCall`), what comes
+back (`Event`, `Usage`), and the refusal before anything runs (`AgentRequestError`): the
+data the routes, the bridge and the wire share, knowing nothing of HTTP or mlx-lm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+__all__ = ["ChatCall", "Usage", "Event", "AgentRequestError", "restrict_tools"]
+
+
+@dataclass
+class ChatCall:
+    """One chat request, as both agent front ends hand it to the bridge.
+
+    ``messages``: OpenAI chat-format messages, roles ``system`` / ``user`` / ``assistant`` /
+    ``tool``; ``content`` a string or a list of ``{"type": "text", "text": ...}`` parts
+    (joined with nothing between them, as mlx-lm's chat route joins them); an assistant
+    message may carry ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
+    "arguments" (a JSON string)}}]``) and ``reasoning``; a tool message ``tool_call_id``.
+    System messages may be anywhere: they render where they are (see `conversation`).
+    ``labels``: per message, the client's name for it (``"messages[3]"``, ``"input[4]"``),
+    used by the miss explanation; ``part_labels`` optionally names each content part (else
+    ``"<label>.content[j]"``). ``tools``: OpenAI function tools (``[{"type": "function",
+    "function": {"name", "description", "parameters"}}]``), given to the chat template.
+    ``tool_choice``: the client's, as sent (`restrict_tools` enforces what can be).
+    ``max_tokens``: None for the server's ``--max-tokens``. ``sampling``: only what the
+    client sent (``temperature``, ``top_p``, ``top_k``); the rest are the server's
+    defaults. ``stop``: stop strings. ``breakpoints``: ``(message index, part index)``
+    whose END the client marked for reuse (part index 0 for a string content): the prompt
+    cache stores a checkpoint there; ``tool_breakpoints`` (indices of ``tools``) and
+    ``call_breakpoints`` (``(message index, tool call index)``) likewise; ``end_mark``:
+    the ``(message, part)`` where the input ends, marked by the route itself where the
+    client comes back with the conversation extended, and checkpointed only where that
+    next request may diverge right after it (`templates`: a template whose generation
+    prompt the history does not repeat, or a reasoning model). ``thinking``:
+    whether the model should reason first (Anthropic's ``thinking``), None for the
+    template's default: given to the chat template as ``enable_thinking`` where it
+    honours it, else ignored (a debug log line); ``reasoning_budget``: at most that many
+    tokens of it (`reasoning_budget`), or None. ``session``: the client's session name (Codex
+    ``prompt_cache_key``, Anthropic ``metadata.user_id``), or None: listed with the request
+    in the log line and ``GET /v1/cache`` ``recent``; eviction stays least-recently-used,
+    which already takes other sessions' leaves first (see `TriePromptCache.expect`).
+    """
+
+    messages: List[Dict[str, Any]]
+    labels: List[str] = field(default_factory=list)
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Any = None
+    max_tokens: Optional[int] = None
+    sampling: Dict[str, Any] = field(default_factory=dict)
+    stop: List[str] = field(default_factory=list)
+    breakpoints: List[Tuple[int, int]] = field(default_factory=list)
+    session: Optional[str] = None
+    part_labels: Optional[List[Optional[List[str]]]] = None
+    tool_breakpoints: List[int] = field(default_factory=list)
+    call_breakpoints: List[Tuple[int, int]] = field(default_factory=list)
+    thinking: Optional[bool] = None
+    reasoning_budget: Optional[int] = None
+    end_mark: Optional[Tuple[int, int]] = None
+
+
+def restrict_tools(call: ChatCall, none: bool = False, name: Optional[str] = None,
+                   param: str = "tool_choice", allowed: Optional[List[str]] = None) -> None:
+    """Enforce what a ``tool_choice`` can honestly enforce on ``call``: ``none`` — the chat
+    template is given no tools (the model is told of none); ``name`` — only that tool
+    (the model is told of no other); ``allowed`` — only those tools, in the request's
+    order. Otherwise (``auto``, ``any`` / ``required``) the tools stay as they are: a
+    template cannot force a call. A name not among ``call.tools`` is an
+    `AgentRequestError` naming it (``param``: the field)."""
+    if none:
+        call.tools, call.tool_breakpoints = None, []
+        return
+    wanted = [name] if name is not None else allowed
+    if wanted is None:
+        return
+    names = [t["function"]["name"] for t in call.tools or ()]
+    for w in wanted:
+        if w not in names:
+            among = f"which is not among tools ({', '.join(names)})" if names else \
+                "but the request has no tools"
+            raise AgentRequestError(f"{param} names the tool {w!r}, {among}", param=param)
+    keep = [k for k, n in enumerate(names) if n in wanted]
+    call.tool_breakpoints = [i for i, k in enumerate(keep) if k in call.tool_breakpoints]
+    call.tools = [call.tools[k] for k in keep] or None
+
+
+@dataclass
+class Usage:
+    """Token counts of one answer. ``prompt_tokens``: the whole prompt; ``cached_tokens``:
+    of those, restored from the prompt cache (the log line's ``cached``);
+    ``created_tokens``: of those, computed by this request and stored for reuse (the
+    prompt cache stores every prompt it computes unless it is off or the model's caches
+    cannot be stored: then 0); ``output_tokens``: the answer's."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    created_tokens: int
+    output_tokens: int
+
+    @property
+    def uncached_tokens(self) -> int:
+        """Prompt tokens not read from the cache (Anthropic's ``input_tokens``)."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass
+class Event:
+    """One step of an answer.
+
+    ``kind``: ``"text"`` / ``"reasoning"`` (``text`` is the delta), ``"tool_call"``
+    (``tool_call``: ``{"id", "name", "arguments"}``, arguments a JSON string, one whole
+    call, as mlx-lm's parser yields them), ``"progress"`` (prompt processing:
+    ``text`` is ``"done/total"``; a front end may send a keep-alive, else ignore it),
+    ``"error"`` (the answer failed after it started: ``text`` says why; the last event), or
+    ``"done"`` (the last event of a complete answer). On ``"done"``: ``finish_reason``
+    (``"stop"``, ``"length"`` — also when the server's stop cut the answer —,
+    ``"tool_calls"`` or ``"stop_sequence"``), ``stop_sequence`` (which one), ``usage``.
+    Front ends ignore kinds they do not know.
+    """
+
+    kind: str
+    text: str = ""
+    tool_call: Optional[Dict[str, Any]] = None
+    finish_reason: Optional[str] = None
+    stop_sequence: Optional[str] = None
+    usage: Optional[Usage] = None
+
+
+class AgentRequestError(Exception):
+    """A request the bridge will not run, raised before any event: ``status`` (HTTP),
+    ``message`` (for the client), ``kind`` (``"invalid_request_error"``, ``"overloaded_error"``
+    while the server stops, ``"api_error"``), ``param`` (the request field at fault, where
+    one is; OpenAI's error names it) and ``code`` (a machine-readable reason, where the API
+    has one: ``"context_length_exceeded"``, ``"server_stopping"``)."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code = param, code
+
