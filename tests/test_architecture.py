@@ -18,10 +18,10 @@
 * Inside ``serving/`` the parts import one way: ``guards`` < ``cache`` < ``engine`` <
   ``routes`` < (``app``, ``seam``, the package itself); a module imports its own part and
   the parts below it.
-* ``isinstance`` / ``issubclass`` against a cache kind (our cache classes, mlx-lm's
-  ``mlx_lm.models.cache`` classes) happens only in ``caches/`` and the modules that
-  convert between the two (`KIND_CHECKS`): anywhere else a kind's rule is a member of
-  its class.
+* ``isinstance`` / ``issubclass`` (or ``type(c) is …``) against a cache kind (our cache
+  classes, mlx-lm's ``mlx_lm.models.cache`` classes) happens only in ``caches/`` and the
+  modules that convert between the two (`KIND_CHECKS`): anywhere else a kind's rule is a
+  member of its class.
 
 Each rule runs on planted source too (``tmp_path`` trees), where it must fail.
 """
@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Set, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
-PKG = ROOT / "mlx_kvcache"
 
 #: Each layer (docs/design.md's table: caches 1, prefix 2-3, store 4, generation and
 #: serving 5, models and cli 6) may import itself and the layers listed; `testing/` (what
@@ -392,7 +391,7 @@ def _is_kind(dotted: str, kinds: Set[str]) -> bool:
 
 def _kind_checks(modules: Dict[str, Path] = MODULES) -> List[Tuple[str, int, str]]:
     """``(module, line, kind)`` of every ``isinstance`` / ``issubclass`` against a cache
-    kind outside ``caches/`` and `KIND_CHECKS`."""
+    kind (or ``type(c) is …`` / ``in (…)``) outside ``caches/`` and `KIND_CHECKS`."""
     kinds = _kind_names(modules)
     out = []
     for mod, path in modules.items():
@@ -401,16 +400,25 @@ def _kind_checks(modules: Dict[str, Path] = MODULES) -> List[Tuple[str, int, str
         tree = _tree(path)
         aliases = _aliases(mod, path, tree)
         for n in ast.walk(tree):
-            if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                    and n.func.id in ("isinstance", "issubclass") and len(n.args) == 2):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) \
+                    and n.func.id in ("isinstance", "issubclass") and len(n.args) == 2:
+                against = [n.args[1]]
+            elif isinstance(n, ast.Compare) and _is_type_call(n.left):  # type(c) is K
+                against = n.comparators
+            else:
                 continue
-            arg = n.args[1]
-            for t in arg.elts if isinstance(arg, ast.Tuple) else [arg]:
-                t = t.value if isinstance(t, ast.Starred) else t
-                d = _dotted(t, aliases)
-                if _is_kind(d, kinds):
-                    out.append((mod, n.lineno, d.rsplit(".", 1)[-1]))
+            for arg in against:
+                for t in arg.elts if isinstance(arg, (ast.Tuple, ast.List, ast.Set)) else [arg]:
+                    t = t.value if isinstance(t, ast.Starred) else t
+                    d = _dotted(t, aliases)
+                    if _is_kind(d, kinds):
+                        out.append((mod, n.lineno, d.rsplit(".", 1)[-1]))
     return out
+
+
+def _is_type_call(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "type" and len(node.args) == 1)
 
 
 def test_cache_kinds_are_told_apart_only_in_caches_and_the_conversions():
@@ -482,7 +490,9 @@ def test_a_planted_kind_check_outside_caches_fails(tmp_path):
             "from mlx_lm.models import cache as mlc\n"
             "from ..caches import KVCache\n"
             "def f(c):\n"
-            "    return isinstance(c, mlc.ArraysCache) or isinstance(c, (int, KVCache))\n"),
+            "    return isinstance(c, mlc.ArraysCache) or isinstance(c, (int, KVCache))\n"
+            "def k(c):\n"
+            "    return type(c) in (mlc.RotatingKVCache, str)\n"),
         "serving/cache/native.py": (
             "import mlx_lm.models.cache as mc\n"
             "def g(c):\n"
@@ -492,5 +502,6 @@ def test_a_planted_kind_check_outside_caches_fails(tmp_path):
             "def h(c):\n"
             "    return isinstance(c, ArraysCache)\n"),
     })
-    assert _kind_checks(mods) == [("mlx_kvcache.generation.decode", 4, "ArraysCache"),
-                                  ("mlx_kvcache.generation.decode", 4, "KVCache")]
+    assert sorted(_kind_checks(mods)) == [("mlx_kvcache.generation.decode", 4, "ArraysCache"),
+                                          ("mlx_kvcache.generation.decode", 4, "KVCache"),
+                                          ("mlx_kvcache.generation.decode", 6, "RotatingKVCache")]
