@@ -14,7 +14,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlc
 
-from mlx_kvcache.serving import TriePromptCache, extract, sequential
+from mlx_kvcache.serving import TriePromptCache
+from mlx_kvcache.serving.cache import extract, sequential
 from mlx_kvcache.serving.cache.idle_writes import IdleWrites
 from mlx_kvcache.serving.cache.profile import Profile
 from mlx_kvcache.store.autosave import Autosaver
