@@ -1,18 +1,21 @@
 """`CacheCore`: the one composition root of a cached model, for both front ends.
 
 `PrefixCache` (generation) and the server's `TriePromptCache` (serving) hold one each. It
-builds the `PrefixManager` for a `ModelPair` with every setting passed to its constructor,
-attaches the disk store once (`attach_store`: the store's check before each restore, the
-no-merge rule for nodes on disk, load, the budget, the purge of bad files — in one
-critical section), owns the background writer and the fingerprint that names the
-persisted cache, and measures whether the memory budget can hold one checkpoint.
+builds the `PrefixManager` for a `ModelPair` with every setting passed to its constructor
+(or, when this model's caches cannot be reused, a `NullManager` that stores nothing: the
+core always holds a manager, and ``why_not`` says why it is the null one), attaches the
+disk store once (`attach_store`: the store's check before each restore, the no-merge rule
+for nodes on disk, load, the budget, the purge of bad files — in one critical section),
+owns the background writer and the fingerprint that names the persisted cache, and
+measures whether the memory budget can hold one checkpoint.
 
 The memory budget (``max_bytes``) has one meaning in both front ends: every byte of KV
 cache held in memory for the model — the trie's snapshots plus the caches of the requests
 running now. `PrefixCache` lends those caches itself (live sets, counted by the manager);
 the server's batch holds its own, and mlx-lm trims the cache to the budget less them
-(`serving.model_state.open_model` hands it the budget in force, `TriePromptCache.trim_to`
-is where every ceiling below the budget lands). docs/design.md, "The memory budget".
+(`serving.cache.model_state.open_model` hands it the budget in force,
+`TriePromptCache.trim_to` is where every ceiling below the budget lands). docs/design.md,
+"The memory budget".
 """
 
 from __future__ import annotations
