@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as mlc
 
 from mlx_kvcache.serving import TriePromptCache
-from mlx_kvcache.serving import app; from mlx_kvcache.serving import seam
+from mlx_kvcache.serving import app, seam
 from mlx_kvcache.serving.engine.generator import split_segments
 from models import V, build
 
