@@ -365,6 +365,29 @@ def test_disk_budget_holds(tmp_path):
     assert toks == _cold("llama", last, 4)
 
 
+def test_the_disk_budget_said_at_start_is_the_one_in_force(tmp_path):
+    """A run with the default budget follows the budget an earlier run recorded for the
+    directory; the figure it states (``disk_budget_note``, the start log's, and
+    ``max_disk_bytes``) is that one, not the default it would have computed."""
+    from mlx_kvcache.generation.sizing import disk_budget_for
+    from mlx_kvcache.prefix.stats import human_bytes
+
+    model = build_model("llama")
+    chosen = (3 << 30) + 12345  # no default is this
+    pc = PrefixCache(model, cache_dir=str(tmp_path), max_disk_bytes=chosen)
+    run(pc, prompts(1, seed=43)[0], 2)
+    pc.close()  # its first write recorded the budget
+    default, _ = disk_budget_for(tmp_path / "elsewhere", pc.fingerprint())
+    assert default != chosen
+    again = PrefixCache(model, cache_dir=str(tmp_path))
+    assert again.core.store.max_disk_bytes == chosen  # what the store follows ...
+    assert again.max_disk_bytes == chosen  # ... is what is said
+    assert again.disk_budget_note.startswith(f"{human_bytes(chosen)}: recorded"), \
+        again.disk_budget_note
+    assert "(followed; the default would be " in again.disk_budget_note
+    again.close()
+
+
 def test_unwritable_dir_does_not_break_generation(tmp_path):
     f = tmp_path / "file"
     f.write_text("not a directory")

@@ -107,10 +107,50 @@ def test_first_screen_server_curl_and_openai_sdk(tmp_path):
             messages=[{"role": "user", "content": "What is the capital of Italy?"}])
         assert r.model == "mlx-community/Qwen3-4B-4bit" and r.choices[0].message.content
         assert client.models.retrieve("claude-sonnet-5").id == "claude-sonnet-5"
+        # What the README says of the embedded model and an agent's tools: answered, and
+        # the log carries the warning it quotes.
+        status, body = s.request("POST", "/v1/messages", {
+            "model": "claude-sonnet-5", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "List the files here."}],
+            "tools": [{"name": "Bash", "description": "Run a shell command.",
+                       "input_schema": {"type": "object",
+                                        "properties": {"command": {"type": "string"}}}}]})
+        assert status == 200 and body["content"][0]["type"] == "text", body
+        warning = re.search(r"mlx-lm's warning `([^`]+)`", README).group(1)
+        s.watch.wait("the tools warning").until(lambda: warning in s.tail(1 << 20))
         log = s.tail(1 << 20)
     assert "Traceback" not in log and "CacheNotFound" not in log, log
     assert "Prompt Cache:" not in log  # mlx-lm's LRU counters, which contradicted ours
     assert re.search(r"\[cache\] prompt \d+ tok \| cached \d+", log), log
+
+
+def test_the_tests_come_after_the_first_request_and_stop_the_server_first():
+    """The test command's ``pip install -e`` replaces the package under a running server:
+    it has a section of its own after the first requests, which says to stop the server."""
+    at = {tag: README.index(f"<!-- readme-test: {tag} -->") for tag in ("run", "curl", "openai",
+                                                                          "test")}
+    assert at["run"] < at["curl"] < at["openai"] < at["test"]
+    section = README[README.index("## Run the tests"):at["test"]]
+    assert "Stop the server first" in section and "pip install -e" in section
+
+
+def test_models_for_agents_name_only_what_mlx_lm_parses():
+    """The parsers the README lists are the installed mlx-lm's (all of them), and each
+    model in the table names one of them or says it has none."""
+    import pkgutil
+
+    import mlx_lm.tool_parsers as tp
+
+    installed = {m.name for m in pkgutil.iter_modules(tp.__path__)}
+    section = README[README.index("### Models for agents"):README.index("## Run the tests")]
+    listed = set(re.findall(r"`(\w+)`", section[:section.index("| model")]))
+    assert listed == installed, (listed ^ installed)
+    rows = [ln.split("|")[1:-1] for ln in section.splitlines()
+            if ln.startswith("| `mlx-community/")]
+    assert len(rows) >= 5
+    for model, weights, context, parser, memory in (map(str.strip, r) for r in rows):
+        name = re.fullmatch(r"`(\w+)`", parser)
+        assert (name and name.group(1) in installed) or parser.startswith("none"), (model, parser)
 
 
 _FLOAT = re.compile(r"\d+\.\d+")

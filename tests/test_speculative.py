@@ -24,7 +24,8 @@ import mlx_kvcache.testing
 from mlx_kvcache.testing import noisy_copy
 from models import V, build
 from reference import (  # noqa: F401  (track_snapshots is an autouse fixture)
-    MARGIN, TOK, assert_same, check_no_leaks, cold, model, new_cache, run, track_snapshots,
+    FLOAT_TOL, MARGIN, TOK, assert_same, check_no_leaks, cold, model, new_cache, run,
+    track_snapshots,
 )
 
 NAMES = ["llama", "gemma3_text", "qwen3_next", "mamba"]
@@ -198,7 +199,7 @@ def check_restored_state(pc, tokens):
         fed = list(tokens)
     finally:
         mgr.checkin(live, fed)
-    assert max(diffs) < 1e-4, diffs
+    assert max(diffs) < FLOAT_TOL, diffs
     return plan
 
 

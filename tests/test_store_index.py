@@ -24,6 +24,8 @@ sys.path.insert(0, str(HERE))
 
 from _index import query, referenced_files  # noqa: E402
 from _persist_child import TOK, build_model, prompts  # noqa: E402
+from reference import FLOAT_TOL  # noqa: E402
+
 
 
 def model_dir(root):
@@ -44,7 +46,7 @@ def run_lp(pc, prompt, n=4):
 def assert_cold(name, prompt, lps, n=4):
     cold, st = run_lp(PrefixCache(build_model(name)), prompt, n)
     assert st.restored_tokens == 0
-    assert max(float(np.abs(a - b).max()) for a, b in zip(lps, cold)) < 1e-4
+    assert max(float(np.abs(a - b).max()) for a, b in zip(lps, cold)) < FLOAT_TOL
 
 
 def assert_mirrors(pc):

@@ -28,6 +28,8 @@ sys.path.insert(0, str(HERE))
 
 from _index import edit, query  # noqa: E402
 from _persist_child import TOK, build_model, prompts  # noqa: E402
+from reference import FLOAT_TOL  # noqa: E402
+
 
 
 def ours(ws, part=""):
@@ -44,7 +46,7 @@ def cold_lps(prompt, n=4):
 
 
 def same(a, b):
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b)) < 1e-4
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b)) < FLOAT_TOL
 
 
 @pytest.fixture()

@@ -36,10 +36,43 @@ def run_argv(argv: List[str]) -> int:
         seam.check()  # before exporting a model: one line if mlx-lm's seam changed
     except seam.SeamError:
         return main(argv)  # says so
+    problem = _address_problem(list(argv))
+    if problem is not None:
+        sys.stderr.write(f"error: mlx-kvcache serve: {problem}\n")
+        return 1
     argv = _resolve_model(list(argv))
     if argv is None:
         return 2
     return main(argv)
+
+
+def _address_problem(argv) -> Optional[str]:
+    """Why the server could not listen where ``argv`` asks (mlx-lm's defaults: 127.0.0.1,
+    8080), or None: checked before a ``.gguf`` file (or the embedded model) is exported,
+    which can take minutes; the server binds for good before its model loads. Only rank 0
+    of an ``mlx.launch`` job listens; the other ranks do not check."""
+    import os
+
+    from ..serving.guards.listen import ListenError, check
+
+    if os.environ.get("MLX_RANK", "0") != "0":
+        return None
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", default="8080")
+    p.add_argument("-h", "--help", action="store_true")
+    known, _ = p.parse_known_args(argv)
+    try:
+        port = int(known.port)
+    except ValueError:
+        return None  # mlx-lm's parser says what is wrong with it
+    if known.help:
+        return None
+    try:
+        check(known.host, port)
+    except ListenError as e:
+        return str(e)
+    return None
 
 
 def _resolve_model(argv) -> Optional[list]:

@@ -9,7 +9,9 @@ restore point of such a prompt, so every such request recomputes it; that gets o
 warning with the size needed (`budget_problem`) instead of silent 0 % hits.
 
 The disk budget's default is a share of the free disk (`default_disk_budget`), as peers
-do: min(cap, free / 4), the cache's own files counted as free (they are its to reuse).
+do: min(cap, free / 4), the cache's own files counted as free (they are its to reuse); a
+budget recorded in the cache's directory by an earlier run is followed instead
+(`disk_budget_for`), and that is the figure said at start.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from mlx.utils import tree_flatten
 from ..caches import leaf_caches, settle
 from ..prefix.stats import human_bytes
 from ..store.format import disk_usage, model_dir
+from ..store.index import recorded_budget
 
 #: The disk budget by default: a quarter of the free disk, at most this much.
 DISK_CAP = 32 << 30
@@ -106,7 +109,14 @@ def default_disk_budget(root, own: int = 0) -> Tuple[int, str]:
 
 
 def disk_budget_for(root, fingerprint: str) -> Tuple[int, str]:
-    """`default_disk_budget` for the cache named ``fingerprint`` under ``root``: the
-    files it holds already count as free (they are its to reuse)."""
+    """The budget a store with the default budget will follow for the cache named
+    ``fingerprint`` under ``root``, and why: the one recorded in its directory by an
+    earlier run when there is one (a default never replaces it), else
+    `default_disk_budget` with the files it holds counted as free (they are its to reuse)."""
     d = model_dir(root, fingerprint)
-    return default_disk_budget(root, disk_usage(d) if d.is_dir() else 0)
+    budget, why = default_disk_budget(root, disk_usage(d) if d.is_dir() else 0)
+    recorded = recorded_budget(d) if d.is_dir() else None
+    if recorded is None:
+        return budget, why
+    return recorded, (f"{human_bytes(recorded)}: recorded for this directory by an earlier run "
+                      f"(followed; the default would be {why})")

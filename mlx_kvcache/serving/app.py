@@ -6,6 +6,14 @@ Ours (see `lifecycle`): the first signal stops admitting requests (503), lets th
 ones finish for ``--shutdown-grace`` seconds, then ends what is left properly (a second
 signal ends them at once); then a stop command takes every rank's generation thread out of
 its loop at the same turn, each rank flushes its cache writes and exits with status 0.
+
+Before that, while the model loads, a signal ends the process at once (the system's
+default action): the load runs in MLX's C++ holding Python's lock (a weights read that
+blocks blocks every Python thread), so a Python handler would run only once the load
+ended, and nothing has been served or is being written that a stop would have to finish.
+The address is bound before the load (`listen`): a port in use is one line and exit 1
+then, and any failure from there on exits too, never leaving the process to mlx-lm's
+generation thread, which would keep it alive for good.
 """
 
 from __future__ import annotations
@@ -15,7 +23,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -33,6 +40,16 @@ DEFAULT_CHECKPOINT_INTERVAL = 2048
 BACKLOG = 1024
 #: Seconds the cut answers get to reach their clients.
 CUT_WAIT = 5.0
+
+
+class QuietProgress(logging.Filter):
+    """Leaves out mlx-lm's "Prompt processing progress: n/m" (INFO, one line per prefill
+    chunk of every request), which buries the server's own lines; ``--log-level DEBUG``
+    shows them again."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "root"
+                    and str(record.msg).startswith("Prompt processing progress"))
 
 
 def _gen_wait(grace: float) -> float:
@@ -215,12 +232,15 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from .guards.memory import MemoryGuard, measure
     from .seam import DraftLoadError
     from .guards.startup import StartCheck, first_line, kv_quant_problem
+    from .guards import listen as listener
 
     args = model_provider.cli_args
     life = Lifecycle(args.shutdown_grace)
-    # Before the model loads: a signal during the load is a stop like any other.
+    if str(getattr(args, "log_level", "INFO")).upper() != "DEBUG":
+        logging.getLogger().addFilter(QuietProgress())
+    # Until the model is ready a signal ends the process at once (see the module doc).
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: life.on_signal())
+        signal.signal(sig, signal.SIG_DFL)
     cache_dir = None if args.no_persist else str(args.cache_dir or default_root())
     profile = profile_from_env()
     agree = agreement(profile)
@@ -236,6 +256,13 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
             _exit(1)
     sharding = (f"{'pipeline' if args.pipeline else 'tensor'}-{agree.size}-rank{agree.rank}"
                 if agree.size > 1 else "")
+    httpd = None
+    if agree.rank == 0:  # the only rank that serves HTTP
+        try:
+            httpd = listener.bind(host, port, server_class or ThreadingHTTPServer, BACKLOG)
+        except listener.ListenError as e:
+            sys.stderr.write(f"error: mlx-kvcache serve: {e}\n")
+            _exit(1)
     memory = MemoryGuard(None if args.memory_limit == 0 else args.memory_limit,
                          args.memory_wait)
     cache = TriePromptCache(model_provider, max_bytes=args.prompt_cache_bytes,
@@ -258,6 +285,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
         # check it, measure it for the memory guard and open its trie (and read the
         # disk index) right then.
         try:
+            log.info("mlx_kvcache: loading the model %s", args.model)
             load_default()
             problem = kv_quant_problem(args, model_provider.model, model_provider.draft_model)
         except Exception as e:  # noqa: BLE001 - said in one line by the main thread
@@ -289,12 +317,22 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     if started.problem is not None:
         sys.stderr.write(f"error: mlx-kvcache serve: {started.problem}\n")
         _exit(1)
-    if agree.rank != 0:
-        _follow(generator, cache, life)
-        return
-    handler = functools.partial(handler_class or CacheAPIHandler, routes=post_routes(),
-                                admin=AdminPolicy.make(args.admin_token, host))
-    _serve(host, port, generator, cache, server_class or ThreadingHTTPServer, handler, life)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # from here on, a stop (see the module doc)
+        signal.signal(sig, lambda signum, frame: life.on_signal())
+    try:
+        if agree.rank != 0:
+            _follow(generator, cache, life)
+            return
+        handler = functools.partial(handler_class or CacheAPIHandler, routes=post_routes(),
+                                    admin=AdminPolicy.make(args.admin_token, host))
+        try:
+            _serve(host, port, httpd, generator, cache, handler, life)
+        except listener.ListenError as e:
+            sys.stderr.write(f"error: mlx-kvcache serve: {e}\n")
+            _exit(1)
+    except Exception:  # noqa: BLE001 - mlx-lm's generation thread would keep us alive
+        log.exception("mlx_kvcache: the server failed")
+        _exit(1)
 
 
 def _exit(code: int) -> None:
@@ -324,16 +362,14 @@ def _follow(generator, cache, life) -> None:
     _exit(code)
 
 
-def _serve(host, port, generator, cache, server_class, handler_class, life) -> None:
+def _serve(host, port, httpd, generator, cache, handler_class, life) -> None:
     from mlx_lm.server import get_system_fingerprint
 
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, _, _, _, address = next(iter(infos))
-    server_class = type("HTTPServer", (server_class,),
-                        {"address_family": family, "request_queue_size": BACKLOG})
+    from .guards.listen import listen
+
     fingerprint = get_system_fingerprint()
-    httpd = server_class(address, lambda *a, **k: handler_class(
-        generator, *a, system_fingerprint=fingerprint, **k))
+    listen(httpd, lambda *a, **k: handler_class(
+        generator, *a, system_fingerprint=fingerprint, **k), host, port)
     threading.Thread(target=httpd.serve_forever, name="mlx_kvcache-http", daemon=True).start()
     log.info("Starting httpd at %s on port %d...", host, port)
     while not life.asked:

@@ -411,3 +411,21 @@ class Index:
             self.rollback()
             raise
         return list(gone)
+
+
+def recorded_budget(d: Path) -> Optional[int]:
+    """The disk budget recorded in directory ``d``'s index (`Index.budget`), which a store
+    opened with a default budget follows; None when there is no readable index or none is
+    recorded. Reads only (no lock: SQLite's WAL lets a reader see the last commit)."""
+    try:
+        idx = Index.open(Path(d))
+    except (FormatError, OSError, sqlite3.Error):
+        return None
+    if idx is None:
+        return None
+    try:
+        return idx.budget()
+    except sqlite3.Error:
+        return None
+    finally:
+        idx.close(checkpoint=False)
