@@ -40,6 +40,32 @@ character per token).
     python scripts/bench_agents.py --fixed-cost   # one request's tokenizing, chat vs agent
     python scripts/bench_agents.py --route-cost   # a cached prompt through each route
     python scripts/bench_agents.py --stock-cost   # short agent-like turns, ours vs stock
+    python scripts/bench_agents.py --thinking     # thinking models' tool loops (foresight)
+    python scripts/bench_agents.py --clients      # the same with the real claude / codex CLIs
+
+``--thinking``: sessions of a thinking model in tool loops — several tool steps per user
+turn, tool results of a few thousand tokens — through the official SDKs on both agent
+APIs, thinking on and off, with the chat templates of Qwen3 (its ``last_query_index``:
+reasoning kept only after the last user message) and GLM-4.5, on the scripted agent model
+(`mlx_kvcache.testing.scripted_model`: it reasons, then calls a tool on cue, from the token
+ids its cache holds). Contenders: ours (foresight: the next prompt computed while the
+client is busy — the benchmark waits, as a tool run or a reader would, until the server's
+foresight settled), ours with ``--no-foresight``, and stock ``mlx_lm.server`` on the chat
+route (the only route it serves; a chat client sends no reasoning back). Per user turn:
+prompt tokens computed while the client waits ÷ the tokens the turn added (goal <= 1.05),
+tokens computed ahead, and how many of those the next request did not read.
+
+``--clients``: the same measurement with the clients users run — the real ``claude``
+(``claude -p``, then ``claude -p --continue``) and ``codex`` (``codex exec``, then ``codex
+exec resume --last``) CLIs, headless, installed from npm into the benchmark's own
+directory — on the scripted model calling their own tools (Claude Code's ``Read``, Codex's
+``exec_command`` with ``cat``) on files of 3,000 characters, Qwen3's template, against
+ours with and without foresight and, with ``--vllm-mlx DIR``, vllm-mlx 0.6 (installed
+into the virtual environment ``DIR`` when it is not there yet: it pulls torch, several GB;
+served with its continuous batching and prefix cache, its qwen3 tool-call and reasoning
+parsers). Each CLI turn's requests are read from ``GET /v1/cache`` ``recent`` (vllm-mlx:
+its log's ``[cache_fetch]`` lines); between turns the benchmark waits for the server's
+foresight to settle (a person reading the answer).
 """
 
 from __future__ import annotations
@@ -58,6 +84,8 @@ from typing import Any, Dict, List, Optional
 import mlx_kvcache  # noqa: F401  (before mlx: preloads a fast BLAS)
 
 from mlx_kvcache.testing import write_model_dir  # noqa: E402
+from mlx_kvcache.testing.agent_sessions import Session  # noqa: E402
+from mlx_kvcache.testing.agent_templates import write_scripted_dir  # noqa: E402
 from mlx_kvcache.testing.servers import Server, stop_servers_on_sigterm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -598,6 +626,268 @@ def stock_cost(work: Path, rounds: int = 15, serial: bool = False) -> None:
         print(f"  {k}: " + ", ".join(f"{key} {v:.4f} ({c})" for v, key, c in rows))
 
 
+# -- thinking models in tool loops (--thinking) ------------------------------------------------
+QUESTIONS = ("Read the notes and sum them up.", "Which one is the longest?",
+             "Now compare the first and the last.", "Anything else worth noting?")
+
+
+def _foresight(server: Server) -> Dict[str, Any]:
+    return server.cache().get("foresight") or {}
+
+
+def _settle(server: Server) -> None:
+    """The client's busy time (a tool run, a person reading), as long as the server's
+    foresight needs: until it settled (bounded by the server's progress)."""
+    server.watch.wait("foresight to settle").until(
+        lambda: _foresight(server).get("settled"), poll=0.02)
+
+
+def _turn_row(requests: List[tuple], prev: int, before: Dict[str, Any],
+              after: Dict[str, Any]) -> Dict[str, Any]:
+    """One user turn's row from its requests' ``(prompt, cached)``: computed, new (the
+    prompt's growth since ``prev``, the last prompt before the turn), computed ahead and
+    not read (the foresight counters ``before`` and ``after`` it)."""
+    new = computed = 0
+    for prompt, cached in requests:
+        new += prompt - prev
+        computed += prompt - cached
+        prev = prompt
+    return {"requests": len(requests), "new": new, "computed": computed, "prompt": prev,
+            "ahead": after.get("computed_tokens", 0) - before.get("computed_tokens", 0),
+            "wasted": after.get("wasted_tokens", 0) - before.get("wasted_tokens", 0)}
+
+
+def thinking_session(server: Server, api: str, thinking: bool, turns: int, result: int,
+                     name: str, foresight: bool) -> List[Dict[str, Any]]:
+    """One scripted session; per user turn: computed, new, computed ahead, not read."""
+    s = Session(server.port, api, thinking, stream=True, name=name, result_len=result,
+                pause=(lambda: _settle(server)) if foresight else None)
+    rows, prev = [], 0
+    unread = _foresight(server).get("unread_tokens", 0) if foresight else 0
+    for t in range(turns):
+        before = _foresight(server) if foresight else {}
+        n0 = len(s.steps)
+        s.turn(QUESTIONS[t % len(QUESTIONS)] + f" (turn {t + 1})")
+        after = _foresight(server) if foresight else {}
+        rows.append(_turn_row([(st.prompt, st.cached) for st in s.steps[n0:]], prev, before,
+                              after))
+        prev = rows[-1]["prompt"]
+    if foresight:  # what the last answer's foresight computed is never read here
+        rows[-1]["wasted"] += _foresight(server).get("unread_tokens", 0) - unread
+    return rows
+
+
+def thinking_bench(work: Path, families: List[str], turns: int, steps: int, result: int) -> None:
+    """The ``--thinking`` benchmark (see the module doc)."""
+    table = []
+    for fam in families:
+        d = write_scripted_dir(work / f"scripted_{fam}", fam, steps=steps)
+        common = ["--trust-remote-code"]
+        servers = {
+            "ours": Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model", str(d),
+                            "--no-persist", *common], work / f"ours_{fam}.log", work / "home"),
+            "no-foresight": Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model",
+                                    str(d), "--no-persist", "--no-foresight", *common],
+                                   work / f"nofs_{fam}.log", work / "home"),
+            "stock": Server([sys.executable, str(ROOT / "scripts" / "stock_server.py"), "--model",
+                             str(d), *common], work / f"stock_{fam}.log", work / "home"),
+        }
+        try:
+            for thinking in (True, False):
+                for api in ("anthropic", "responses"):
+                    res = {}
+                    for who in ("ours", "no-foresight", "stock"):
+                        route = "chat" if who == "stock" else api
+                        name = f"{fam}-{api}-{'think' if thinking else 'nothink'}-{who}"
+                        res[who] = thinking_session(servers[who], route, thinking, turns, result,
+                                                    name, foresight=who == "ours")
+                    table.append((fam, api, thinking, res))
+                    _print_thinking(fam, api, thinking, res)
+        finally:
+            for sv in servers.values():
+                sv.stop()
+    print("\n  | template | API | thinking | computed ÷ new, turns 2+: ours | no foresight | "
+          "stock (chat) | computed ahead, ours | of it not read | worst turn, ours |")
+    print("  | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for fam, api, thinking, res in table:
+        o, n, k = (_ratio(res[w][1:]) for w in ("ours", "no-foresight", "stock"))
+        worst = max(r["computed"] / r["new"] for r in res["ours"][1:])
+        ahead = sum(r["ahead"] for r in res["ours"])
+        wasted = sum(r["wasted"] for r in res["ours"])
+        print(f"  | {fam} | {api} | {'on' if thinking else 'off'} | {o:.3f} | {n:.3f} | "
+              f"{k:.3f} | {ahead} | {wasted} | {worst:.3f} |")
+
+
+CLIENT_PACKAGES = ("@anthropic-ai/claude-code@2.1", "@openai/codex@0.171")
+
+
+def install_clients(where: Path) -> Dict[str, Path]:
+    """The ``claude`` and ``codex`` CLIs, installed from npm under ``where`` (once)."""
+    import subprocess
+    bins = {"claude": where / "node_modules" / ".bin" / "claude",
+            "codex": where / "node_modules" / ".bin" / "codex"}
+    if not all(b.exists() for b in bins.values()):
+        where.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["npm", "install", "--prefix", str(where), "--no-audit", "--no-fund",
+                        *CLIENT_PACKAGES], check=True)
+    return bins
+
+
+def _cli_turn(client: str, bins: Dict[str, Path], server: Server, cwd: Path, home: Path,
+              question: str, first: bool) -> None:
+    """One headless CLI turn against ``server``."""
+    import os
+    import subprocess
+    from mlx_kvcache.testing.agent_templates import CUE
+    prompt = f"{question} {CUE}"
+    if client == "claude":
+        env = dict(os.environ, HOME=str(home),
+                   ANTHROPIC_BASE_URL=f"http://127.0.0.1:{server.port}",
+                   ANTHROPIC_AUTH_TOKEN="local", ANTHROPIC_MODEL="local",
+                   ANTHROPIC_SMALL_FAST_MODEL="local", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
+        argv = [str(bins["claude"]), *([] if first else ["--continue"]), "-p", prompt,
+                "--max-turns", "10", "--allowedTools", "Read"]
+    else:
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "config.toml").write_text(
+            'model = "local"\nmodel_provider = "bench"\n[model_providers.bench]\nname = "bench"\n'
+            f'base_url = "http://127.0.0.1:{server.port}/v1"\nwire_api = "responses"\n'
+            'stream_idle_timeout_ms = 3600000\n')
+        env = dict(os.environ, CODEX_HOME=str(home), OPENAI_API_KEY="local")
+        argv = [str(bins["codex"]), "exec", "--skip-git-repo-check",
+                "--dangerously-bypass-approvals-and-sandbox",
+                *([] if first else ["resume", "--last"]), prompt]
+    r = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"{client} failed ({r.returncode}): {r.stderr[-2000:]}")
+
+
+VLLM_MLX = "vllm-mlx==0.6.0"
+
+
+def vllm_mlx_bin(venv: Path) -> Path:
+    """vllm-mlx's command in the virtual environment ``venv`` (made and installed once, with
+    the CPU build of the MLX this package runs on)."""
+    import subprocess
+    import mlx.core as mx
+    exe = venv / "bin" / "vllm-mlx"
+    if not exe.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", VLLM_MLX,
+                        f"mlx-cpu=={mx.__version__}"], check=True)
+    return exe
+
+
+def _vllm_requests(log: Path, start: int) -> List[tuple]:
+    """``(prompt, cached)`` of each request vllm-mlx logged past byte ``start``."""
+    import re
+    out = []
+    with open(log, "rb") as f:
+        f.seek(start)
+        for line in f.read().decode(errors="replace").splitlines():
+            if "[cache_fetch]" in line:
+                p = re.search(r"prompt_tokens=(\d+)", line)
+                c = re.search(r"cached=(\d+)", line)
+                out.append((int(p.group(1)), int(c.group(1)) if c else 0))
+    return out
+
+
+def clients_bench(work: Path, clients: List[str], turns: int, steps: int = 3,
+                  size: int = 3000, vllm: Optional[Path] = None) -> None:
+    """The ``--clients`` benchmark (see the module doc)."""
+    bins = install_clients(work.parent / "bench_agents_clients")
+    notes = work / "project" / "notes"
+    notes.mkdir(parents=True)
+    rng = random.Random(11)
+    files = []
+    for k in range(steps):
+        f = notes / f"part{k + 1}.txt"
+        f.write_text(text(rng, size // 5)[:size])
+        files.append(f)
+    table = []
+    for client in clients:
+        tool, arg, paths = (("Read", "file_path", [str(f) for f in files]) if client == "claude"
+                            else ("exec_command", "cmd", [f"cat {f}" for f in files]))
+        d = write_scripted_dir(work / f"scripted_{client}", "qwen3", steps=steps, tool=tool,
+                               arg=arg, paths=paths)
+        res = {}
+        contenders = [("ours", []), ("no-foresight", ["--no-foresight"])]
+        if vllm is not None:
+            contenders.append(("vllm-mlx", []))
+        for who, extra in contenders:
+            log = work / f"{client}_{who}.log"
+            if who == "vllm-mlx":
+                server = Server([str(vllm), "serve", str(d), "--served-model-name", "local",
+                                 "--trust-remote-code", "--enable-auto-tool-choice",
+                                 "--tool-call-parser", "qwen3", "--reasoning-parser", "qwen3",
+                                 "--continuous-batching", "--enable-prefix-cache"],
+                                log, work / "home", env={"HOME": str(work / "vllm_home")})
+            else:
+                server = Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model",
+                                 str(d), "--no-persist", "--trust-remote-code", *extra],
+                                log, work / "home")
+            rows, prev = [], 0
+            try:
+                for t in range(turns):
+                    t0, at = time.time(), log.stat().st_size
+                    before = _foresight(server) if who != "vllm-mlx" else {}
+                    _cli_turn(client, bins, server, work / "project",
+                              work / f"{client}_{who}_home",
+                              QUESTIONS[t % len(QUESTIONS)] + f" (turn {t + 1})", t == 0)
+                    if who == "ours":
+                        _settle(server)
+                    if who == "vllm-mlx":
+                        after, reqs = {}, _vllm_requests(log, at)
+                        rows.append(_turn_row(reqs, prev, before, after))
+                        prev = rows[-1]["prompt"]
+                        continue
+                    after = _foresight(server)
+                    reqs = [(e["prompt_tokens"], e["cached_tokens"])
+                            for e in server.cache()["recent"] if e["time"] >= t0 - 0.001]
+                    rows.append(_turn_row(reqs, prev, before, after))
+                    prev = rows[-1]["prompt"]
+                if who != "vllm-mlx":
+                    rows[-1]["wasted"] += _foresight(server).get("unread_tokens", 0)
+            finally:
+                server.stop()
+            res[who] = rows
+        print(f"\n  {client} CLI (Qwen3 template, thinking): per turn, computed while the client "
+              f"waits ÷ new tokens")
+        for i, (o, n) in enumerate(zip(res["ours"], res["no-foresight"])):
+            v = res["vllm-mlx"][i] if "vllm-mlx" in res else None
+            print(f"  {i + 1:>4} {o['requests']:>3} req | ours {o['computed'] / o['new']:.3f} "
+                  f"({o['computed']}/{o['new']}) ahead {o['ahead']} unread {o['wasted']} | "
+                  f"no foresight {n['computed'] / n['new']:.3f} ({n['computed']}/{n['new']})"
+                  + (f" | vllm-mlx {v['computed'] / v['new']:.3f} ({v['computed']}/{v['new']})"
+                     if v else ""), flush=True)
+        table.append((client, res))
+    print("\n  | client | computed ÷ new, turns 2+: ours | no foresight | vllm-mlx | computed "
+          "ahead, ours | of it not read |")
+    print("  | --- | --- | --- | --- | --- | --- |")
+    for client, res in table:
+        ours = res["ours"]
+        v = f"{_ratio(res['vllm-mlx'][1:]):.3f}" if "vllm-mlx" in res else "-"
+        print(f"  | {client} | {_ratio(ours[1:]):.3f} | {_ratio(res['no-foresight'][1:]):.3f} "
+              f"| {v} | {sum(r['ahead'] for r in ours)} | {sum(r['wasted'] for r in ours)} |")
+
+
+def _ratio(rows: List[Dict[str, Any]]) -> float:
+    new = sum(r["new"] for r in rows)
+    return sum(r["computed"] for r in rows) / new if new else float("nan")
+
+
+def _print_thinking(fam: str, api: str, thinking: bool, res: Dict[str, List[dict]]) -> None:
+    print(f"\n  {fam}, {api}, thinking {'on' if thinking else 'off'}: per user turn, computed "
+          f"while the client waits ÷ new tokens (computed / new)")
+    print(f"  {'turn':>4} {'reqs':>4} | {'ours':>20} {'ahead':>6} {'unread':>6} | "
+          f"{'no foresight':>20} | {'stock (chat)':>20}")
+    for i, (o, n, k) in enumerate(zip(res["ours"], res["no-foresight"], res["stock"])):
+        def cell(r):
+            return f"{r['computed'] / r['new']:.3f} ({r['computed']}/{r['new']})"
+        print(f"  {i + 1:>4} {o['requests']:>4} | {cell(o):>20} {o['ahead']:>6} {o['wasted']:>6} "
+              f"| {cell(n):>20} | {cell(k):>20}", flush=True)
+
+
 def main(argv=None):
     stop_servers_on_sigterm()  # a killed benchmark leaves no server behind
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -616,7 +906,31 @@ def main(argv=None):
     ap.add_argument("--serial", action="store_true",
                     help="with --stock-cost: each server alone, back to back (ours also "
                          "with --no-persist), not alternating")
+    ap.add_argument("--thinking", action="store_true",
+                    help="thinking models in tool loops: ours with and without foresight vs "
+                         "stock (see the module doc)")
+    ap.add_argument("--families", nargs="+", choices=("qwen3", "glm45"),
+                    default=["qwen3", "glm45"], help="with --thinking: the chat templates")
+    ap.add_argument("--clients", nargs="*", choices=("claude", "codex"), default=None,
+                    help="the real CLIs (both when none is named): ours with and without "
+                         "foresight (see the module doc)")
+    ap.add_argument("--vllm-mlx", default=None, metavar="VENV",
+                    help="with --clients: also vllm-mlx 0.6, from this virtual environment "
+                         "(made and installed when missing)")
     args = ap.parse_args(argv)
+    if args.clients is not None:
+        print(f"command: python scripts/bench_agents.py {shlex.join(argv or sys.argv[1:])}")
+        work = Path(tempfile.mkdtemp(prefix="bench_agents_"))
+        print(f"logs under {work}")
+        return clients_bench(work, args.clients or ["claude", "codex"],
+                             turns=args.turns or (2 if args.quick else 4),
+                             vllm=vllm_mlx_bin(Path(args.vllm_mlx)) if args.vllm_mlx else None)
+    if args.thinking:
+        print(f"command: python scripts/bench_agents.py {shlex.join(argv or sys.argv[1:])}")
+        work = Path(tempfile.mkdtemp(prefix="bench_agents_"))
+        print(f"logs under {work}")
+        return thinking_bench(work, args.families, turns=args.turns or (3 if args.quick else 4),
+                              steps=2 if args.quick else 3, result=1500 if args.quick else 3000)
     if args.fixed_cost:
         return fixed_cost(Path(tempfile.mkdtemp(prefix="bench_agents_")))
     if args.route_cost:

@@ -171,6 +171,16 @@ def add_options(parser) -> None:
                    help="agent routes: also drop every line of system text that this regular "
                    "expression matches at the line's start (volatile lines: timestamps, "
                    "session ids)")
+    g.add_argument("--no-foresight", dest="foresight", action="store_false",
+                   help="agent routes: do not compute a session's next prompt (this answer "
+                   "as the client returns it, then the opening of a tool result or user "
+                   "message, as the chat template renders them) while the server is idle "
+                   "(default: computed ahead, lowest priority; docs/agents.md)")
+    g.add_argument("--keep-reasoning", action="store_true",
+                   help="agent routes: render earlier assistant turns with their reasoning "
+                   "as generated (the template's preserve_thinking / clear_thinking switches "
+                   "where it has them); this changes what the model sees (docs/agents.md). "
+                   "Per request: keep_reasoning")
     # The variable is the default, so argparse checks it like the flag (an empty one is
     # refused at start, with the flag's error).
     g.add_argument("--admin-token", type=admin_token, default=os.environ.get(TOKEN_ENV),
@@ -272,7 +282,8 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
                             profile=profile,
                             excerpts=excerpts_shown(args.prompt_excerpts, host, args.admin_token),
                             # the prompt cache gives way to requests
-                            memory=memory if args.memory_limit != 0 else None)
+                            memory=memory if args.memory_limit != 0 else None,
+                            foresight=args.foresight)
     log.info("mlx_kvcache: prompt excerpts in the log and GET /v1/cache: %s (--prompt-excerpts "
              "%s); /v1/cache: %s", "shown" if cache.excerpts else "left out",
              args.prompt_excerpts, "admin token required" if args.admin_token else

@@ -53,6 +53,7 @@ from ...prefix.tokens import as_tokens
 from ..guards.memory import MemoryGuard
 from . import sequential
 from .extract import release
+from .foresight import Foresight
 from .idle_writes import IdleWrites
 from .model_state import ModelState, open_model
 from . import native  # called through the module: a profile probes it (`profile`)
@@ -90,6 +91,8 @@ class TriePromptCache:
         profile: counts collectives and checkpoints (and, profiling, times them).
         excerpts: show prompt text around where reuse stopped (``recent`` in
             ``GET /v1/cache`` and the log lines); False: offsets and rules only.
+        foresight: compute the prefixes the agent routes foresee (`foresee`) while the
+            generation loop is idle (one process; ``--no-foresight``: False).
     """
 
     def __init__(self, model_provider, *, max_bytes: Optional[int] = None,
@@ -98,7 +101,8 @@ class TriePromptCache:
                  max_entries: Optional[int] = None, pre_end_margin: int = 4,
                  agree: Agreement = SOLO, sharding: str = "",
                  cold_bits: Optional[int] = None, profile: Optional[Profile] = None,
-                 excerpts: bool = True, memory: Optional[MemoryGuard] = None) -> None:
+                 excerpts: bool = True, memory: Optional[MemoryGuard] = None,
+                 foresight: bool = True) -> None:
         self.provider = model_provider
         self.excerpts = bool(excerpts)
         self.asked_max_bytes = None if max_bytes is None else int(max_bytes)
@@ -134,6 +138,9 @@ class TriePromptCache:
         self._marks: Optional[Tuple[int, List[Tuple[int, str]], Optional[str]]] = None
         #: One process: captures for the disk writer wait for an idle batch (`idle`).
         self._writes = IdleWrites()
+        #: The next prompts the agent routes foresee, computed in idle time (`ahead`); off on
+        #: the ranks of a sharded model (running would need the ranks to agree per chunk).
+        self.foresight = Foresight(enabled=foresight and agree.size == 1)
 
     # -- the model's trie, made when the model loads (in the generation thread) ----------
     def _state(self, model_key) -> ModelState:
@@ -223,6 +230,7 @@ class TriePromptCache:
         session's whole path, so the leaves that go first are those of the sessions idle
         longest, with no second order for the ranks of a sharded model to agree on."""
         self._marks = (len(tokens), list(marks), session) if marks or session else None
+        self.foresight.request_for(session)  # this request is the session's next prompt
 
     def stores_prompts(self) -> bool:
         """Whether a request's prompt is stored for reuse once computed (the trie is open
@@ -282,9 +290,11 @@ class TriePromptCache:
             marks = None  # not this prompt's (images key a prompt differently)
         if marks is not None and reuse is not None:
             reuse.where = _part_at(marks[1], reuse.diverged_at)
+        session = marks[2] if marks is not None else None
+        foreseen = self.foresight.read(session, tokens, restored)
         self._log.fetched(tokens, plan.matched, restored, path, reuse,
                           from_disk=plan.from_disk if st.store is not None else None,
-                          session=marks[2] if marks is not None else None)
+                          session=session, foreseen=foreseen)
 
     def _sequential(self, st: ModelState, live, plan, key: np.ndarray,
                     seq: "sequential.SequentialRequest") -> int:
@@ -365,6 +375,32 @@ class TriePromptCache:
         if not sharded and self._writes.changed():
             # sharded: once a turn, after the budget is settled (`end_turn`); else while
             # the batch is idle (`idle`), or now when too much has waited
+            self._capture(st)
+
+    # -- foresight: the next prompt, computed while the client is busy -------------------
+    def foresee(self, session: str, tokens: Sequence[int], expected: bool = True) -> None:
+        """The next prompt of ``session`` starts with ``tokens`` (rendered by an agent
+        route when an answer ended; ``expected``: it ends a `Foresight.expect`): the part
+        the trie lacks is computed while the generation loop is idle (`ahead`). Any thread.
+        Dropped where nothing is cached (the cache off, or this model's caches cannot be
+        stored)."""
+        if not self.stores_prompts():
+            if expected:
+                self.foresight.cancel()
+            return
+        self.foresight.offer(session, tokens, expected)
+
+    def ahead(self, waiting, step: int, stream=None) -> None:
+        """The generation loop is idle: compute foreseen prefixes until ``waiting()`` says a
+        request came (asked before every chunk of ``step`` tokens). Generation thread."""
+        st = self._model
+        if st is None or st.manager is None or not self.foresight.pending():
+            return
+        before = self.foresight.computed
+        self._guard("computing a foreseen prefix",
+                    lambda: self.foresight.run(st.manager, st.pair, step, waiting, stream),
+                    None, "foresight")
+        if self.foresight.computed != before and self.agree.size == 1 and self._writes.changed():
             self._capture(st)
 
     def busy(self) -> None:
@@ -510,6 +546,7 @@ class TriePromptCache:
             "kv_bits": st.manager.kv_quant.signature()[1:] if st and st.manager.kv_quant
             else None,
             "recent": self._log.listing(), "prompt_excerpts": self.excerpts,
+            "foresight": self.foresight.report(),
             "profile": self.profile.snapshot(),
         }
         if st is not None and st.store is not None:
@@ -545,6 +582,7 @@ class TriePromptCache:
                                 "disk_cleared": True, "freed_bytes": 0, "freed_files": 0}
         if st is not None:
             st.manager.clear()
+            self.foresight.clear()
             self.clears += 1
             if st.store is not None:
                 mine["directory"] = str(st.store.directory())

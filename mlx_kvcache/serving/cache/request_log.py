@@ -42,6 +42,7 @@ class _Fetch:
     started: float
     from_disk: Optional[int] = None  # of the cached tokens, read back from disk (a disk tier)
     session: Optional[str] = None  # the client's session name (an agent route's)
+    foreseen: int = 0  # of the cached tokens, computed ahead for it (`foresight`)
 
 
 class RequestLog:
@@ -54,12 +55,13 @@ class RequestLog:
 
     def fetched(self, prompt, matched: int, cached: int, path: str,
                 reuse: Optional[Reuse], from_disk: Optional[int] = None,
-                session: Optional[str] = None) -> None:
+                session: Optional[str] = None, foreseen: int = 0) -> None:
         """A request's fetch (``from_disk``: None without a disk tier; ``session``: the
-        client's session name, if it gave one)."""
+        client's session name, if it gave one; ``foreseen``: cached tokens that were
+        computed ahead for it, in idle time)."""
         self._pending[next(self._seq)] = _Fetch(np.asarray(prompt, dtype=np.int64), matched,
                                                cached, path, reuse, time.time(), from_disk,
-                                               session)
+                                               session, int(foreseen))
         while len(self._pending) > PENDING:
             self._pending.popitem(last=False)
 
@@ -94,6 +96,8 @@ class RequestLog:
                 f"{human_bytes(max_bytes)}")
         if f.from_disk is not None:
             line += f" | from disk {f.from_disk}"
+        if f.foreseen:
+            line += f" | computed ahead {f.foreseen}"
         if disk_bytes is not None:
             line += f" | disk {human_bytes(disk_bytes)}"
         line += extra
@@ -107,6 +111,8 @@ class RequestLog:
                                  "matched_tokens": f.matched, "answer_tokens": answer}
         if f.from_disk is not None:
             entry["disk_tokens"] = f.from_disk
+        if f.foreseen:
+            entry["foreseen_tokens"] = f.foreseen
         if f.session is not None:
             entry["session"] = f.session
         if f.reuse is not None:

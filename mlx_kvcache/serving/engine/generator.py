@@ -258,13 +258,21 @@ class ServerResponseGenerator(ResponseGenerator):
             template_args.update(getattr(args, "chat_template_kwargs", None) or {})
         return answer_extends_prompt(tokenizer, template_args)
 
+    def _request_waiting(self) -> bool:
+        """Whether work the idle time must give way to has arrived: a request or command
+        queued, or the server stopping."""
+        return self.requests.qsize() > 0 or self._stop or self.lifecycle.cut.is_set()
+
+    def _prefill_step(self) -> int:
+        return int(getattr(self.cli_args, "prefill_step_size", None) or 2048)
+
     def _serve_single(self, request, stream):
         # The fetch inside is sequential: it prefills through the planned stops, storing
         # the caches at each, reporting progress on the request's queue (`sequential`).
         rqueue, req, args = request
         seq = sequential.SequentialRequest(
             progress=lambda done, total: rqueue.put((done, total)), stream=stream,
-            prefill_step=int(getattr(self.cli_args, "prefill_step_size", None) or 2048),
+            prefill_step=self._prefill_step(),
             draft_lengths=self._draft_lengths)
         with sequential.serving(seq):
             super()._serve_single((_SequentialQueue(rqueue, seq, self._is_distributed), req, args),
@@ -289,6 +297,8 @@ class ServerResponseGenerator(ResponseGenerator):
     def _next_request(self, timeout=None):
         if not (self._is_distributed and self._agree is not None):
             if timeout is not None:  # no request in flight: work that waited for that
+                # foreseen prompts, a chunk at a time (`foresight`)
+                self.prompt_cache.ahead(self._request_waiting, self._prefill_step())
                 self.prompt_cache.idle()
             request = super()._next_request(timeout)
             if request is not None and not isinstance(request[1], Control):

@@ -15,6 +15,8 @@
 * `system_policy` — whether it renders later system messages in place (the agent routes'
   `conversation` folds them into the adjacent user turn where it does not).
 * `honours_thinking` — whether it honours ``enable_thinking``.
+* `reasoning_switches` — what makes it render earlier turns' reasoning (``--keep-reasoning``):
+  nothing, its own switches, or no switch at all.
 
 Each answer depends only on the template and its arguments, so it is decided once and
 remembered (`decided`), keyed by the tokenizer, its template's text and the arguments (a
@@ -29,7 +31,8 @@ import logging
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
-__all__ = ["decided", "answer_extends_prompt", "system_policy", "honours_thinking"]
+__all__ = ["decided", "answer_extends_prompt", "system_policy", "honours_thinking",
+           "reasoning_switches", "REASONING_SWITCHES"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -154,3 +157,37 @@ def honours_thinking(tokenizer, template_args: Optional[Dict[str, Any]] = None) 
             return False
         return on != off
     return decided(tokenizer, "honours_thinking", template_args, probe)
+
+
+#: The switches templates that can keep earlier turns' reasoning read (Qwen3.6+'s
+#: ``preserve_thinking``, GLM-4.6+'s ``clear_thinking``).
+REASONING_SWITCHES = {"preserve_thinking": True, "clear_thinking": False}
+_PROBE_THOUGHT = "zq7-probe-thought"
+
+
+def reasoning_switches(tokenizer, template_args: Optional[Dict[str, Any]] = None
+                       ) -> Optional[Dict[str, Any]]:
+    """What the chat template needs to render the reasoning of an assistant turn before the
+    last user message: ``{}`` (it does already), `REASONING_SWITCHES` (its own switches do
+    it), or None (it cannot: the caller puts the reasoning into the turn's text). Probed
+    once per template (and template arguments: `decided`)."""
+    msgs = [{"role": "user", "content": "U"},
+            {"role": "assistant", "content": "A", "reasoning_content": _PROBE_THOUGHT},
+            {"role": "user", "content": "V"}]
+
+    def shows(args: Dict[str, Any]) -> bool:
+        try:
+            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                 tokenize=False, **args)
+        except Exception:  # a template that refuses the probe: it does not show it
+            return False
+        return isinstance(text, str) and _PROBE_THOUGHT in text
+
+    def probe() -> Optional[Dict[str, Any]]:
+        base = dict(template_args or {})
+        if shows(base):
+            return {}
+        if shows({**base, **REASONING_SWITCHES}):
+            return dict(REASONING_SWITCHES)
+        return None
+    return decided(tokenizer, "reasoning_switches", template_args, probe)

@@ -43,7 +43,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
-from .call import AgentRequestError, ChatCall, Event, restrict_tools
+from .call import AgentRequestError, ChatCall, Event, keep_reasoning_of, restrict_tools
 from .bridge import ChatEvents, count_tokens, run_chat, served_model
 from .wire import Route, read_body, send_json, serve
 
@@ -335,6 +335,7 @@ def parse_request(body: Any, count_only: bool = False) -> ChatCall:
         restrict_tools(call, none=choice["type"] == "none",
                        name=choice.get("name") if choice["type"] == "tool" else None)
     call.thinking, call.reasoning_budget = _thinking(body.get("thinking"))
+    call.keep_reasoning = keep_reasoning_of(body)
     meta = body.get("metadata")
     if meta is not None:
         if not isinstance(meta, dict):
@@ -505,7 +506,26 @@ def _answer(handler, body: Dict[str, Any], events: ChatEvents) -> MessageBuilder
                           events.prompt_tokens, events.cached_tokens or 0)
 
 
-ROUTE = Route(parse=parse_request, answer=_answer, error=_error, headers=_request_id)
+def follow_up(body: Dict[str, Any], message: Dict[str, Any],
+              text: str) -> Optional[Dict[str, Any]]:
+    """The request a client sends after ``message`` (the answer to ``body``), as Claude
+    Code builds it: the answer's content blocks appended as they came (thinking blocks
+    included) but for whitespace-only text blocks (Anthropic's API refuses those, so
+    clients drop them), then a ``tool_result`` of ``text`` for each ``tool_use``, or a user
+    message of ``text`` after a text answer (`foresight`)."""
+    content = [b for b in message.get("content") or []
+               if b.get("type") != "text" or b.get("text", "").strip()]
+    if not isinstance(body.get("messages"), list) or not content:
+        return None
+    calls = [b for b in content if b.get("type") == "tool_use"]
+    nxt = ([{"type": "tool_result", "tool_use_id": b["id"], "content": text} for b in calls]
+           if calls else text)
+    return dict(body, messages=[*body["messages"], {"role": "assistant", "content": content},
+                                {"role": "user", "content": nxt}])
+
+
+ROUTE = Route(parse=parse_request, answer=_answer, error=_error, headers=_request_id,
+              follow=follow_up)
 
 
 def serve_count_tokens(handler) -> None:

@@ -56,14 +56,15 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from mlx_lm.server import APIHandler
 
-from ...engine.templates import answer_extends_prompt, honours_thinking, system_policy
+from ...engine.templates import (REASONING_SWITCHES, answer_extends_prompt, honours_thinking,
+                                 reasoning_switches, system_policy)
 from ...engine.generator import MarkedRequest
 from ...guards.lifecycle import current_ticket
 from ..handler import CacheAPIHandler
 from . import conversation
 from .call import AgentRequestError, ChatCall, Event, Usage
 
-__all__ = ["ChatEvents", "run_chat", "count_tokens", "served_model"]
+__all__ = ["ChatEvents", "run_chat", "count_tokens", "prompt_ids", "served_model"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -110,6 +111,13 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
         else:
             log.debug("mlx_kvcache: the chat template ignores enable_thinking: the "
                       "request's thinking setting is ignored")
+    keep = call.keep_reasoning if call.keep_reasoning is not None else \
+        bool(getattr(args, "keep_reasoning", False))
+    inline = False
+    if templated and keep and getattr(tokenizer, "has_thinking", False):
+        switches = reasoning_switches(tokenizer, template_args)
+        inline = switches is None
+        template_args.update(switches or {})
     breakpoints = list(call.breakpoints)
     if call.end_mark is not None and not answer_extends_prompt(tokenizer, template_args):
         breakpoints.append(call.end_mark)
@@ -123,6 +131,8 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
         extra=getattr(args, "drop_lines", None)))
     if templated:
         conv.fit_template(system_policy(tokenizer, base_args))
+    if inline:
+        conv.inline_reasoning(tokenizer.think_start, tokenizer.think_end)
     messages = conv.messages()
     tools = call.tools or None
     try:
@@ -137,8 +147,10 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
 def _body(call: ChatCall, prep: _Prepared) -> Dict[str, Any]:
     body: Dict[str, Any] = {"messages": prep.messages, "stream": True,
                             "stream_options": {"include_usage": True}}
-    if "enable_thinking" in prep.template_args:  # mlx-lm renders as the layout did
-        body["chat_template_kwargs"] = {"enable_thinking": prep.template_args["enable_thinking"]}
+    asked = {k: v for k, v in prep.template_args.items()
+             if k == "enable_thinking" or k in REASONING_SWITCHES}
+    if asked:  # mlx-lm renders as the layout did
+        body["chat_template_kwargs"] = asked
     if prep.tools:
         body["tools"] = prep.tools
     if call.max_tokens is not None:
@@ -164,6 +176,13 @@ def count_tokens(handler, call: ChatCall) -> int:
                                              processor, lay)
     except ValueError as e:
         raise AgentRequestError(str(e)) from None
+
+
+def prompt_ids(handler, call: ChatCall) -> Optional[List[int]]:
+    """The prompt's token ids `run_chat` would give the model for ``call`` (rendered and
+    encoded exactly as it would be), or None where images make them the processor's."""
+    ids = _prepare(handler, call).layout.ids
+    return None if ids is None else list(ids)
 
 
 # -- running it through mlx-lm's handler ------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["ChatCall", "Usage", "Event", "AgentRequestError", "restrict_tools"]
+__all__ = ["ChatCall", "Usage", "Event", "AgentRequestError", "restrict_tools", "keep_reasoning_of"]
 
 
 @dataclass
@@ -43,6 +43,8 @@ class ChatCall:
     ``prompt_cache_key``, Anthropic ``metadata.user_id``), or None: listed with the request
     in the log line and ``GET /v1/cache`` ``recent``; eviction stays least-recently-used,
     which already takes other sessions' leaves first (see `TriePromptCache.expect`).
+    ``keep_reasoning``: render earlier assistant turns with their reasoning as generated
+    (the client's ``keep_reasoning``; None: the server's ``--keep-reasoning``).
     """
 
     messages: List[Dict[str, Any]]
@@ -60,6 +62,7 @@ class ChatCall:
     thinking: Optional[bool] = None
     reasoning_budget: Optional[int] = None
     end_mark: Optional[Tuple[int, int]] = None
+    keep_reasoning: Optional[bool] = None
 
 
 def restrict_tools(call: ChatCall, none: bool = False, name: Optional[str] = None,
@@ -142,3 +145,13 @@ class AgentRequestError(Exception):
         self.status, self.message, self.kind = status, message, kind
         self.param, self.code = param, code
 
+
+
+def keep_reasoning_of(body: Dict[str, Any]) -> Optional[bool]:
+    """The request's ``keep_reasoning`` (both agent routes take it: render earlier
+    assistant turns with their reasoning as generated), None when not sent;
+    `AgentRequestError` naming it when it is not a boolean."""
+    value = body.get("keep_reasoning")
+    if value is not None and not isinstance(value, bool):
+        raise AgentRequestError("keep_reasoning must be true or false", param="keep_reasoning")
+    return value

@@ -180,6 +180,18 @@ class Conversation:
     def _wrapped(m: Message) -> List[Part]:
         return [Part(REMINDER_OPEN, m.label), *m.parts, Part(REMINDER_CLOSE, m.label)]
 
+    # -- reasoning kept as generated (--keep-reasoning) --------------------------------------
+    def inline_reasoning(self, start: str, end: str) -> None:
+        """Put each assistant turn's reasoning back into its text as the model generated it
+        (``start`` reasoning ``end`` text), for templates with no switch that keeps the
+        reasoning of earlier turns: they render the text as it is (the reasoning field is
+        left empty, so none is rendered, or dropped, a second time)."""
+        for m in self.items:
+            if m.fields["role"] != "assistant" or not m.fields.get("reasoning"):
+                continue
+            m.parts.insert(0, Part(start + m.fields.pop("reasoning") + end, m.label))
+            m.fields["reasoning_content"] = ""
+
     # -- what mlx-lm renders -----------------------------------------------------------------
     def messages(self) -> List[Dict[str, Any]]:
         """OpenAI chat-format messages: text content joined into a string (as mlx-lm

@@ -33,7 +33,7 @@ import time
 import uuid
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from .call import AgentRequestError, ChatCall, Event, restrict_tools
+from .call import AgentRequestError, ChatCall, Event, keep_reasoning_of, restrict_tools
 from .bridge import run_chat, served_model
 from .wire import Route, serve
 
@@ -341,6 +341,7 @@ def parse_request(body: Any) -> ChatCall:
                     tool_choice=choice, max_tokens=max_tokens,
                     sampling=sampling, stop=[], breakpoints=marks, session=session)
     call.thinking, call.end_mark = thinking, end_mark
+    call.keep_reasoning = keep_reasoning_of(body)
     restrict_tools(call, none=choice == "none",
                    name=choice["function"]["name"] if isinstance(choice, dict) else None,
                    allowed=allowed)
@@ -568,7 +569,27 @@ def _answer(handler, body: Dict[str, Any], events) -> "ResponseBuilder":
     return ResponseBuilder(body, name if isinstance(name, str) and name else served_model(handler))
 
 
-ROUTE = Route(parse=parse_request, answer=_answer, error=_error)
+def follow_up(body: Dict[str, Any], response: Dict[str, Any],
+              text: str) -> Optional[Dict[str, Any]]:
+    """The request a client sends after ``response`` (the answer to ``body``), as Codex and
+    the SDK build it with ``store: false``: the input, the output items as they came
+    (reasoning items included), then a ``function_call_output`` of ``text`` for each call,
+    or a user message of ``text`` after a text answer (`foresight`)."""
+    items = body.get("input")
+    output = response.get("output") or []
+    if not output or not isinstance(items, (str, list)):
+        return None
+    items = ([{"type": "message", "role": "user", "content": items}] if isinstance(items, str)
+             else list(items))
+    outputs = {"function_call": "function_call_output",
+               "custom_tool_call": "custom_tool_call_output"}
+    calls = [o for o in output if o.get("type") in outputs]
+    nxt = ([{"type": outputs[c["type"]], "call_id": c["call_id"], "output": text} for c in calls]
+           if calls else [{"type": "message", "role": "user", "content": text}])
+    return dict(body, input=[*items, *output, *nxt])
+
+
+ROUTE = Route(parse=parse_request, answer=_answer, error=_error, follow=follow_up)
 
 
 def serve_responses(handler) -> None:

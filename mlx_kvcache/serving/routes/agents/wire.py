@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
 from ..handler import send_json
+from . import foresight
 from .bridge import run_chat
 from .call import AgentRequestError, ChatCall, Event
 
@@ -42,12 +43,17 @@ class Route:
     """What one agent API puts around the bridge: ``parse`` (a request body to a
     `ChatCall`, `AgentRequestError` naming the problem), ``answer`` (the builder of one
     answer, from the handler, the body and the events), ``error`` (an `AgentRequestError` in the
-    API's error shape) and ``headers`` (extra headers on every reply)."""
+    API's error shape), ``headers`` (extra headers on every reply) and ``follow`` (the
+    request body the client sends after an answer — the body, the answer's whole body,
+    and a stand-in text for what the client adds: each tool call's result, or the next
+    user message after a text answer —, or None: no `foresight`)."""
 
     parse: Callable[[Any], ChatCall]
     answer: Callable[[Any, Any, Any], Answer]
     error: Callable[[AgentRequestError], Dict[str, Any]]
     headers: Callable[[], Dict[str, str]] = dict
+    follow: Optional[Callable[[Dict[str, Any], Dict[str, Any], str],
+                              Optional[Dict[str, Any]]]] = None
 
 
 def read_body(handler) -> Any:
@@ -81,14 +87,30 @@ def serve(handler, route: Route, run: Optional[Callable[[Any, ChatCall], Any]] =
         events = (run or run_chat)(handler, route.parse(body))
     except AgentRequestError as e:
         return send_json(handler, e.status, route.error(e), headers)
+    ended = []  # the answer's end, once seen: the session's next prompt is foreseen
+
+    def on_done(ev: Event) -> None:
+        if route.follow is not None and ev.finish_reason != "length" and \
+                foresight.expecting(handler):
+            ended.append(ev)
     try:
         answer = route.answer(handler, body, events)
         if body.get("stream"):
-            _stream(handler, answer, events, headers)
+            _stream(handler, answer, _ending(events, on_done), headers)
         else:
-            _whole(handler, answer, events, headers)
+            _whole(handler, answer, _ending(events, on_done), headers)
     finally:
         events.close()  # a client gone mid-answer ends the generation
+        if ended:  # (counted by `foresight.expecting`: `follow` always ends it)
+            foresight.follow(handler, route, body, answer)
+
+
+def _ending(events: Iterable[Event], on_done: Callable[[Event], None]) -> Iterator[Event]:
+    """``events``, calling ``on_done`` with the ``done`` event before it is passed on."""
+    for ev in events:
+        if ev.kind == "done":
+            on_done(ev)
+        yield ev
 
 
 def _answer_events(events: Iterable[Event]) -> Iterator[Event]:

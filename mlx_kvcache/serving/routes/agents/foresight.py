@@ -1,0 +1,121 @@
+"""What the next request of an agent session will render to, worked out when an answer ends.
+
+The client comes back with the same request extended: this answer as its API returns it
+(text, ``tool_use`` / ``function_call`` with the arguments as JSON, the reasoning as that
+API's clients send it back), then a tool result for each call (the loop goes on) or, after
+a text answer, a new user message. Its content is the one unknown. So the route builds
+that next request body (`wire.Route.follow`) with a sentinel in place of the unknown
+content, parses it with its own parser and renders it as the bridge renders every request
+(the same conversation rules, template arguments and chat template): every token before
+the sentinel's rendering is the next prompt's. Where the sentinel starts is found by
+rendering with three sentinels that share no first character class and keeping the
+tokens all three renderings share, so no token that could merge with the real content
+is kept. The prompt cache computes what it lacks of those tokens in idle time
+(`cache.foresight`); the rendering itself runs on a thread of its own, after the answer
+was sent.
+
+A session is the client's name for it (``metadata.user_id``, ``prompt_cache_key``) or, for
+clients that send none, a digest of the conversation's first messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from typing import Any, Dict, List, Optional, Sequence
+
+from .bridge import prompt_ids
+from .call import AgentRequestError, ChatCall
+
+__all__ = ["SENTINELS", "expecting", "follow", "common_prefix", "session_of"]
+
+log = logging.getLogger("mlx_kvcache")
+
+#: Stand-ins for the unknown content: a letter, whitespace, punctuation first.
+SENTINELS = ("Qv", "\n\n", ' {"')
+
+
+def _foresight(handler):
+    """The server's prompt cache and its `Foresight` (None where it is off, or a caller
+    serves the route without a generator)."""
+    cache = getattr(getattr(handler, "response_generator", None), "prompt_cache", None)
+    fs = getattr(cache, "foresight", None)
+    return cache, fs if fs is not None and fs.enabled else None
+
+
+def expecting(handler) -> bool:
+    """An answer is ending (its last event not yet sent): when foresight is on, count a
+    rendering to come (`follow` ends it), so a reader of ``GET /v1/cache`` who has the
+    answer sees the work pending. True when it counted one."""
+    _, fs = _foresight(handler)
+    if fs is None:
+        return False
+    fs.expect()
+    return True
+
+
+def session_of(call: ChatCall) -> str:
+    """The session a call belongs to: the client's name, else a digest of its first
+    messages (the system prompt and the first user turn)."""
+    if call.session:
+        return call.session
+    head = json.dumps(call.messages[:2], sort_keys=True, default=str).encode()
+    return "conversation:" + hashlib.sha256(head).hexdigest()[:16]
+
+
+def common_prefix(seqs: Sequence[Sequence[int]]) -> List[int]:
+    """The longest prefix every sequence shares."""
+    first = list(seqs[0])
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        t = first[i]
+        if any(s[i] != t for s in seqs[1:]):
+            return first[:i]
+    return first[:n]
+
+
+def follow(handler, route, body: Dict[str, Any], answer) -> None:
+    """After ``answer`` (the route's `wire.Answer`, complete) was sent, having had a counted
+    `expecting`: render the session's next prompt on a thread of its own and hand its known
+    tokens to the prompt cache."""
+    cache, fs = _foresight(handler)
+    if fs is None:
+        return
+    try:
+        status, answer = answer.whole()
+    except Exception:  # noqa: BLE001 - an answer that cannot say itself: nothing foreseen
+        status = None
+    if status != 200:  # the answer failed after all
+        fs.cancel()
+        return
+    threading.Thread(target=_render, args=(handler, cache, fs, route, body, answer),
+                     name="mlx_kvcache-foresight", daemon=True).start()
+
+
+def _render(handler, cache, fs, route, body, answer) -> None:
+    offered = False
+    try:
+        renders, session = [], None
+        for s in SENTINELS:
+            nxt = route.follow(body, answer, s)
+            if nxt is None:
+                return
+            call = route.parse(nxt)
+            session = session or session_of(call)
+            ids: Optional[List[int]] = prompt_ids(handler, call)
+            if not ids:
+                return
+            renders.append(ids)
+        known = common_prefix(renders)
+        if known:
+            cache.foresee(session, known)
+            offered = True
+    except AgentRequestError as e:  # the route would refuse its own follow-up: say why once
+        log.debug("mlx_kvcache: no foresight for this answer: %s", e.message)
+    except Exception:  # never more than a lost optimisation
+        log.exception("mlx_kvcache: foreseeing the next prompt failed")
+    finally:
+        if not offered:
+            fs.cancel()
