@@ -394,8 +394,8 @@ class TriePromptCache:
         """The generation loop is idle: compute foreseen prefixes until ``waiting()`` says a
         request came (asked before every chunk of ``step`` tokens). Generation thread."""
         st = self._model
-        if st is None or st.manager is None or not self.foresight.pending():
-            return
+        if st is None or st.why_not is not None or not self.foresight.pending():
+            return  # (caching off: nothing is computed ahead, as nothing is stored)
         before = self.foresight.computed
         self._guard("computing a foreseen prefix",
                     lambda: self.foresight.run(st.manager, st.pair, step, waiting, stream),
