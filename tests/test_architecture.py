@@ -430,6 +430,47 @@ def test_cache_kinds_are_told_apart_only_in_caches_and_the_conversions():
     assert KIND_CHECKS_PENDING <= still, f"done, remove: {KIND_CHECKS_PENDING - still}"
 
 
+# -- caching off is a value: the manager is never None -------------------------------------
+#: ``manager is None`` checks waiting for a change under way (the lead empties it).
+NONE_MANAGER_PENDING = {
+    # ``RankTurn.flags`` takes None for "no model loaded yet"; its caller could skip the
+    # call then, or hand it the model's manager (a NullManager when off).
+    "mlx_kvcache.serving.cache.rank_turn",
+    # ``probe_request_path``: ``getattr(state, "manager", None)`` then ``is None``; a
+    # ModelState always has one now, so the check is dead (and the probe wraps the null
+    # manager's verbs when off, harmlessly).
+    "mlx_kvcache.serving.cache.profile",
+}
+
+
+def _none_managers(modules: Dict[str, Path] = MODULES) -> List[Tuple[str, int]]:
+    """``(module, line)`` of every ``manager is None`` / ``mgr is not None`` /
+    ``x.manager is None``: `CacheCore` always holds a manager (`prefix.null.NullManager`
+    when caching is off), so such a test is always false — the off path it meant to
+    guard would run as if caching were on."""
+    out = []
+    for mod, path in modules.items():
+        for n in ast.walk(_tree(path)):
+            if not (isinstance(n, ast.Compare) and len(n.ops) == 1
+                    and isinstance(n.ops[0], (ast.Is, ast.IsNot))):
+                continue
+            sides = [n.left, n.comparators[0]]
+            if not any(isinstance(x, ast.Constant) and x.value is None for x in sides):
+                continue
+            if any((isinstance(x, ast.Name) and x.id in ("manager", "mgr"))
+                   or (isinstance(x, ast.Attribute) and x.attr == "manager") for x in sides):
+                out.append((mod, n.lineno))
+    return out
+
+
+def test_no_module_asks_whether_the_manager_is_none():
+    found = [(m, line) for m, line in _none_managers() if m not in NONE_MANAGER_PENDING]
+    assert not found, ("caching off is a NullManager, never None (read why_not where the "
+                       "off path must differ):\n" + "\n".join(f"{m}:{line}" for m, line in found))
+    still = {m for m, _ in _none_managers()}
+    assert NONE_MANAGER_PENDING <= still, f"done, remove: {NONE_MANAGER_PENDING - still}"
+
+
 # -- each rule fails on planted source -----------------------------------------------------
 def _plant(root: Path, files: Dict[str, str]) -> Dict[str, Path]:
     """A package tree under ``root`` (``files``: path inside ``mlx_kvcache/`` -> source,
@@ -505,3 +546,15 @@ def test_a_planted_kind_check_outside_caches_fails(tmp_path):
     assert sorted(_kind_checks(mods)) == [("mlx_kvcache.generation.decode", 4, "ArraysCache"),
                                           ("mlx_kvcache.generation.decode", 4, "KVCache"),
                                           ("mlx_kvcache.generation.decode", 6, "RotatingKVCache")]
+
+
+def test_a_planted_manager_is_none_check_fails(tmp_path):
+    mods = _plant(tmp_path, {
+        "serving/cache/late.py": (
+            "def ahead(st, mgr):\n"
+            "    if st is None or st.manager is None:\n"
+            "        return\n"
+            "    return mgr is not None and st.why_not is None\n"),
+    })
+    assert _none_managers(mods) == [("mlx_kvcache.serving.cache.late", 2),
+                                    ("mlx_kvcache.serving.cache.late", 4)]
