@@ -10,7 +10,13 @@
   llama whose layers add nothing (zero output projections), so its next token depends on
   the current one only — ``<|assistant|>`` → ``<tool_call>`` → the call's JSON (one added
   token) → ``</tool_call>`` → ``</s>``;
-* `write_thinking_dir`: the same kind of model reasoning first (``<think>`` … ``</think>``).
+* `write_thinking_dir`: the same kind of model reasoning first (``<think>`` … ``</think>``);
+* `write_script_dir`: the same kind of model with a tool call its parser cannot read
+  (`BAD_CALL`) after ``<|assistant|>``, and text to continue (`SCRIPT_TEXT`: after any of
+  its characters, the rest of it), for prefills;
+* `write_tool_dir` with ``call=PATCH_CALL``: Codex's ``apply_patch`` called with a patch;
+* `write_patch_dir`: the same, then `PATCHED` once the tool's result came back (a whole
+  agent turn for a real CLI: the call, then a final answer).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from .dirs import CHARS, SPECIALS, write_model_dir
 __all__ = ["REFUSING_TEMPLATE", "TOOL_TEMPLATE", "TOOL_CALL", "THINKING_TEMPLATE",
            "THINKING_SWITCH_TEMPLATE", "THOUGHT", "LONG_THOUGHT",
            "ANSWER", "write_refusing_dir", "write_tool_dir", "write_thinking_dir",
-           "write_tool_template_dir", "write_char_tokenizer"]
+           "write_tool_template_dir", "write_char_tokenizer", "BAD_CALL", "SCRIPT_TEXT",
+           "PATCH", "PATCH_CALL", "PATCHED", "write_script_dir", "write_patch_dir"]
 
 #: Renders system messages first only (like Qwen3's), tool calls and tool results.
 REFUSING_TEMPLATE = (
@@ -45,6 +52,14 @@ REFUSING_TEMPLATE = (
 #: The one call the tool model makes.
 TOOL_CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 _ADDED = ["<tool_call>", "</tool_call>", json.dumps(TOOL_CALL)]
+#: A call cut off inside its arguments: not JSON, which mlx-lm's ``json_tools`` drops.
+BAD_CALL = '{"name": "get_weather", "arguments": {"city": "Par'
+#: What the script model says when continuing a text (each character once: a bigram).
+SCRIPT_TEXT = "abcdefghij"
+#: A patch in Codex's ``apply_patch`` format, and the call that sends it (the custom tool
+#: offered as a function of one string, ``input``).
+PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+hello\n*** End Patch\n"
+PATCH_CALL = {"name": "apply_patch", "arguments": {"input": PATCH}}
 
 #: System messages in place, tools listed in a system turn, calls in json_tools' format.
 TOOL_TEMPLATE = (
@@ -123,19 +138,25 @@ def write_tool_template_dir(path, kind: str = "llama", seed: int = 0) -> Path:
     return path
 
 
-def _write_chain_dir(path, template: str, added, chain) -> Path:
+def _write_chain_dir(path, template: str, added, chain, more=(), **config) -> Path:
     """A "bigram" llama (see the module doc) that, from ``<|assistant|>``, produces the
-    tokens ``chain`` (names of specials, characters or ``added`` strings), then ``</s>``."""
+    tokens ``chain`` (names of specials, characters or ``added`` strings), then ``</s>``;
+    ``more``: other chains, each from its first token (no token in two chains);
+    ``config``: model config overrides (``max_position_embeddings``)."""
     path = Path(path)
     added = list(added)
     vocab = len(SPECIALS) + len(CHARS) + len(added)
     hidden = 128
     write_model_dir(path, "llama", 0, hidden_size=hidden, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32, num_hidden_layers=1, vocab_size=vocab)
+                    num_key_value_heads=2, head_dim=32, num_hidden_layers=1, vocab_size=vocab,
+                    **config)
     assert write_char_tokenizer(path, template, added) == vocab
     ids = {t: i for i, t in enumerate(SPECIALS + CHARS + added)}
     steps = [ids["<|assistant|>"], *(ids[t] for t in chain)]
     succ = dict(zip(steps, steps[1:]))
+    for other in more:
+        other = [ids[t] for t in other]
+        succ.update(zip(other, other[1:]))
     eos = ids["</s>"]
     weights = dict(mx.load(str(path / "model.safetensors")))
     for k, v in weights.items():
@@ -154,9 +175,37 @@ def _write_chain_dir(path, template: str, added, chain) -> Path:
     return path
 
 
-def write_tool_dir(path) -> Path:
-    """The model that always calls `TOOL_CALL` (see the module doc)."""
-    return _write_chain_dir(path, TOOL_TEMPLATE, _ADDED, ["<tool_call>", _ADDED[2], "</tool_call>"])
+def write_tool_dir(path, call=TOOL_CALL) -> Path:
+    """The model that always calls ``call`` (`TOOL_CALL`; see the module doc)."""
+    added = [*_ADDED[:2], json.dumps(call)]
+    return _write_chain_dir(path, TOOL_TEMPLATE, added, ["<tool_call>", added[2], "</tool_call>"])
+
+
+#: What the patch model answers once the patch was applied (its tool result came back).
+PATCHED = "Done"
+#: `TOOL_TEMPLATE` whose generation prompt after a tool result carries ``<|result|>``.
+_AFTER_RESULT_TEMPLATE = TOOL_TEMPLATE.replace(
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}",
+    "{%- if add_generation_prompt %}<|assistant|>{%- if messages[-1]['role'] == 'tool' %}"
+    "<|result|>{%- endif %}{% endif %}")
+
+
+def write_patch_dir(path) -> Path:
+    """A model (see the module doc) that calls `PATCH_CALL` on a new turn and answers
+    `PATCHED` after a tool result; a long context (a CLI's instructions are long)."""
+    added = [*_ADDED[:2], json.dumps(PATCH_CALL), "<|result|>"]
+    return _write_chain_dir(path, _AFTER_RESULT_TEMPLATE, added,
+                            ["<tool_call>", added[2], "</tool_call>"],
+                            more=[["<|result|>", *PATCHED]], max_position_embeddings=262144)
+
+
+def write_script_dir(path) -> Path:
+    """A model (see the module doc) that answers a new turn with `BAD_CALL` inside
+    ``<tool_call>`` … ``</tool_call>``, and continues any prefix of `SCRIPT_TEXT` with
+    the rest of it (then ``</s>``)."""
+    added = [*_ADDED[:2], BAD_CALL]
+    return _write_chain_dir(path, TOOL_TEMPLATE, added, ["<tool_call>", BAD_CALL, "</tool_call>"],
+                            more=[list(SCRIPT_TEXT) + ["</s>"]])
 
 
 def write_thinking_dir(path, switch: bool = False, long: bool = False) -> Path:

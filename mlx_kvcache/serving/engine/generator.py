@@ -70,11 +70,14 @@ class MarkedRequest(CompletionRequest):
         """``tokenizer``, or a view of it that answers the rendering of this request's own
         prompt (its messages, its tools, the generation prompt, the same template
         arguments) with `tokens`; every other call goes to ``tokenizer``."""
-        return tokenizer if self.tokens is None else _KnownPrompt(tokenizer, self)
+        if self.tokens is None and not (self.template_kwargs or {}).get("continue_final_message"):
+            return tokenizer
+        return _KnownPrompt(tokenizer, self)
 
 
 class _KnownPrompt:
-    """A tokenizer whose ``apply_chat_template`` answers one known rendering from its ids."""
+    """A tokenizer whose ``apply_chat_template`` answers one known rendering from its ids
+    (and renders a continued last message without a generation prompt)."""
 
     def __init__(self, tokenizer, request: MarkedRequest) -> None:
         self._tokenizer, self._request = tokenizer, request
@@ -85,9 +88,14 @@ class _KnownPrompt:
     def apply_chat_template(self, messages, *args, tokenize=True, **kwargs):
         r = self._request
         rest = {k: v for k, v in kwargs.items() if k not in ("tools", "add_generation_prompt")}
-        if (tokenize and not args and messages is r.messages and kwargs.get("tools") is r.tools
-                and kwargs.get("add_generation_prompt") and rest == (r.template_kwargs or {})):
+        if (r.tokens is not None and tokenize and not args and messages is r.messages
+                and kwargs.get("tools") is r.tools and kwargs.get("add_generation_prompt")
+                and rest == (r.template_kwargs or {})):
             return list(r.tokens)
+        if kwargs.get("continue_final_message"):
+            # The last assistant message is continued (an agent route's prefill): no
+            # generation prompt after it, whatever mlx-lm's call asks for.
+            kwargs["add_generation_prompt"] = False
         return self._tokenizer.apply_chat_template(messages, *args, tokenize=tokenize, **kwargs)
 
 
@@ -256,6 +264,8 @@ class ServerResponseGenerator(ResponseGenerator):
             template_args = dict(getattr(self.model_provider.cli_args, "chat_template_args",
                                          None) or {})
             template_args.update(getattr(args, "chat_template_kwargs", None) or {})
+        # (a continued last message is this request's rendering, not the template's)
+        template_args = {k: v for k, v in template_args.items() if k != "continue_final_message"}
         return answer_extends_prompt(tokenizer, template_args)
 
     def _request_waiting(self) -> bool:
@@ -393,4 +403,6 @@ class ServerResponseGenerator(ResponseGenerator):
             except Empty:
                 if not self.generation_available():
                     raise RuntimeError("generation thread died") from None
+                if ticket is not None and ticket.keepalive is not None:
+                    ticket.keepalive()  # a streamed answer silent for an interval
 

@@ -42,7 +42,7 @@ class Ticket:
     (its prompt, what the cache restored); and the last tokens its answer produced (which
     stop sequence ended it, if one did)."""
 
-    __slots__ = ("started", "cut", "refused", "ctx", "last_tokens")
+    __slots__ = ("started", "cut", "refused", "ctx", "last_tokens", "keepalive")
 
     def __init__(self) -> None:
         self.started = False
@@ -50,6 +50,8 @@ class Ticket:
         self.refused = False
         self.ctx = None
         self.last_tokens: tuple = ()
+        #: Called while the answer waits for its next token (its stream's keep-alive).
+        self.keepalive: Optional[Callable[[], None]] = None
 
 
 _local = threading.local()

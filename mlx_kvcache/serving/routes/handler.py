@@ -6,11 +6,19 @@ app hands the handler (`PostRoute`: the agent APIs). Ours add: the admin route's
 rules (`admin`), a 400 for request fields that would end mlx-lm's generation thread
 (`validation`), and the stop (`lifecycle`): a request that arrives while the server stops
 gets a 503; an answer the stop cuts short ends with ``finish_reason: "length"``.
+
+Streams are never silent for longer than `keepalive_interval`: once a chat stream's
+headers are out, a ``: keepalive`` comment goes out whenever nothing was written for an
+interval while the answer waits (a slow token rate; a tool call, which mlx-lm writes only
+once it closes) — the generator calls the request's `Ticket.keepalive` as it waits for the
+next token. The agent routes keep their own streams alive (`agents.wire`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional
 
@@ -21,6 +29,42 @@ from ..guards.admin import AdminPolicy
 from ..guards.lifecycle import current_ticket, set_ticket
 from ..guards.validation import body_problem
 from .model_names import DEFAULT, model_entry, models_listing, resolve
+
+
+#: The longest a streamed answer stays silent, in seconds: clients' idle timeouts are
+#: longer (Anthropic's API pings about this often; agent clients give up after 10 s or more).
+KEEPALIVE_S = 5.0
+#: The environment variable that sets another interval (seconds, positive; tests lower it).
+KEEPALIVE_ENV = "MLX_KVCACHE_KEEPALIVE_S"
+
+
+def keepalive_interval() -> float:
+    """`KEEPALIVE_S`, or the positive number of seconds `KEEPALIVE_ENV` names."""
+    raw = os.environ.get(KEEPALIVE_ENV)
+    if raw:
+        try:
+            v = float(raw)
+        except ValueError:
+            v = 0.0
+        if v > 0:
+            return v
+    return KEEPALIVE_S
+
+
+class _TimedWriter:
+    """A stream's ``wfile`` that remembers when it was last written to."""
+
+    def __init__(self, raw) -> None:
+        self._raw = raw
+        self.written = time.monotonic()
+
+    def write(self, data) -> int:
+        n = self._raw.write(data)
+        self.written = time.monotonic()
+        return n
+
+    def __getattr__(self, name: str):
+        return getattr(self._raw, name)
 
 
 @dataclass(frozen=True)
@@ -170,6 +214,25 @@ class CacheAPIHandler(APIHandler):
         if status_code == 404 and ticket is not None and ticket.refused:
             status_code = 503  # mlx-lm answers 404 to any error before the answer starts
         super()._set_completion_headers(status_code)
+
+    #: Whether a streamed chat answer gets keep-alive comments (the agent routes' captured
+    #: chat runs do not: their front end keeps its own stream alive).
+    stream_keepalive = True
+
+    def _set_stream_headers(self, status_code: int = 200):
+        super()._set_stream_headers(status_code)
+        ticket = current_ticket()
+        if status_code == 200 and ticket is not None and self.stream_keepalive:
+            if not isinstance(self.wfile, _TimedWriter):
+                self.wfile = _TimedWriter(self.wfile)
+            ticket.keepalive = self.keep_alive
+
+    def keep_alive(self) -> None:
+        """A ``: keepalive`` comment on this stream when nothing was written to it for
+        `keepalive_interval` (called while its answer waits for the next token)."""
+        if time.monotonic() - self.wfile.written >= keepalive_interval():
+            self.wfile.write(b": keepalive\n\n")
+            self.wfile.flush()
 
     def _send_json(self, status: int, body) -> None:
         data = json.dumps(body).encode()

@@ -31,7 +31,9 @@ prompt cache stores for reuse, ``output_tokens`` — the numbers of the log line
 ``GET /v1/cache``. Streamed: ``message_start``, ``ping``, per block
 ``content_block_start`` / ``content_block_delta`` (``text_delta``, ``thinking_delta``,
 ``input_json_delta``) / ``content_block_stop``, ``message_delta`` (stop reason, usage),
-``message_stop``; a failure after the answer started is an ``error`` event. Errors are
+``message_stop``; a failure after the answer started is an ``error`` event. A stream is
+never silent for longer than `wire.keepalive_interval`: ``ping`` events while the request
+waits, its prompt is processed or it decodes. Errors are
 ``{"type": "error", "error": {"type", "message"}}`` with the fitting status.
 """
 
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -52,8 +53,8 @@ __all__ = ["parse_request", "MessageBuilder", "serve_messages", "serve_count_tok
 
 log = logging.getLogger("mlx_kvcache")
 
-#: Seconds between ``ping`` events while the prompt is processed.
-PING_EVERY = 5.0
+#: What a silent stream writes every `wire.keepalive_interval` (Anthropic's own keep-alive).
+PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                  "stop_sequence": "stop_sequence"}
@@ -392,7 +393,6 @@ class MessageBuilder:
         self._open: Optional[str] = None  # the kind of the block being streamed
         self.done: Optional[Event] = None
         self.failed: Optional[str] = None  # why the answer failed after it started
-        self._pinged = time.monotonic()
 
     def start(self) -> List[Tuple[str, Dict[str, Any]]]:
         head = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -459,13 +459,6 @@ class MessageBuilder:
             out.append(("error", error_body(self.failed, "api_error")))
         return out
 
-    def keepalive(self, ev: Event) -> bytes:
-        """A ``ping`` every `PING_EVERY` seconds while the prompt is processed."""
-        if time.monotonic() - self._pinged < PING_EVERY:
-            return b""
-        self._pinged = time.monotonic()
-        return b'event: ping\ndata: {"type": "ping"}\n\n'
-
     def whole(self) -> Tuple[int, Dict[str, Any]]:
         """The non-streamed reply: the message, or a 500 when the answer failed."""
         if self.failed is not None or self.done is None:
@@ -524,8 +517,12 @@ def follow_up(body: Dict[str, Any], message: Dict[str, Any],
                                 {"role": "user", "content": nxt}])
 
 
+def _stream_error(e: AgentRequestError) -> List[Tuple[str, Dict[str, Any]]]:
+    return [("error", _error(e))]
+
+
 ROUTE = Route(parse=parse_request, answer=_answer, error=_error, headers=_request_id,
-              follow=follow_up)
+              follow=follow_up, keepalive=PING, stream_error=_stream_error)
 
 
 def serve_count_tokens(handler) -> None:

@@ -31,6 +31,11 @@ diverged in. The prompt is rendered and encoded once, in the HTTP thread, for th
 its ids ride along too, and mlx-lm's tokenizing takes them instead of rendering and
 encoding it again (`MarkedRequest.tokenizer_for`).
 
+Two contracts of the agent APIs are kept here, not in mlx-lm: a conversation that ends with
+the assistant's text is rendered open (``continue_final_message``, no generation prompt)
+so the answer continues it; and a tool call mlx-lm's parser cannot read comes back as the
+model's text instead of vanishing (`_ChatRun._keeping_unread_calls`).
+
 Two things mlx-lm's chunks do not say are recovered here: which stop sequence ended an
 answer (mlx-lm reports ``stop`` for an end-of-sequence token and a stop word alike; the
 answer's last tokens, kept on the request's `lifecycle.Ticket`, tell them apart, matched
@@ -51,8 +56,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from queue import Queue
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from queue import Empty, Queue
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mlx_lm.server import APIHandler
 
@@ -60,11 +65,14 @@ from ...engine.templates import (REASONING_SWITCHES, answer_extends_prompt, hono
                                  reasoning_switches, system_policy)
 from ...engine.generator import MarkedRequest
 from ...guards.lifecycle import current_ticket
-from ..handler import CacheAPIHandler
+from ..handler import KEEPALIVE_S, CacheAPIHandler
 from . import conversation
 from .call import AgentRequestError, ChatCall, Event, Usage
 
-__all__ = ["ChatEvents", "run_chat", "count_tokens", "prompt_ids", "served_model"]
+__all__ = ["ChatEvents", "NOTHING", "run_chat", "count_tokens", "prompt_ids", "served_model"]
+
+#: What `ChatEvents.next_event` returns when no event came in time.
+NOTHING = object()
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -134,6 +142,11 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
     if inline:
         conv.inline_reasoning(tokenizer.think_start, tokenizer.think_end)
     messages = conv.messages()
+    if templated and _continues(messages):
+        # Anthropic's prefill contract (and a Responses input that ends with the
+        # assistant's text): the answer goes on from the last assistant message — rendered
+        # open, with no generation prompt after it (no new turn, no injected <think>).
+        template_args["continue_final_message"] = True
     tools = call.tools or None
     try:
         layout = conversation.layout(tokenizer, conv, tools, template_args,
@@ -144,11 +157,21 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
     return _Prepared(messages, tools, layout, template_args)
 
 
+def _continues(messages: List[Dict[str, Any]]) -> bool:
+    """Whether the conversation ends with assistant text to continue (an assistant
+    message last, with text and no tool calls)."""
+    last = messages[-1] if messages else {}
+    content = last.get("content")
+    text = content if isinstance(content, str) else "".join(
+        p.get("text") or "" for p in content or () if isinstance(p, dict))
+    return last.get("role") == "assistant" and bool(text.strip()) and not last.get("tool_calls")
+
+
 def _body(call: ChatCall, prep: _Prepared) -> Dict[str, Any]:
     body: Dict[str, Any] = {"messages": prep.messages, "stream": True,
                             "stream_options": {"include_usage": True}}
     asked = {k: v for k, v in prep.template_args.items()
-             if k == "enable_thinking" or k in REASONING_SWITCHES}
+             if k in ("enable_thinking", "continue_final_message") or k in REASONING_SWITCHES}
     if asked:  # mlx-lm renders as the layout did
         body["chat_template_kwargs"] = asked
     if prep.tools:
@@ -219,6 +242,8 @@ class _ChatRun(CacheAPIHandler):
     """One chat call, served by mlx-lm's ``do_POST`` as if it came over HTTP, with its
     output captured (never constructed by ``BaseHTTPRequestHandler``: no socket)."""
 
+    stream_keepalive = False  # the route's own writer keeps its stream alive (`wire`)
+
     @classmethod
     def make(cls, handler, body: Dict[str, Any], prep: _Prepared, call: ChatCall) -> "_ChatRun":
         run = cls.__new__(cls)
@@ -243,6 +268,7 @@ class _ChatRun(CacheAPIHandler):
         run.finish: Optional[str] = None
         run.usage: Optional[Dict[str, Any]] = None
         run.ended = False
+        run.calls = 0  # tool calls the answer returned
         run.prompt_tokens = prep.layout.prompt_tokens
         run.cached_tokens: Optional[int] = None
         return run
@@ -270,7 +296,39 @@ class _ChatRun(CacheAPIHandler):
             self.prompt_tokens = len(ctx.prompt)
             if ctx.prompt_cache_count >= 0:  # the batch path fetched already
                 self.cached_tokens = ctx.prompt_cache_count
+            if ctx.tool_parser is not None:
+                ctx.tool_parser = self._keeping_unread_calls(ctx.tool_parser)
         self.started.set()
+
+    def _keeping_unread_calls(self, parse):
+        """mlx-lm's tool-call parser, except that a call it cannot read (mlx-lm would drop
+        it with a warning, and a parse without a name or arguments would end the answer)
+        comes back as the model's text — its markup as generated — and is logged; the
+        answer's stop reason then follows what is returned (`_done`). The seam: the
+        request's `GenerationContext.tool_parser`, which mlx-lm's handler calls on each
+        call's text just before it writes the chunk that follows it."""
+        tok = self.response_generator.model_provider.tokenizer
+        start, end = tok.tool_call_start or "", tok.tool_call_end or ""
+
+        def parse_or_keep(text, tools):
+            try:
+                parsed = parse(text, tools)
+                calls = parsed if isinstance(parsed, list) else [parsed]
+                if calls and all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                                 and "arguments" in c for c in calls):
+                    return parsed
+                problem = "it names no function and arguments"
+            except Exception as e:  # noqa: BLE001 - whatever the parser raises
+                problem = f"{type(e).__name__}: {e}"
+            closed = _closed(tuple(getattr(current_ticket(), "last_tokens", ()) or ()),
+                             tok.tool_call_start_tokens, tok.tool_call_end_tokens)
+            raw = start + text + (end if closed else "")
+            log.warning("mlx_kvcache: a tool call the model's parser cannot read (%s) is "
+                        "returned as text: %.200r", problem, raw)
+            self.events.put(Event("text", text=raw))
+            return []
+
+        return parse_or_keep
 
     def log_message(self, format, *args) -> None:
         pass
@@ -297,6 +355,7 @@ class _ChatRun(CacheAPIHandler):
             if delta.get("content"):
                 self.events.put(Event("text", text=delta["content"]))
             for tc in delta.get("tool_calls") or []:
+                self.calls += 1
                 fn = tc.get("function") or {}
                 self.events.put(Event("tool_call", tool_call={
                     "id": tc.get("id"), "name": fn.get("name"),
@@ -315,6 +374,8 @@ class _ChatRun(CacheAPIHandler):
         usage = Usage(prompt, cached, prompt - cached if stores else 0,
                       int(u.get("completion_tokens") or 0))
         finish, which = self.finish or "stop", None
+        if finish == "tool_calls" and not self.calls:  # the calls came back as text
+            finish = "stop"
         if finish == "stop" and self.call.stop:
             which = _stop_word(self.response_generator.model_provider.tokenizer,
                                self.call.stop, getattr(self, "last_tokens", ()))
@@ -356,6 +417,18 @@ class _ChatRun(CacheAPIHandler):
         return AgentRequestError(msg, 500, "api_error")
 
 
+def _closed(last: Tuple[int, ...], start, end) -> bool:
+    """Whether the tool call the answer's last tokens ``last`` opened last (``start``) was
+    closed (``end``), i.e. it was not cut off by the token limit."""
+    def rfind(seq) -> int:
+        seq = tuple(seq or ())
+        for i in range(len(last) - len(seq), -1, -1):
+            if seq and last[i:i + len(seq)] == seq:
+                return i
+        return -1
+    return rfind(end) > rfind(start)
+
+
 def _stop_word(tokenizer, stops: List[str], last: Tuple[int, ...]) -> Optional[str]:
     """The stop string whose tokens end ``last`` (how mlx-lm matched it), or None (an end
     of sequence token stopped the answer)."""
@@ -368,16 +441,25 @@ def _stop_word(tokenizer, stops: List[str], last: Tuple[int, ...]) -> Optional[s
     return None
 
 
-def run_chat(handler, call: ChatCall) -> "ChatEvents":
+def run_chat(handler, call: ChatCall, waiting: Optional[Callable[[], None]] = None,
+             every: float = KEEPALIVE_S) -> "ChatEvents":
     """Run ``call`` for the live request ``handler`` (a `CacheAPIHandler`, already
     admitted) and return its events. Raises `AgentRequestError` before anything is
     generated (bad input, the server stopping); afterwards a failure is an ``"error"``
-    event. Closing the iterator early (the client left) stops the generation."""
+    event. ``waiting``: called every ``every`` seconds while the request waits for
+    mlx-lm's generation thread to take it (the memory guard's line, a busy batch) — a
+    streamed answer's keep-alive; what it raises ends the request. Closing the iterator
+    early (the client left) stops the generation."""
     prep = _prepare(handler, call)
     run = _ChatRun.make(handler, _body(call, prep), prep, call)
     worker = threading.Thread(target=run.serve, name="mlx_kvcache-agent", daemon=True)
     worker.start()
-    run.started.wait()
+    try:
+        while not run.started.wait(every if waiting is not None else None):
+            waiting()
+    except BaseException:
+        run.closed = True  # the worker ends at its next write
+        raise
     if run.status != 200:
         worker.join()
         raise run.refusal()
@@ -385,36 +467,41 @@ def run_chat(handler, call: ChatCall) -> "ChatEvents":
 
 
 class ChatEvents:
-    """The events of one answer (an iterator; `close` it to stop early). Known before the
-    first event: ``prompt_tokens``, the prompt's length, and ``cached_tokens``, what the
-    prompt cache restored, where it has already fetched (else None: the ``done`` event's
-    usage says)."""
+    """The events of one answer (an iterator; `close` it to stop early; `next_event`
+    waits with a timeout). Known before the first event: ``prompt_tokens``, the prompt's
+    length, and ``cached_tokens``, what the prompt cache restored, where it has already
+    fetched (else None: the ``done`` event's usage says)."""
 
     def __init__(self, run: _ChatRun) -> None:
         self._run = run
         self.prompt_tokens: int = run.prompt_tokens
         self.cached_tokens: Optional[int] = run.cached_tokens
-        self._it = self._events()
+        self._ended = False
 
     def __iter__(self) -> "ChatEvents":
         return self
 
     def __next__(self) -> Event:
-        return next(self._it)
+        ev = self.next_event(None)
+        if ev is None:
+            raise StopIteration
+        return ev
+
+    def next_event(self, timeout: Optional[float]) -> Any:
+        """The next event; `NOTHING` when none came within ``timeout`` seconds (None:
+        as long as it takes); None once the answer ended."""
+        if self._ended:
+            return None
+        try:
+            ev = self._run.events.get(timeout=timeout)
+        except Empty:
+            return NOTHING
+        if ev is None or ev.kind in ("done", "error"):
+            self._ended = True
+            if ev is None:
+                self._run.closed = True
+        return ev
 
     def close(self) -> None:
-        self._it.close()
+        self._ended = True
         self._run.closed = True
-
-    def _events(self) -> Iterator[Event]:
-        run = self._run
-        try:
-            while True:
-                ev = run.events.get()
-                if ev is None:
-                    return
-                yield ev
-                if ev.kind in ("done", "error"):
-                    return
-        finally:
-            run.closed = True

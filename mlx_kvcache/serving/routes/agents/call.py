@@ -116,7 +116,8 @@ class Event:
     ``kind``: ``"text"`` / ``"reasoning"`` (``text`` is the delta), ``"tool_call"``
     (``tool_call``: ``{"id", "name", "arguments"}``, arguments a JSON string, one whole
     call, as mlx-lm's parser yields them), ``"progress"`` (prompt processing:
-    ``text`` is ``"done/total"``; a front end may send a keep-alive, else ignore it),
+    ``text`` is ``"done/total"``; front ends write nothing for it: `wire` keeps a silent
+    stream alive by the clock),
     ``"error"`` (the answer failed after it started: ``text`` says why; the last event), or
     ``"done"`` (the last event of a complete answer). On ``"done"``: ``finish_reason``
     (``"stop"``, ``"length"`` — also when the server's stop cut the answer —,

@@ -259,9 +259,9 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"unsupported message content: {e}") from None
     kw = dict(template_args or {})
+    kw["add_generation_prompt"] = not kw.get("continue_final_message")  # (see `bridge`)
     try:
-        text = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True,
-                                             tokenize=False, **kw)
+        text = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, **kw)
     except Exception as e:  # the template's own refusal (jinja raise_exception) and the like
         raise ValueError(f"the model's chat template refused this conversation: {e}") from None
     # One render, one encoding: the template's text encoded without added special tokens
@@ -326,8 +326,7 @@ def _item_cuts(tokenizer, backend, text: str, ids: List[int], starts: List[int],
     agreeing with the prompt."""
     def render(changed, tls) -> Optional[str]:
         try:
-            return tokenizer.apply_chat_template(changed, tools=tls, add_generation_prompt=True,
-                                                 tokenize=False, **kw)
+            return tokenizer.apply_chat_template(changed, tools=tls, tokenize=False, **kw)
         except Exception:  # a template that refuses the probe: no cut there
             return None
 

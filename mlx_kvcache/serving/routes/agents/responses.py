@@ -37,7 +37,8 @@ from .call import AgentRequestError, ChatCall, Event, keep_reasoning_of, restric
 from .bridge import run_chat, served_model
 from .wire import Route, serve
 
-__all__ = ["serve_responses", "parse_request", "ResponseBuilder", "error_body", "refusal", "ROUTE"]
+__all__ = ["serve_responses", "parse_request", "ResponseBuilder", "error_body", "refusal", "ROUTE",
+           "custom_tools"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -110,9 +111,40 @@ def _user_content(content: Any, where: str) -> Any:
     return parts
 
 
+def _custom_function(tool: Dict[str, Any], i: int) -> Dict[str, Any]:
+    """A ``custom`` tool (free text in, as Codex's ``apply_patch``) offered to the chat
+    template as a function of one string parameter, ``input``; its ``format`` (a grammar
+    or plain text) is told in the description, where a local model can read it."""
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise _bad(f"tools[{i}].name must be a non-empty string", f"tools[{i}].name")
+    about = str(tool.get("description") or "")
+    fmt = tool.get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar" and \
+            isinstance(fmt.get("definition"), str):
+        about += (f"\n\nThe input is free text following this {fmt.get('syntax', '')} "
+                  f"grammar:\n{fmt['definition']}")
+    fn: Dict[str, Any] = {"name": name, "parameters": {
+        "type": "object", "properties": {"input": {
+            "type": "string", "description": "The tool's input: free text, sent as is."}},
+        "required": ["input"]}}
+    if about:
+        fn["description"] = about.strip()
+    return {"type": "function", "function": fn}
+
+
+def custom_tools(body: Any) -> set:
+    """The names of the request's ``custom`` tools (their calls are ``custom_tool_call``
+    items)."""
+    tools = body.get("tools") if isinstance(body, dict) else None
+    return {t.get("name") for t in tools or () if isinstance(t, dict)
+            and t.get("type") == "custom" and isinstance(t.get("name"), str)}
+
+
 def _tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
-    """Function tools in chat form; other types (web_search, local_shell, custom, …) are
-    skipped, not refused — Codex sends them whatever the model — and logged once."""
+    """Function and custom tools in chat form (`_custom_function`); other types
+    (web_search, local_shell, …) are skipped, not refused — Codex sends them whatever the
+    model — and logged once."""
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -122,6 +154,9 @@ def _tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
         if not isinstance(tool, dict):
             raise _bad(f"tools[{i}] must be an object", f"tools[{i}]")
         kind = tool.get("type", "function")
+        if kind == "custom":
+            out.append(_custom_function(tool, i))
+            continue
         if kind != "function":
             skipped.append(str(kind))
             continue
@@ -140,8 +175,8 @@ def _tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
     new = sorted(set(skipped) - _SKIPPED_LOGGED)
     if new:
         _SKIPPED_LOGGED.update(new)
-        log.info("mlx_kvcache: /v1/responses: tools of type %s skipped (only function tools "
-                 "reach the chat template)", ", ".join(new))
+        log.info("mlx_kvcache: /v1/responses: tools of type %s skipped (only function and "
+                 "custom tools reach the chat template)", ", ".join(new))
     return out or None
 
 
@@ -242,6 +277,8 @@ def _item(msgs: _Messages, item: Any, i: int) -> None:
         if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(args, str):
             raise _bad(f"{at}: a {kind} needs string call_id, name and "
                        f"{'arguments' if kind == 'function_call' else 'input'}", at)
+        if kind == "custom_tool_call":  # as the model was offered it (`_custom_function`)
+            args = json.dumps({"input": args}, ensure_ascii=False)
         msg = msgs.assistant(i)
         msg.setdefault("tool_calls", []).append(
             {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
@@ -373,6 +410,7 @@ class ResponseBuilder:
         self._open: Optional[Dict[str, Any]] = None  # the item text goes into, if any
         self._open_kind: Optional[str] = None
         self._call_ids: set = set()
+        self._custom = custom_tools(body)
 
     # the response object -----------------------------------------------------------------------
     def response(self) -> Dict[str, Any]:
@@ -483,6 +521,8 @@ class ResponseBuilder:
             if not call_id or call_id in self._call_ids:  # clients match outputs by call_id
                 call_id = _new_id("call")
             self._call_ids.add(call_id)
+            if tc.get("name") in self._custom:
+                return out + self._custom_call(call_id, tc["name"], args)
             item = {"id": _new_id("fc"), "type": "function_call", "status": "in_progress",
                     "call_id": call_id, "name": tc.get("name", ""),
                     "arguments": ""}
@@ -524,10 +564,28 @@ class ResponseBuilder:
             return self.fail(event.text or "the answer failed")
         return []  # kinds this front end does not render (progress)
 
-    def keepalive(self, event: Event) -> bytes:
-        """A comment line per progress report: a long prefill keeps the client's idle
-        timer fed."""
-        return f": keepalive {event.text}\n\n".encode()
+    def _custom_call(self, call_id: str, name: str, args: str) -> List[Tuple[str, Dict[str, Any]]]:
+        """A call of a custom tool: a ``custom_tool_call`` item whose ``input`` is the
+        text the model gave as the function's ``input`` (its arguments as generated, where
+        they are not that)."""
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            parsed = None
+        text = parsed["input"] if isinstance(parsed, dict) and \
+            isinstance(parsed.get("input"), str) else args
+        item = {"id": _new_id("ctc"), "type": "custom_tool_call", "call_id": call_id,
+                "name": name, "input": ""}
+        self.output.append(item)
+        idx = len(self.output) - 1
+        out = [self._ev("response.output_item.added", output_index=idx, item=dict(item))]
+        item["input"] = text
+        out.append(self._ev("response.custom_tool_call_input.delta", item_id=item["id"],
+                            output_index=idx, delta=text))
+        out.append(self._ev("response.custom_tool_call_input.done", item_id=item["id"],
+                            output_index=idx, input=text))
+        out.append(self._ev("response.output_item.done", output_index=idx, item=dict(item)))
+        return out
 
     def whole(self) -> Tuple[int, Dict[str, Any]]:
         """The non-streamed reply: the response, or a 500 when the answer failed."""
@@ -589,7 +647,16 @@ def follow_up(body: Dict[str, Any], response: Dict[str, Any],
     return dict(body, input=[*items, *output, *nxt])
 
 
-ROUTE = Route(parse=parse_request, answer=_answer, error=_error, follow=follow_up)
+def _stream_error(e: AgentRequestError) -> List[Tuple[str, Dict[str, Any]]]:
+    """A refusal that came after the stream's keep-alives started: OpenAI's ``error``
+    stream event."""
+    return [("error", {"type": "error", "code": e.code or e.kind, "message": e.message,
+                       "param": e.param, "sequence_number": 0})]
+
+
+#: Responses streams have no ping event: an SSE comment line, which every parser ignores.
+ROUTE = Route(parse=parse_request, answer=_answer, error=_error, follow=follow_up,
+              keepalive=b": keep-alive\n\n", stream_error=_stream_error)
 
 
 def serve_responses(handler) -> None:

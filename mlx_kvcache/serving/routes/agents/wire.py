@@ -1,20 +1,33 @@
 """The HTTP side of both agent routes: a request body read, a `Route` (the API's parser,
 answer builder and error shape) run over the bridge, and the answer sent whole or as
 server-sent events.
+
+A streamed answer is never silent for longer than `handler.keepalive_interval`
+(`KEEPALIVE_S`) from the moment the request is accepted — while it waits for the
+generation thread (the memory guard's line, a batch), while its prompt is processed, while
+it decodes (a slow token rate, a long tool call mlx-lm holds back until it closes): the
+writer waits for the next event with that timeout and, when none came, writes the route's
+keep-alive
+(Anthropic: a ``ping`` event; Responses: an SSE comment line, which every SSE parser
+ignores). The stream's headers go out with the first keep-alive, so a request that waits
+longer than one interval before mlx-lm takes it is refused, if it then is, in the
+stream (the route's ``stream_error``), not with an HTTP status.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
-from ..handler import send_json
+from ..handler import KEEPALIVE_ENV, KEEPALIVE_S, keepalive_interval, send_json
 from . import foresight
-from .bridge import run_chat
+from .bridge import NOTHING as _NOTHING, run_chat
 from .call import AgentRequestError, ChatCall, Event
 
-__all__ = ["SSE", "Answer", "Route", "read_body", "serve", "send_json"]
+__all__ = ["SSE", "Answer", "Route", "read_body", "serve", "send_json", "KEEPALIVE_S",
+           "KEEPALIVE_ENV", "keepalive_interval"]
 
 
 #: A stream event: its name and its JSON data.
@@ -31,9 +44,6 @@ class Answer(Protocol):
         """The stream events ``ev`` makes; an ``"error"`` event is the API's closing
         failure."""
 
-    def keepalive(self, ev: Event) -> bytes:
-        """What a long prefill's ``"progress"`` event writes on the stream (may be empty)."""
-
     def whole(self) -> Tuple[int, Dict[str, Any]]:
         """The status and body of the non-streamed answer, once every event was fed."""
 
@@ -43,10 +53,12 @@ class Route:
     """What one agent API puts around the bridge: ``parse`` (a request body to a
     `ChatCall`, `AgentRequestError` naming the problem), ``answer`` (the builder of one
     answer, from the handler, the body and the events), ``error`` (an `AgentRequestError` in the
-    API's error shape), ``headers`` (extra headers on every reply) and ``follow`` (the
+    API's error shape), ``headers`` (extra headers on every reply), ``follow`` (the
     request body the client sends after an answer — the body, the answer's whole body,
     and a stand-in text for what the client adds: each tool call's result, or the next
-    user message after a text answer —, or None: no `foresight`)."""
+    user message after a text answer —, or None: no `foresight`), ``keepalive`` (what a
+    silent stream writes every `keepalive_interval`) and ``stream_error`` (a refusal as
+    stream events, for a request refused after its stream's headers went out)."""
 
     parse: Callable[[Any], ChatCall]
     answer: Callable[[Any, Any, Any], Answer]
@@ -54,6 +66,8 @@ class Route:
     headers: Callable[[], Dict[str, str]] = dict
     follow: Optional[Callable[[Dict[str, Any], Dict[str, Any], str],
                               Optional[Dict[str, Any]]]] = None
+    keepalive: bytes = b": keep-alive\n\n"
+    stream_error: Optional[Callable[[AgentRequestError], List[SSE]]] = None
 
 
 def read_body(handler) -> Any:
@@ -76,78 +90,139 @@ def _sse(batch: Iterable[SSE]) -> bytes:
     return b"".join(f"event: {k}\ndata: {json.dumps(d)}\n\n".encode() for k, d in batch)
 
 
-def serve(handler, route: Route, run: Optional[Callable[[Any, ChatCall], Any]] = None) -> None:
+def serve(handler, route: Route, run: Optional[Callable[..., Any]] = None) -> None:
     """Answer one agent request on ``handler`` (the live `CacheAPIHandler`, admitted, its
-    body unread): read the body, ``route.parse`` it, run it (``run``: `run_chat`), and
-    send the answer whole or streamed (``"stream": true``). Bad input is a reply in the
-    route's error shape, never an exception; a client gone mid-answer ends the generation."""
+    body unread): read the body, ``route.parse`` it, run it (``run``: `run_chat`, given
+    ``waiting``, called every interval until mlx-lm takes the request), and send the
+    answer whole or streamed (``"stream": true``). Bad input is a reply in the route's
+    error shape, never an exception; a client gone mid-answer ends the generation."""
     headers = route.headers()
+    every = keepalive_interval()
+    stream = _Stream(handler, headers, route.keepalive)
     try:
         body = read_body(handler)
-        events = (run or run_chat)(handler, route.parse(body))
+        call = route.parse(body)
+        waiting = stream.keepalive if isinstance(body, dict) and body.get("stream") else None
+        events = (run or run_chat)(handler, call, waiting=waiting, every=every)
     except AgentRequestError as e:
-        return send_json(handler, e.status, route.error(e), headers)
+        if not stream.opened:
+            return send_json(handler, e.status, route.error(e), headers)
+        batch = route.stream_error(e) if route.stream_error else []
+        return stream.write(_sse(batch)) if batch else None
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the client left while the request waited
     ended = []  # the answer's end, once seen: the session's next prompt is foreseen
 
     def on_done(ev: Event) -> None:
         if route.follow is not None and ev.finish_reason != "length" and \
                 foresight.expecting(handler):
             ended.append(ev)
+    answer = None
     try:
         answer = route.answer(handler, body, events)
+        watched = _Ending(events, on_done)
         if body.get("stream"):
-            _stream(handler, answer, _ending(events, on_done), headers)
+            stream.run(answer, watched, every)
         else:
-            _whole(handler, answer, _ending(events, on_done), headers)
+            _whole(answer, watched, handler, headers)
     finally:
         events.close()  # a client gone mid-answer ends the generation
         if ended:  # (counted by `foresight.expecting`: `follow` always ends it)
             foresight.follow(handler, route, body, answer)
 
 
-def _ending(events: Iterable[Event], on_done: Callable[[Event], None]) -> Iterator[Event]:
-    """``events``, calling ``on_done`` with the ``done`` event before it is passed on."""
-    for ev in events:
-        if ev.kind == "done":
-            on_done(ev)
-        yield ev
+class _Ending:
+    """``events`` (a `ChatEvents` or any iterator), calling ``on_done`` with the ``done``
+    event before it is passed on; waits with a timeout as ``events`` does (`_next`)."""
+
+    def __init__(self, events, on_done: Callable[[Event], None]) -> None:
+        self._events = events if hasattr(events, "next_event") else iter(events)
+        self._on_done = on_done
+
+    def next_event(self, timeout: Optional[float]) -> Any:
+        ev = _next(self._events, timeout)
+        if ev is not None and ev is not _NOTHING and ev.kind == "done":
+            self._on_done(ev)
+        return ev
 
 
-def _answer_events(events: Iterable[Event]) -> Iterator[Event]:
-    """``events`` up to the first ``done`` or ``error``; an ``error`` when they end
-    without either."""
-    for ev in events:
+def _next(events, timeout: Optional[float]) -> Any:
+    """The next event, `_NOTHING` when none came within ``timeout`` seconds (None: wait
+    as long as it takes), or None at the end. ``events``: a `ChatEvents` (it waits with
+    a timeout) or any iterator."""
+    wait = getattr(events, "next_event", None)
+    if wait is not None:
+        return wait(timeout)
+    return next(events, None)
+
+
+def _answer_events(events, timeout: Callable[[], Optional[float]] = lambda: None
+                   ) -> Iterator[Any]:
+    """``events`` up to the first ``done`` or ``error`` (`_NOTHING` each time
+    ``timeout()`` seconds pass without one); an ``error`` when they end without either."""
+    events = events if hasattr(events, "next_event") else iter(events)
+    while True:
+        ev = _next(events, timeout())
+        if ev is None:
+            break
         yield ev
-        if ev.kind in ("done", "error"):
+        if ev is not _NOTHING and ev.kind in ("done", "error"):
             return
     yield Event("error", text="the answer ended early")
 
 
-def _whole(handler, answer: Answer, events, headers: Dict[str, str]) -> None:
+def _whole(answer: Answer, events, handler, headers: Dict[str, str]) -> None:
     for ev in _answer_events(events):
-        if ev.kind != "progress":
+        if ev is not _NOTHING and ev.kind != "progress":
             answer.feed(ev)
     status, body = answer.whole()
     send_json(handler, status, body, headers)
 
 
-def _stream(handler, answer: Answer, events, headers: Dict[str, str]) -> None:
-    handler.send_response(200)
-    handler.send_header("Content-Type", "text/event-stream")
-    handler.send_header("Cache-Control", "no-cache")
-    for k, v in headers.items():
-        handler.send_header(k, v)
-    handler.end_headers()
+class _Stream:
+    """One streamed reply: its headers sent once (at the first keep-alive or event), then
+    events and keep-alives."""
 
-    def write(data: bytes) -> None:
+    def __init__(self, handler, headers: Dict[str, str], keepalive: bytes) -> None:
+        self._handler, self._headers, self._keepalive = handler, headers, keepalive
+        self.opened = False
+        self._written = time.monotonic()
+
+    def open(self) -> None:
+        if self.opened:
+            return
+        self.opened = True
+        h = self._handler
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.send_header("Cache-Control", "no-cache")
+        for k, v in self._headers.items():
+            h.send_header(k, v)
+        h.end_headers()
+
+    def write(self, data: bytes) -> None:
+        self.open()
         if data:
-            handler.wfile.write(data)
-            handler.wfile.flush()
+            self._handler.wfile.write(data)
+            self._handler.wfile.flush()
+            self._written = time.monotonic()
 
-    try:
-        write(_sse(answer.start()))
-        for ev in _answer_events(events):
-            write(answer.keepalive(ev) if ev.kind == "progress" else _sse(answer.feed(ev)))
-    except (BrokenPipeError, ConnectionResetError):
-        return  # the client left; closing the events ends the generation
+    def keepalive(self) -> None:
+        """The route's keep-alive (headers first, if not sent yet)."""
+        self.write(self._keepalive)
 
+    def run(self, answer: Answer, events, every: float) -> None:
+        def left() -> float:  # until the next keep-alive is due: silence, not events, counts
+            return max(0.0, self._written + every - time.monotonic())
+
+        try:
+            self.write(_sse(answer.start()))
+            for ev in _answer_events(events, left):
+                if ev is _NOTHING:
+                    self.keepalive()  # nothing written for a whole interval
+                elif ev.kind != "progress":
+                    self.write(_sse(answer.feed(ev)))
+                if left() == 0.0:  # progress reports and empty deltas write nothing
+                    self.keepalive()
+        except (BrokenPipeError, ConnectionResetError):
+            return  # the client left; closing the events ends the generation
