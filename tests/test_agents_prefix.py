@@ -54,6 +54,11 @@ def _session(client, turns: int = 6):
     """A Claude-Code-shaped session; returns each turn's usage."""
     history, usages = [], []
     for t in range(turns):
+        # Claude Code moves its message breakpoint to the newest user message (the API
+        # takes at most 4 cache_control blocks: here the system prompt, the last tool and it).
+        for m in history:
+            for b in m["content"] if isinstance(m["content"], list) else ():
+                b.pop("cache_control", None)
         if t == 3:  # the periodic nudge, appended after the assistant's turn
             history.append({"role": "system", "content": "The task tools haven't been used "
                                                          "recently. Consider the todo list."})

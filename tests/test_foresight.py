@@ -116,6 +116,22 @@ def test_a_newer_offer_replaces_the_pending_one_and_its_request_drops_it():
     assert not off.pending()
 
 
+def test_a_job_foreseen_for_another_model_is_dropped():
+    # Rendered with model A's tokenizer; a request named model B since, so B runs now:
+    # A's ids never reach B's trie.
+    m = build("llama")
+    mgr = PrefixManager(lambda: make_prompt_cache(m), max_bytes=1 << 30)
+    fs = Foresight()
+    fs.offer("s", list(range(1, 60)), expected=False, key=("a", None, None))
+    fs.run(mgr, ModelPair(m), 2048, lambda: False, key=("b", None, None))
+    r = fs.report()
+    assert r["computed_tokens"] == 0 and r["replaced"] == 1 and r["settled"]
+    assert mgr.trie.find(np.arange(1, 60))[1] == 0
+    fs.offer("s", list(range(1, 60)), expected=False, key=("b", None, None))
+    fs.run(mgr, ModelPair(m), 2048, lambda: False, key=("b", None, None))
+    assert fs.report()["computed_tokens"] == 59
+
+
 # -- servers -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):

@@ -94,6 +94,18 @@ def positive_int(s: str) -> int:
     return v
 
 
+def non_negative_int(s: str) -> int:
+    import argparse
+
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
 def _regex(s: str) -> str:
     import argparse
     import re
@@ -115,7 +127,9 @@ def add_options(parser) -> None:
     from ..store import default_root
     from .guards.admin import TOKEN_ENV
     from .guards.lifecycle import DEFAULT_GRACE
+    from .guards.images import DEFAULT_MAX_PIXELS
     from .guards.memory import DEFAULT_WAIT, SHARE
+    from .routes.body import BODY_TIMEOUT, MAX_BODY_BYTES
 
     g = parser.add_argument_group(
         "mlx_kvcache", "the prefix-trie prompt cache (replaces mlx-lm's LRU prompt cache; "
@@ -204,6 +218,21 @@ def add_options(parser) -> None:
                    "how often the model accepts its tokens (a draft as large as the model "
                    "is not used at all); fixed: --num-draft-tokens every step, as mlx-lm. "
                    "Answers are the same")
+    g.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs that clients send (default: refused with a "
+                   "400; data: URLs are always read). A server that fetches client URLs can be "
+                   "made to reach any address it can")
+    g.add_argument("--max-image-pixels", type=non_negative_int, default=DEFAULT_MAX_PIXELS,
+                   metavar="N",
+                   help="refuse an image whose header says more pixels than this, before "
+                   f"decoding it (default: {DEFAULT_MAX_PIXELS}; 0: no cap)")
+    g.add_argument("--max-body-bytes", type=parse_bytes, default=MAX_BODY_BYTES, metavar="SIZE",
+                   help="refuse a request body larger than this with a 413 "
+                   f"({MAX_BODY_BYTES >> 20} MiB by default)")
+    g.add_argument("--body-timeout", type=non_negative_float, default=BODY_TIMEOUT,
+                   metavar="SECONDS",
+                   help="a client that stops sending its request body for this long gets a 400 "
+                   f"(default: {BODY_TIMEOUT:g})")
     g.add_argument("--prompt-excerpts", choices=("auto", "on", "off"), default="auto",
                    help="show prompt text around where reuse stopped (GET /v1/cache 'recent' "
                    "and the log lines); off: offsets and reasons only. auto (default): off when "

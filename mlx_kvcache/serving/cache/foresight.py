@@ -59,6 +59,8 @@ class _Job:
 
     session: str
     tokens: np.ndarray
+    #: The model whose vocabulary ``tokens`` are in (None: whichever runs).
+    key: Any = None
 
 
 @dataclass
@@ -110,10 +112,11 @@ class Foresight:
         with self._lock:
             self.rendering = max(0, self.rendering - 1)
 
-    def offer(self, session: str, tokens, expected: bool = True) -> None:
+    def offer(self, session: str, tokens, expected: bool = True, key: Any = None) -> None:
         """The next prompt of ``session`` starts with ``tokens``: compute what the trie
         lacks of it at the next idle moment (replacing the session's older offer).
-        ``expected``: this ends an `expect`."""
+        ``expected``: this ends an `expect`. ``key``: the ``model_key`` of the model whose
+        vocabulary ``tokens`` are in — `run` drops the job on any other."""
         toks = as_tokens(tokens)
         with self._lock:
             if expected:
@@ -123,7 +126,7 @@ class Foresight:
             self.offered += 1
             if self._jobs.pop(session, None) is not None:
                 self.replaced += 1
-            self._jobs[session] = _Job(session, toks)
+            self._jobs[session] = _Job(session, toks, key)
             while len(self._jobs) > JOBS:
                 self._jobs.popitem(last=False)
                 self.replaced += 1
@@ -190,15 +193,20 @@ class Foresight:
             return hit
 
     def run(self, manager, pair, step: int, waiting: Callable[[], bool],
-            stream: Any = None) -> None:
+            stream: Any = None, key: Any = None) -> None:
         """Compute the queued prefixes, oldest first, while nothing is ``waiting``; chunks of
         ``step`` tokens, ``waiting()`` asked before each. On the thread that runs the model
-        (mlx-lm's generation thread), between requests."""
+        (mlx-lm's generation thread), between requests; ``key``: that model's
+        ``model_key`` (a job foreseen for another model — a request named another since —
+        is dropped: its ids are another vocabulary)."""
         while not waiting():
             with self._lock:
                 if not self._jobs:
                     return
                 _, job = self._jobs.popitem(last=False)
+                if job.key is not None and job.key != key:
+                    self.replaced += 1
+                    continue
                 self.running = job.session
             whole = True  # (a job that raised is not tried again)
             try:

@@ -378,17 +378,19 @@ class TriePromptCache:
             self._capture(st)
 
     # -- foresight: the next prompt, computed while the client is busy -------------------
-    def foresee(self, session: str, tokens: Sequence[int], expected: bool = True) -> None:
+    def foresee(self, session: str, tokens: Sequence[int], expected: bool = True,
+                model_key: Any = None) -> None:
         """The next prompt of ``session`` starts with ``tokens`` (rendered by an agent
         route when an answer ended; ``expected``: it ends a `Foresight.expect`): the part
-        the trie lacks is computed while the generation loop is idle (`ahead`). Any thread.
-        Dropped where nothing is cached (the cache off, or this model's caches cannot be
-        stored)."""
+        the trie lacks is computed while the generation loop is idle (`ahead`) — only on
+        the model ``model_key`` (whose tokenizer encoded ``tokens``; None: any). Any
+        thread. Dropped where nothing is cached (the cache off, or this model's caches
+        cannot be stored)."""
         if not self.stores_prompts():
             if expected:
                 self.foresight.cancel()
             return
-        self.foresight.offer(session, tokens, expected)
+        self.foresight.offer(session, tokens, expected, model_key)
 
     def ahead(self, waiting, step: int, stream=None) -> None:
         """The generation loop is idle: compute foreseen prefixes until ``waiting()`` says a
@@ -398,7 +400,8 @@ class TriePromptCache:
             return  # (caching off: nothing is computed ahead, as nothing is stored)
         before = self.foresight.computed
         self._guard("computing a foreseen prefix",
-                    lambda: self.foresight.run(st.manager, st.pair, step, waiting, stream),
+                    lambda: self.foresight.run(st.manager, st.pair, step, waiting, stream,
+                                               st.key),
                     None, "foresight")
         if self.foresight.computed != before and self.agree.size == 1 and self._writes.changed():
             self._capture(st)

@@ -65,22 +65,33 @@ class MarkedRequest(CompletionRequest):
     template_kwargs: Optional[Dict[str, Any]] = None
     #: At most this many tokens of reasoning (Anthropic's ``budget_tokens``), or None.
     reasoning_budget: Optional[int] = None
+    #: The ``model_key`` of the model whose tokenizer made `tokens`, `cuts` and `marks`.
+    model_key: Any = None
 
-    def tokenizer_for(self, tokenizer):
+    def encoded_for(self, model_key: Any) -> bool:
+        """Whether `tokens`, `cuts` and `marks` are in the vocabulary of the model
+        ``model_key`` names (the one about to run this request)."""
+        return self.model_key == model_key
+
+    def tokenizer_for(self, tokenizer, model_key: Any = None):
         """``tokenizer``, or a view of it that answers the rendering of this request's own
         prompt (its messages, its tools, the generation prompt, the same template
-        arguments) with `tokens`; every other call goes to ``tokenizer``."""
-        if self.tokens is None and not (self.template_kwargs or {}).get("continue_final_message"):
+        arguments) with `tokens` — only when this request was encoded for the running
+        model ``model_key`` (`encoded_for`: ids of another model's vocabulary are never
+        answered, mlx-lm renders and encodes again) — and renders a continued last
+        message without a generation prompt; every other call goes to ``tokenizer``."""
+        ids = self.tokens if self.encoded_for(model_key) else None
+        if ids is None and not (self.template_kwargs or {}).get("continue_final_message"):
             return tokenizer
-        return _KnownPrompt(tokenizer, self)
+        return _KnownPrompt(tokenizer, self, ids)
 
 
 class _KnownPrompt:
     """A tokenizer whose ``apply_chat_template`` answers one known rendering from its ids
     (and renders a continued last message without a generation prompt)."""
 
-    def __init__(self, tokenizer, request: MarkedRequest) -> None:
-        self._tokenizer, self._request = tokenizer, request
+    def __init__(self, tokenizer, request: MarkedRequest, ids: Optional[List[int]]) -> None:
+        self._tokenizer, self._request, self._ids = tokenizer, request, ids
 
     def __getattr__(self, name: str):
         return getattr(self._tokenizer, name)
@@ -88,10 +99,10 @@ class _KnownPrompt:
     def apply_chat_template(self, messages, *args, tokenize=True, **kwargs):
         r = self._request
         rest = {k: v for k, v in kwargs.items() if k not in ("tools", "add_generation_prompt")}
-        if (r.tokens is not None and tokenize and not args and messages is r.messages
+        if (self._ids is not None and tokenize and not args and messages is r.messages
                 and kwargs.get("tools") is r.tools and kwargs.get("add_generation_prompt")
                 and rest == (r.template_kwargs or {})):
-            return list(r.tokens)
+            return list(self._ids)
         if kwargs.get("continue_final_message"):
             # The last assistant message is continued (an agent route's prefill): no
             # generation prompt after it, whatever mlx-lm's call asks for.
@@ -99,9 +110,24 @@ class _KnownPrompt:
         return self._tokenizer.apply_chat_template(messages, *args, tokenize=tokenize, **kwargs)
 
 
-def _known(tokenizer, request):
-    """The tokenizer mlx-lm tokenizes ``request`` with (`MarkedRequest.tokenizer_for`)."""
-    return request.tokenizer_for(tokenizer) if isinstance(request, MarkedRequest) else tokenizer
+def _known(tokenizer, request, model_key):
+    """The tokenizer mlx-lm tokenizes ``request`` with on the model ``model_key``
+    (`MarkedRequest.tokenizer_for`)."""
+    return (request.tokenizer_for(tokenizer, model_key) if isinstance(request, MarkedRequest)
+            else tokenizer)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model the server serves (``--model``: what every agent request and every
+    request naming no other model runs on), as the generation thread loaded it first:
+    its ``model_key``, ``tokenizer`` and image ``processor``. Kept while a request naming
+    another model has mlx-lm's provider hold that one, so the agent routes render and
+    encode with the tokenizer of the model that will run them."""
+
+    key: Any
+    tokenizer: Any
+    processor: Any = None
 
 
 def split_segments(segments: List[List[int]], types: List[str],
@@ -130,6 +156,7 @@ def _watched(response, ticket: Ticket):
     """mlx-lm's answer, keeping its last tokens on ``ticket``."""
     last: List[int] = []
     for r in response:
+        ticket.answered += 1
         last.append(r.token)
         if len(last) > 2 * LAST_TOKENS:
             del last[:-LAST_TOKENS]
@@ -173,6 +200,15 @@ class ServerResponseGenerator(ResponseGenerator):
                  agree=None, memory: Optional[MemoryGuard] = None) -> None:
         # Set before mlx-lm's __init__, which starts the generation thread.
         self.lifecycle = lifecycle or Lifecycle()
+        self._served: Optional[ServedModel] = None
+        load_default = model_provider.load_default
+
+        def load_default_kept() -> None:
+            load_default()
+            if model_provider.tokenizer is not None:
+                self._served = ServedModel(model_provider.model_key, model_provider.tokenizer,
+                                           model_provider.processor)
+        model_provider.load_default = load_default_kept
         self._agree = agree
         #: The memory guard (``--memory-limit``): it gates the request queue.
         self.memory = memory or MemoryGuard()
@@ -187,6 +223,11 @@ class ServerResponseGenerator(ResponseGenerator):
         extract.install()
         self.prompt_cache: TriePromptCache = prompt_cache
         super().__init__(model_provider, prompt_cache)
+
+    def served(self) -> Optional[ServedModel]:
+        """The served model (`ServedModel`) once the generation thread loaded it, else
+        None (no ``--model``, or not loaded yet)."""
+        return self._served
 
     def _log_cache_stats(self) -> None:
         """Nothing: mlx-lm's "Prompt Cache: N sequences, X GB" lines count its own LRU
@@ -211,7 +252,8 @@ class ServerResponseGenerator(ResponseGenerator):
         if tokenizer is None:
             return None
         try:
-            out = super()._tokenize(_known(tokenizer, request), request, args)
+            out = super()._tokenize(_known(tokenizer, request, self.model_provider.model_key),
+                                    request, args)
         except Exception:  # noqa: BLE001 - mlx-lm reports it when it tokenizes
             return None
         if len(self._sized) > 1024:  # requests that ended before mlx-lm tokenized them
@@ -226,7 +268,7 @@ class ServerResponseGenerator(ResponseGenerator):
             prompt, segments, types, state, vision = kept[2]  # tokenized at admission
         else:
             prompt, segments, types, state, vision = super()._tokenize(
-                _known(tokenizer, request), request, args)
+                _known(tokenizer, request, self.model_provider.model_key), request, args)
         # Here mlx-lm's ``try`` still catches (the request fails, the thread lives on); the
         # same problems past this point would end the generation thread.
         problem = generation_problem(prompt, args, self.model_provider.model)
@@ -236,9 +278,14 @@ class ServerResponseGenerator(ResponseGenerator):
         budget = getattr(request, "reasoning_budget", None)
         if budget:  # mlx-lm makes this request's logits processors next (`reasoning_budget`)
             args.reasoning_budget = ReasoningBudget.for_tokenizer(tokenizer, budget)
-        marked = [c for c in getattr(request, "cuts", None) or () if 0 < c < len(prompt)]
+        # An agent request's layout is offsets in the vocabulary it was encoded with: read
+        # only on the model it was encoded for (mlx-lm encoded it again otherwise).
+        laid_out = (not isinstance(request, MarkedRequest)
+                    or request.encoded_for(self.model_provider.model_key))
+        marked = [c for c in getattr(request, "cuts", None) or () if 0 < c < len(prompt)] \
+            if laid_out else []
         # This request's layout, for its fetch's explanation.
-        self.prompt_cache.expect(prompt, getattr(request, "marks", None) or (),
+        self.prompt_cache.expect(prompt, getattr(request, "marks", None) or () if laid_out else (),
                                  getattr(request, "session", None))
         guess_end = not self._goes_on_past_answer(tokenizer, request, args)
         seq = sequential.current()
@@ -398,6 +445,9 @@ class ServerResponseGenerator(ResponseGenerator):
                     ticket.cut = True
                     return None
                 self._refuse(ticket)
+            if ticket is not None and ticket.started and ticket.left is not None \
+                    and ticket.left.is_set():
+                return None  # its client left: mlx-lm's handler ends it (``ctx.stop()``)
             try:
                 return response_queue.get(timeout=0.1)
             except Empty:

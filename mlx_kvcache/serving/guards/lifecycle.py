@@ -39,10 +39,12 @@ class Control:
 class Ticket:
     """One HTTP request's standing: whether its answer started streaming, was cut short by
     the stop, or was refused before it started; mlx-lm's ``GenerationContext`` of it
-    (its prompt, what the cache restored); and the last tokens its answer produced (which
-    stop sequence ended it, if one did)."""
+    (its prompt, what the cache restored); the last tokens its answer produced (which
+    stop sequence ended it, if one did) and how many it produced; ``left``, set when its
+    client closed the connection (`set_client_watch`), None where nothing watches."""
 
-    __slots__ = ("started", "cut", "refused", "ctx", "last_tokens", "keepalive")
+    __slots__ = ("started", "cut", "refused", "ctx", "last_tokens", "answered", "left",
+                 "keepalive")
 
     def __init__(self) -> None:
         self.started = False
@@ -50,6 +52,8 @@ class Ticket:
         self.refused = False
         self.ctx = None
         self.last_tokens: tuple = ()
+        self.answered = 0
+        self.left: Optional[threading.Event] = client_watch()
         #: Called while the answer waits for its next token (its stream's keep-alive).
         self.keepalive: Optional[Callable[[], None]] = None
 
@@ -64,6 +68,19 @@ def current_ticket() -> Optional[Ticket]:
 
 def set_ticket(ticket: Optional[Ticket]) -> None:
     _local.ticket = ticket
+
+
+def set_client_watch(left: Optional[threading.Event]) -> None:
+    """The event set when the client of the request this (handler) thread serves leaves
+    (or None): the next `Ticket` made on this thread carries it, and the generator ends
+    a started answer whose client left (mlx-lm's non-streamed route writes nothing until
+    its end, so no failed write tells it)."""
+    _local.client_left = left
+
+
+def client_watch() -> Optional[threading.Event]:
+    """This thread's `set_client_watch` event, if any."""
+    return getattr(_local, "client_left", None)
 
 
 class Lifecycle:

@@ -16,8 +16,13 @@ next token. The agent routes keep their own streams alive (`agents.wire`).
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
+import select
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional
@@ -26,8 +31,10 @@ from mlx_lm.server import APIHandler
 
 from ...generation.model_pair import vocab_size
 from ..guards.admin import AdminPolicy
-from ..guards.lifecycle import current_ticket, set_ticket
+from ..guards.lifecycle import current_ticket, set_client_watch, set_ticket
+from ..guards.images import ImagePolicy, image_urls, url_problem
 from ..guards.validation import body_problem
+from . import body
 from .model_names import DEFAULT, model_entry, models_listing, resolve
 
 
@@ -80,6 +87,8 @@ class PostRoute:
     refusal: Callable[[str], Dict[str, Any]]
 
 
+log = logging.getLogger("mlx_kvcache")
+
 #: The most request body read (and dropped) before refusing a request.
 _DRAIN_LIMIT = 64 << 20
 #: Seconds ``GET /v1/cache`` on a sharded model waits for the ranks' counters (the
@@ -99,6 +108,44 @@ def send_json(handler, status: int, body: Dict[str, Any],
     handler.end_headers()
     handler.wfile.write(data)
     handler.wfile.flush()
+
+
+#: Seconds between two looks at a watched connection (`watch_client`).
+WATCH_EVERY = 0.25
+
+
+def watch_client(handler, done: threading.Event, left: threading.Event,
+                 on_leave: Optional[Callable[[], None]] = None) -> None:
+    """Until ``done``, watch the connection of ``handler``'s request while its answer is
+    made (a non-streamed answer writes nothing until its end, so no failed write would
+    tell that the client left): when the client closes it, set ``left`` and call
+    ``on_leave``. The close is seen as nginx sees it, an end of file on a peek; a
+    connection that turns readable with data (a client sending its next request early)
+    is left alone."""
+    conn = getattr(handler, "connection", None)
+    if not isinstance(conn, socket.socket):
+        return
+
+    def watch() -> None:
+        while not done.is_set():
+            try:
+                readable, _, _ = select.select([conn], [], [], WATCH_EVERY)
+                if not readable:
+                    continue
+                gone = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                continue
+            except (OSError, ValueError):  # reset, or closed under us
+                gone = True
+            if gone and not done.is_set():
+                left.set()
+                log.info("mlx_kvcache: %s: the client left before its answer; stopping it",
+                         handler.path)
+                if on_leave is not None:
+                    on_leave()
+            return
+
+    threading.Thread(target=watch, name="mlx_kvcache-client-watch", daemon=True).start()
 
 
 class CacheAPIHandler(APIHandler):
@@ -166,8 +213,43 @@ class CacheAPIHandler(APIHandler):
     def do_POST(self):
         route = self._post_route()
         if route is None:
-            return self._admitted(super().do_POST)
+            return self._admitted(self._mlx_post)
         self._admitted(lambda: route.serve(self))
+
+    def _mlx_post(self) -> None:
+        """mlx-lm's ``do_POST`` on a body read here first (`body`): its own read has no
+        size cap or timeout, and its parse lets `RecursionError` (deeply nested JSON) and
+        `UnicodeDecodeError` escape — no answer, a traceback in the log. mlx-lm parses the
+        body again; ours is parsed only where it could nest that deep (`may_nest_deep`)."""
+        try:
+            raw = body.read_raw(self)
+            if body.may_nest_deep(raw):
+                body.parse(raw)
+            else:
+                raw.decode("utf-8")
+        except body.BodyError as e:
+            return self._send_json(e.status, {"error": e.message})
+        except UnicodeDecodeError as e:
+            return self._send_json(400, {"error": f"the request body is not UTF-8 ({e})"})
+        sock = self.rfile
+        self.rfile = io.BytesIO(raw)  # what mlx-lm reads; the connection's stream comes back
+        done, left = threading.Event(), threading.Event()
+        watch_client(self, done, left)
+        set_client_watch(left)  # the generator ends a started answer whose client left
+        try:
+            super().do_POST()
+        except (BrokenPipeError, ConnectionResetError):
+            if not left.is_set():
+                raise
+        finally:
+            done.set()
+            set_client_watch(None)
+            self.rfile = sock
+        if left.is_set():
+            self.close_connection = True
+            ticket = current_ticket()
+            log.info("mlx_kvcache: %s: its client left; the answer stopped after %d tokens",
+                     self.path, getattr(ticket, "answered", 0))
 
     def do_OPTIONS(self):
         self._admitted(lambda: self._admin_route("OPTIONS") if self._is_cache_route()
@@ -181,6 +263,21 @@ class CacheAPIHandler(APIHandler):
             raise ValueError(problem)
         if isinstance(self.stream_options, dict):  # mlx-lm reads the key without a default
             self.stream_options = {"include_usage": False, **self.stream_options}
+
+    def handle_chat_completions(self):
+        # Images: no URL fetched unless the server allows it, none decoded over the pixel
+        # cap (`images`; mlx-lm fetches http(s) URLs in its own method, checked after).
+        policy = ImagePolicy.of(self.response_generator.cli_args)
+        messages = self.body.get("messages")
+        for url in image_urls(messages):
+            problem = url_problem(url, policy.allow_urls)
+            if problem is not None:
+                raise ValueError(problem)
+        request = super().handle_chat_completions()
+        problem = policy.problem(request.messages)
+        if problem is not None:
+            raise ValueError(problem)
+        return request
 
     def _vocab(self) -> Optional[int]:
         provider = self.response_generator.model_provider

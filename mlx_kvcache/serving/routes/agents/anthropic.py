@@ -10,7 +10,8 @@ its ``thinking`` blocks its ``reasoning`` (rendered as the template renders reas
 ``redacted_thinking`` has no text and is dropped); a user's ``tool_result`` blocks tool
 messages (before the user's text, in block order; ``is_error`` prefixes ``Error: ``).
 ``cache_control`` on a text, ``tool_use``, ``tool_result`` or system block, or on a tool,
-is a checkpoint at the block's (the tool's) end. ``tools`` (``name``, ``description``, ``input_schema``) go to the chat template as
+is a checkpoint at the block's (the tool's) end; at most `MAX_BREAKPOINTS` (4) of them, as
+the API (more: its 400). ``tools`` (``name``, ``description``, ``input_schema``) go to the chat template as
 function tools; server tools (a ``type`` other than ``custom``) are skipped with a log
 line. ``tool_choice``: ``none`` gives the template no tools, ``{"type": "tool", "name"}``
 only that one (a 400 when it is not among ``tools``); ``auto`` and ``any`` give it all
@@ -44,7 +45,8 @@ import logging
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
-from .call import AgentRequestError, ChatCall, Event, keep_reasoning_of, restrict_tools
+from .call import (AgentRequestError, ChatCall, Event, SkippedTools, keep_reasoning_of,
+                   restrict_tools)
 from .bridge import ChatEvents, count_tokens, run_chat, served_model
 from .wire import Route, read_body, send_json, serve
 
@@ -53,8 +55,15 @@ __all__ = ["parse_request", "MessageBuilder", "serve_messages", "serve_count_tok
 
 log = logging.getLogger("mlx_kvcache")
 
+#: Server tool types skipped (each logged once, bounded).
+SKIPPED = SkippedTools("/v1/messages")
 #: What a silent stream writes every `wire.keepalive_interval` (Anthropic's own keep-alive).
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'
+
+#: Blocks (and tools) a request may mark with ``cache_control``: Anthropic's limit. Each is
+#: a checkpoint the prompt cache stores, and finding where a marked tool or tool call ends
+#: costs two renders of the prompt: the limit bounds both.
+MAX_BREAKPOINTS = 4
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                  "stop_sequence": "stop_sequence"}
@@ -251,14 +260,13 @@ def _tools(tools: Any) -> Tuple[Optional[List[Dict[str, Any]]], List[int]]:
         return None, []
     if not isinstance(tools, list):
         raise _bad("tools must be a list")
-    out, marked = [], []
+    out, marked, skipped = [], [], []
     for k, t in enumerate(tools):
         if not isinstance(t, dict):
             raise _bad(f"tools[{k}] must be an object")
         kind = t.get("type")
         if kind not in (None, "custom"):  # Anthropic's server tools (web_search_…, bash_…)
-            log.info("mlx_kvcache: skipping tools[%d] of type %r (only client tools reach "
-                     "the model)", k, kind)
+            skipped.append(kind if isinstance(kind, str) else json.dumps(kind)[:64])
             continue
         if not _is_text(t.get("name")) or not t["name"]:
             raise _bad(f"tools[{k}].name must be a non-empty string")
@@ -273,6 +281,7 @@ def _tools(tools: Any) -> Tuple[Optional[List[Dict[str, Any]]], List[int]]:
         if t.get("cache_control") is not None:
             marked.append(len(out))
         out.append({"type": "function", "function": fn})
+    SKIPPED.note(skipped)
     return out or None, marked
 
 
@@ -328,6 +337,11 @@ def parse_request(body: Any, count_only: bool = False) -> ChatCall:
         else:
             raise _bad(f"messages[{i}].role must be user, assistant or system, not {role!r}")
     tools, marked_tools = _tools(body.get("tools"))
+    marks = len(out.breakpoints) + len(out.call_breakpoints) + sum(
+        1 for t in body.get("tools") or () if t.get("cache_control") is not None)
+    if marks > MAX_BREAKPOINTS:  # the API's limit, and a bound on the checkpoints stored
+        raise _bad(f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be "
+                   f"provided. Found {marks}.")
     choice = _tool_choice(body.get("tool_choice"))
     call = ChatCall(messages=out.messages, labels=out.labels, tools=tools, tool_choice=choice,
                     breakpoints=out.breakpoints, part_labels=out.part_labels,

@@ -27,9 +27,11 @@ template refuses them), the billing line and user-named volatile lines are dropp
 the rendered prompt's layout — where each message and content part starts — rides along
 on the request (`MarkedRequest`): the client's ``cache_control`` breakpoints become
 checkpoint offsets, and the prompt cache's miss explanation names the part a request
-diverged in. The prompt is rendered and encoded once, in the HTTP thread, for the layout;
-its ids ride along too, and mlx-lm's tokenizing takes them instead of rendering and
-encoding it again (`MarkedRequest.tokenizer_for`).
+diverged in. The prompt is rendered and encoded once, in the HTTP thread, for the layout,
+with the served model's tokenizer (`_served`: an agent request runs on the served model,
+whatever model mlx-lm's provider holds at that moment); its ids ride along too, with the
+``model_key`` they were encoded for, and mlx-lm's tokenizing takes them instead of
+rendering and encoding it again — on that model only (`MarkedRequest.tokenizer_for`).
 
 Two contracts of the agent APIs are kept here, not in mlx-lm: a conversation that ends with
 the assistant's text is rendered open (``continue_final_message``, no generation prompt)
@@ -55,7 +57,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from queue import Empty, Queue
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -63,13 +65,15 @@ from mlx_lm.server import APIHandler
 
 from ...engine.templates import (REASONING_SWITCHES, answer_extends_prompt, honours_thinking,
                                  reasoning_switches, system_policy)
-from ...engine.generator import MarkedRequest
+from ...engine.generator import MarkedRequest, ServedModel
+from ...guards.images import ImagePolicy, inline
 from ...guards.lifecycle import current_ticket
 from ..handler import KEEPALIVE_S, CacheAPIHandler
 from . import conversation
 from .call import AgentRequestError, ChatCall, Event, Usage
 
-__all__ = ["ChatEvents", "NOTHING", "run_chat", "count_tokens", "prompt_ids", "served_model"]
+__all__ = ["ChatEvents", "NOTHING", "run_chat", "count_tokens", "prompt_ids", "served_model",
+           "served_key"]
 
 #: What `ChatEvents.next_event` returns when no event came in time.
 NOTHING = object()
@@ -93,22 +97,29 @@ class _Prepared:
     tools: Optional[List[Dict[str, Any]]]
     layout: "conversation.Layout"
     template_args: Dict[str, Any]    # the chat template's arguments it was rendered with
+    model: ServedModel               # whose tokenizer rendered and encoded it
 
 
-def _tokenizer(generator):
-    """The served model's tokenizer, once the generation thread has loaded it (a request
-    that comes first waits, as a chat request waits in mlx-lm's queue)."""
+def _served(generator) -> ServedModel:
+    """The model an agent request runs on — the served one (its request names no other) —
+    once the generation thread has loaded it (a request that comes first waits, as a chat
+    request waits in mlx-lm's queue). Not the tokenizer mlx-lm's provider holds now: a chat
+    request naming another local model makes it hold that one's, and a prompt encoded with
+    it would run on the served model as ids of another vocabulary."""
     provider = generator.model_provider
-    while provider.tokenizer is None:
+    served = getattr(generator, "served", lambda: None)
+    while served() is None and provider.tokenizer is None:
         if not generator.generation_available():
             raise AgentRequestError("the model could not be loaded", 503, "overloaded_error")
         time.sleep(0.05)
-    return provider.tokenizer
+    # (no served model recorded: no --model; mlx-lm's provider holds the one it runs)
+    return served() or ServedModel(provider.model_key, provider.tokenizer, provider.processor)
 
 
 def _prepare(handler, call: ChatCall) -> _Prepared:
     provider = handler.response_generator.model_provider
-    tokenizer = _tokenizer(handler.response_generator)
+    model = _served(handler.response_generator)
+    tokenizer = model.tokenizer
     args = provider.cli_args
     base_args = dict(getattr(args, "chat_template_args", None) or {})
     template_args = dict(base_args)
@@ -150,11 +161,14 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
     tools = call.tools or None
     try:
         layout = conversation.layout(tokenizer, conv, tools, template_args,
-                                     vision=getattr(provider, "processor", None) is not None,
+                                     vision=model.processor is not None,
                                      marked_tools=call.tool_breakpoints)
     except ValueError as e:
         raise AgentRequestError(str(e)) from None
-    return _Prepared(messages, tools, layout, template_args)
+    problem = ImagePolicy.of(args).problem(messages)  # before anything fetches or decodes
+    if problem is not None:
+        raise AgentRequestError(problem)
+    return _Prepared(messages, tools, layout, template_args, model)
 
 
 def _continues(messages: List[Dict[str, Any]]) -> bool:
@@ -190,22 +204,31 @@ def count_tokens(handler, call: ChatCall) -> int:
     """The prompt tokens `run_chat` would give the model for ``call`` (the chat template
     applied as mlx-lm's chat route applies it, each image expanded by the model's image
     processor)."""
-    lay = _prepare(handler, call).layout
-    processor = getattr(handler.response_generator.model_provider, "processor", None)
+    prep = _prepare(handler, call)
+    lay, processor = prep.layout, prep.model.processor
     if not lay.images or processor is None:
         return lay.prompt_tokens
+    cap = ImagePolicy.of(handler.response_generator.model_provider.cli_args).max_pixels
     try:
-        return conversation.processed_tokens(_tokenizer(handler.response_generator),
-                                             processor, lay)
+        # The URL forms the message route serves (an allowed http(s) one is fetched here,
+        # as mlx-lm's route fetches it), each checked against the pixel cap first.
+        lay = replace(lay, images=[inline(u, cap) for u in lay.images])
+        return conversation.processed_tokens(prep.model.tokenizer, processor, lay)
     except ValueError as e:
         raise AgentRequestError(str(e)) from None
 
 
 def prompt_ids(handler, call: ChatCall) -> Optional[List[int]]:
     """The prompt's token ids `run_chat` would give the model for ``call`` (rendered and
-    encoded exactly as it would be), or None where images make them the processor's."""
+    encoded exactly as it would be, by the served model's tokenizer: `served_key`), or
+    None where images make them the processor's."""
     ids = _prepare(handler, call).layout.ids
     return None if ids is None else list(ids)
+
+
+def served_key(handler) -> Any:
+    """The ``model_key`` of the model agent requests run on and are encoded for."""
+    return _served(handler.response_generator).key
 
 
 # -- running it through mlx-lm's handler ------------------------------------------------------
@@ -256,6 +279,7 @@ class _ChatRun(CacheAPIHandler):
         run.server = handler.server
         run.command, run.path, run.request_version = "POST", "/v1/chat/completions", "HTTP/1.1"
         run.requestline = f"POST /v1/chat/completions HTTP/1.1 (for {handler.path})"
+        run.route = handler.path.split("?", 1)[0]
         run.headers = {"Content-Length": str(len(raw)), "Origin": None}
         run.rfile = io.BytesIO(raw)
         run.wfile = _Capture(run)
@@ -282,7 +306,8 @@ class _ChatRun(CacheAPIHandler):
                              request.tools, request.role_mapping, cuts=list(lay.cuts),
                              marks=list(lay.marks), session=self.call.session,
                              tokens=lay.ids, template_kwargs=dict(self.prep.template_args),
-                             reasoning_budget=self.call.reasoning_budget)
+                             reasoning_budget=self.call.reasoning_budget,
+                             model_key=self.prep.model.key)
 
     def send_response(self, code, message=None) -> None:
         self.status = code
@@ -377,7 +402,7 @@ class _ChatRun(CacheAPIHandler):
         if finish == "tool_calls" and not self.calls:  # the calls came back as text
             finish = "stop"
         if finish == "stop" and self.call.stop:
-            which = _stop_word(self.response_generator.model_provider.tokenizer,
+            which = _stop_word(self.prep.model.tokenizer,
                                self.call.stop, getattr(self, "last_tokens", ()))
             if which is not None:
                 finish = "stop_sequence"
@@ -392,7 +417,9 @@ class _ChatRun(CacheAPIHandler):
             if self.status == 200 and not self.ended and not self.closed:
                 self.events.put(Event("error", text="the answer ended early"))
         except _Closed:
-            pass
+            ticket = current_ticket()
+            log.info("mlx_kvcache: %s: its client left; the answer stopped after %d tokens",
+                     self.route, getattr(ticket, "answered", 0))
         except Exception as e:  # never into the HTTP thread unsaid
             log.exception("mlx_kvcache: an agent request failed")
             if self.status == 200 and self.started.is_set():
@@ -505,3 +532,10 @@ class ChatEvents:
     def close(self) -> None:
         self._ended = True
         self._run.closed = True
+
+    def abandon(self) -> None:
+        """The client left (safe from any thread): the generation stops at its next step
+        (mlx-lm's next write, a token or a prefill progress report, fails) and the events
+        end now (`next_event` answers None)."""
+        self._run.closed = True
+        self._run.events.put(None)

@@ -5,10 +5,15 @@ data the routes, the bridge and the wire share, knowing nothing of HTTP or mlx-l
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["ChatCall", "Usage", "Event", "AgentRequestError", "restrict_tools", "keep_reasoning_of"]
+__all__ = ["ChatCall", "Usage", "Event", "AgentRequestError", "restrict_tools",
+           "keep_reasoning_of", "SkippedTools"]
+
+log = logging.getLogger("mlx_kvcache")
 
 
 @dataclass
@@ -156,3 +161,35 @@ def keep_reasoning_of(body: Dict[str, Any]) -> Optional[bool]:
     if value is not None and not isinstance(value, bool):
         raise AgentRequestError("keep_reasoning must be true or false", param="keep_reasoning")
     return value
+
+
+class SkippedTools:
+    """The tool types a route skips (server tools: ``web_search``, ``local_shell``, …),
+    each logged the first time it is seen — with a bound: at most `KEPT` type names are
+    remembered, each cut to `WIDTH` characters, and a request's log line names at most
+    `SHOWN` of them (then a count). A client sending ever new type strings grows neither
+    the process's memory nor its log."""
+
+    KEPT, WIDTH, SHOWN = 64, 40, 8
+
+    def __init__(self, route: str) -> None:
+        self._route = route
+        self._seen: set = set()
+        self._lock = threading.Lock()
+
+    def note(self, kinds: List[Any]) -> None:
+        """Log the types among ``kinds`` not logged before (while fewer than `KEPT` were)."""
+        with self._lock:
+            room = self.KEPT - len(self._seen)
+            if room <= 0 or not kinds:
+                return
+            new = sorted({str(k)[:self.WIDTH] for k in kinds[:self.KEPT * 4]} - self._seen)[:room]
+            self._seen.update(new)
+        if new:
+            shown = ", ".join(repr(k) for k in new[:self.SHOWN])
+            more = f" and {len(new) - self.SHOWN} more" if len(new) > self.SHOWN else ""
+            log.info("mlx_kvcache: %s: tools of type %s%s skipped (only the tools the route "
+                     "serves reach the chat template)", self._route, shown, more)
+
+    def __len__(self) -> int:
+        return len(self._seen)

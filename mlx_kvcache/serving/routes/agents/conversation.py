@@ -59,6 +59,9 @@ ROLES = ("system", "user", "assistant", "tool")
 #: Tokens re-encoded to check a breakpoint's offset, and characters after it.
 _WINDOW = 8
 _TAIL = 64
+#: Whole-prompt scans spent looking for parts the template rewrote before the layout
+#: stops naming parts (`layout`).
+_MISSED_SCANS = 2
 
 
 @dataclass
@@ -267,8 +270,12 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
     # One render, one encoding: the template's text encoded without added special tokens
     # is what mlx-lm's ``apply_chat_template(tokenize=True)`` returns.
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    enc = backend.encode(text, add_special_tokens=False) if backend is not None else None
-    ids = list(enc.ids) if enc is not None else list(tokenizer.encode(text, add_special_tokens=False))
+    try:
+        enc = backend.encode(text, add_special_tokens=False) if backend is not None else None
+        ids = list(enc.ids) if enc is not None else list(tokenizer.encode(text, add_special_tokens=False))
+    except (TypeError, UnicodeError) as e:  # a lone surrogate the template passed through
+        raise ValueError(f"the rendered prompt cannot be encoded by the model's tokenizer "
+                         f"(it holds text that is not valid Unicode: {e})") from None
     out = Layout(len(ids), ids=None if conv.has_images() else ids)
     if urls:
         out.text, out.images = text, list(urls)
@@ -280,7 +287,17 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
         return max(0, bisect.bisect_right(starts, char) - 1)
 
     cursor = 0
+    # A part the template rewrote (trimmed, escaped) is not found, and looking for it scans
+    # the rest of the prompt: past `_MISSED_SCANS` such scans of the whole prompt, the
+    # layout stops naming parts and placing their breakpoints (the explanation names less,
+    # a marked part past there gets no checkpoint; the prompt is the same), so a request
+    # of many rewritten parts costs linear time, not parts x prompt.
+    missed = 0
     for n, m in enumerate(conv.items):
+        if missed > _MISSED_SCANS * len(text):
+            log.debug("mlx_kvcache: the layout names no parts past %s (the template "
+                      "rewrote too many)", m.label)
+            break
         # Template text between two messages (closing one, opening the next) is named
         # after both: a change there is either one's edge.
         gap = (f"the template's text before {m.label}" if n == 0 else
@@ -291,6 +308,7 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
                 continue
             at = text.find(p.text, cursor) if p.text else cursor
             if at < 0:
+                missed += len(text) - cursor
                 continue
             out.marks.append((token_at(at), p.label))
             cursor = at + len(p.text)

@@ -26,7 +26,7 @@ import logging
 import threading
 from typing import Any, Dict, List, Optional, Sequence
 
-from .bridge import prompt_ids
+from .bridge import prompt_ids, served_key
 from .call import AgentRequestError, ChatCall
 
 __all__ = ["SENTINELS", "expecting", "follow", "common_prefix", "session_of"]
@@ -110,7 +110,7 @@ def _render(handler, cache, fs, route, body, answer) -> None:
             renders.append(ids)
         known = common_prefix(renders)
         if known:
-            cache.foresee(session, known)
+            cache.foresee(session, known, model_key=served_key(handler))
             offered = True
     except AgentRequestError as e:  # the route would refuse its own follow-up: say why once
         log.debug("mlx_kvcache: no foresight for this answer: %s", e.message)

@@ -11,7 +11,9 @@ Stateless: every request carries the whole conversation (as Codex sends it).
 server keeps no responses. ``store``, ``metadata``, ``parallel_tool_calls`` are accepted
 and echoed; ``prompt_cache_key`` becomes `ChatCall.session`; OpenAI-side options with no
 local meaning (``include``, ``text``, ``truncation``, ``user``,
-``service_tier``, …) are accepted and ignored. ``reasoning.effort`` turns the model's
+``service_tier``, …) are accepted and ignored — except values that ask for behaviour this
+server lacks (`_unserved_options`: structured outputs, ``background``, ``store: true``,
+stored prompts, logprobs), a 400 naming them. ``reasoning.effort`` turns the model's
 reasoning off (``none``, ``minimal``) or on (``low`` … ``xhigh``), given to the chat template
 as ``enable_thinking`` where the template honours it (as Anthropic's ``thinking``); its
 ``summary`` is ignored. A user message's ``input_image`` parts are served as the chat
@@ -33,7 +35,8 @@ import time
 import uuid
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from .call import AgentRequestError, ChatCall, Event, keep_reasoning_of, restrict_tools
+from .call import (AgentRequestError, ChatCall, Event, SkippedTools, keep_reasoning_of,
+                   restrict_tools)
 from .bridge import run_chat, served_model
 from .wire import Route, serve
 
@@ -42,8 +45,8 @@ __all__ = ["serve_responses", "parse_request", "ResponseBuilder", "error_body", 
 
 log = logging.getLogger("mlx_kvcache")
 
-#: Tool types other than ``function`` that were skipped (each logged once per process).
-_SKIPPED_LOGGED: set = set()
+#: Tool types other than ``function`` that were skipped (each logged once, bounded).
+SKIPPED = SkippedTools("/v1/responses")
 
 
 def _bad(message: str, param: Optional[str] = None) -> AgentRequestError:
@@ -158,7 +161,7 @@ def _tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
             out.append(_custom_function(tool, i))
             continue
         if kind != "function":
-            skipped.append(str(kind))
+            skipped.append(kind if isinstance(kind, str) else json.dumps(kind)[:64])
             continue
         name = tool.get("name")
         if not isinstance(name, str) or not name:
@@ -172,11 +175,7 @@ def _tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
         if tool.get("description") is not None:
             fn["description"] = str(tool["description"])
         out.append({"type": "function", "function": fn})
-    new = sorted(set(skipped) - _SKIPPED_LOGGED)
-    if new:
-        _SKIPPED_LOGGED.update(new)
-        log.info("mlx_kvcache: /v1/responses: tools of type %s skipped (only function and "
-                 "custom tools reach the chat template)", ", ".join(new))
+    SKIPPED.note(skipped)
     return out or None
 
 
@@ -323,6 +322,35 @@ def _reasoning(value: Any) -> Optional[bool]:
     return _EFFORT[effort]
 
 
+def _unserved_options(body: Dict[str, Any]) -> None:
+    """A 400 for options that ask for behaviour this server does not have, rather than
+    an answer that silently lacks it. Values that ask for nothing (``store: false``, the
+    SDK's omitted fields, ``text.format`` of type ``text``, ``include`` of outputs of
+    tools that never run here) pass."""
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        raise _bad(f"text.format {json.dumps(fmt.get('type'))[:64]} is not supported: this "
+                   "server has no constrained decoding (structured outputs); ask for JSON in "
+                   "the instructions and parse the text", "text.format")
+    if body.get("background") is True:
+        raise _bad("background is not supported: this server answers in the request (use "
+                   "stream for long answers)", "background")
+    if body.get("store") is True:
+        raise _bad("store: true is not supported: this server is stateless and keeps no "
+                   "responses; send store: false or leave it out", "store")
+    if body.get("prompt") is not None:
+        raise _bad("prompt (a stored prompt template) is not supported: this server keeps no "
+                   "prompts; send instructions and input", "prompt")
+    include = body.get("include")
+    if include is not None and not isinstance(include, list):
+        raise _bad("include must be a list", "include")
+    if "message.output_text.logprobs" in (include or ()) or body.get("top_logprobs"):
+        field = ("top_logprobs" if body.get("top_logprobs")
+                 else 'include "message.output_text.logprobs"')
+        raise _bad(f"{field}: logprobs are not returned by this server's /v1/responses (the "
+                   "chat route, /v1/chat/completions, returns them)", field.split()[0])
+
+
 def parse_request(body: Any) -> ChatCall:
     """A Responses request body as a `ChatCall`, or `AgentRequestError` (400) naming the
     field at fault."""
@@ -332,6 +360,7 @@ def parse_request(body: Any) -> ChatCall:
         if body.get(key) is not None:
             raise _bad(f"{key} is not supported: this server is stateless and keeps no "
                        "responses; send the whole conversation in input (as Codex does)", key)
+    _unserved_options(body)
     msgs = _Messages()
     instructions = body.get("instructions")
     if instructions is not None:

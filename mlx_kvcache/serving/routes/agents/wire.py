@@ -17,11 +17,14 @@ stream (the route's ``stream_error``), not with an HTTP status.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
-from ..handler import KEEPALIVE_ENV, KEEPALIVE_S, keepalive_interval, send_json
+from .. import body as body_reader
+from ..handler import (KEEPALIVE_ENV, KEEPALIVE_S, keepalive_interval, send_json,
+                       watch_client)
 from . import foresight
 from .bridge import NOTHING as _NOTHING, run_chat
 from .call import AgentRequestError, ChatCall, Event
@@ -71,19 +74,20 @@ class Route:
 
 
 def read_body(handler) -> Any:
-    """The request's JSON body; `AgentRequestError` when it has none or it is not JSON."""
-    n = handler.headers.get("Content-Length")
-    if n is None:
-        raise AgentRequestError("a Content-Length header is required", 411)
+    """The request's JSON body (an object); `AgentRequestError` naming the problem when it
+    has none, is over the server's cap (413), shorter than its Content-Length, not JSON,
+    nested too deeply, or holds a string no tokenizer can encode (`body`)."""
     try:
-        n = int(n)
-    except ValueError:
-        raise AgentRequestError("the Content-Length header is not an integer") from None
-    raw = handler.rfile.read(n) if n > 0 else b""
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise AgentRequestError(f"the request body is not valid JSON: {e}") from None
+        raw = body_reader.read_raw(handler)
+        out = body_reader.parse(raw)
+    except body_reader.BodyError as e:
+        kind = "request_too_large" if e.status == 413 else "invalid_request_error"
+        raise AgentRequestError(e.message, e.status, kind) from None
+    where = body_reader.lone_surrogate(raw, out)
+    if where is not None:
+        raise AgentRequestError(f"{where} holds a lone UTF-16 surrogate (such as \\ud800): "
+                                "it is not text a tokenizer can encode", param=where)
+    return out
 
 
 def _sse(batch: Iterable[SSE]) -> bytes:
@@ -124,7 +128,7 @@ def serve(handler, route: Route, run: Optional[Callable[..., Any]] = None) -> No
         if body.get("stream"):
             stream.run(answer, watched, every)
         else:
-            _whole(answer, watched, handler, headers)
+            _whole(answer, watched, handler, headers, getattr(events, "abandon", None))
     finally:
         events.close()  # a client gone mid-answer ends the generation
         if ended:  # (counted by `foresight.expecting`: `follow` always ends it)
@@ -171,12 +175,27 @@ def _answer_events(events, timeout: Callable[[], Optional[float]] = lambda: None
     yield Event("error", text="the answer ended early")
 
 
-def _whole(answer: Answer, events, handler, headers: Dict[str, str]) -> None:
-    for ev in _answer_events(events):
-        if ev is not _NOTHING and ev.kind != "progress":
-            answer.feed(ev)
+def _whole(answer: Answer, events, handler, headers: Dict[str, str],
+           abandon: Optional[Callable[[], None]] = None) -> None:
+    """The answer sent whole once ``events`` end; meanwhile the connection is watched, and
+    a client that leaves has ``abandon`` called (`ChatEvents.abandon`: the generation
+    stops) and gets nothing."""
+    done, left = threading.Event(), threading.Event()
+    watch_client(handler, done, left, abandon)
+    try:
+        for ev in _answer_events(events):
+            if ev is not _NOTHING and ev.kind != "progress":
+                answer.feed(ev)
+    finally:
+        done.set()
+    if left.is_set():  # no one to answer
+        handler.close_connection = True
+        return
     status, body = answer.whole()
-    send_json(handler, status, body, headers)
+    try:
+        send_json(handler, status, body, headers)
+    except (BrokenPipeError, ConnectionResetError):
+        handler.close_connection = True  # the client left first
 
 
 class _Stream:

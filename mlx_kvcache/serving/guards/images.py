@@ -1,0 +1,160 @@
+"""Images in requests, checked before anything decodes or fetches them.
+
+* **Where an image may come from.** mlx-lm's chat route fetches every ``http(s)`` image URL
+  a client sends (``urlopen`` in its HTTP thread): from a server on a network, a way to
+  make it reach any address it can (a port scanner). Here only ``data:`` URLs are read
+  unless the server is started with ``--allow-image-urls`` (`url_problem`); every route
+  says so in a 400 naming the flag.
+* **How large.** A PNG of 13,000 × 13,000 pixels is 164 KB on the wire and ~500 MB once
+  decoded to RGB (mlx-lm's ``_decode_image``), more in the image processor. The header
+  says the size without decoding (PIL's ``Image.open`` reads only that), so an image over
+  ``--max-image-pixels`` is refused before any decoding (`pixel_problem`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import warnings
+from typing import Any, Iterator, List, Optional
+from urllib.request import urlopen
+
+__all__ = ["DEFAULT_MAX_PIXELS", "image_urls", "url_problem", "pixel_problem",
+           "image_problem", "inline", "check_all", "ImagePolicy"]
+
+#: ``--max-image-pixels`` by default: 40 megapixels (a 7,680 × 5,120 photo fits).
+DEFAULT_MAX_PIXELS = 40_000_000
+#: Seconds and bytes one fetched image may take (with ``--allow-image-urls``).
+FETCH_TIMEOUT = 30.0
+FETCH_LIMIT = 64 << 20
+
+
+def _url(part: Any) -> Optional[str]:
+    """A content part's image URL (the part kinds mlx-lm's chat route reads), or None."""
+    if not isinstance(part, dict) or part.get("type") not in ("image_url", "input_image", "image"):
+        return None
+    url = part.get("image_url", part.get("image"))
+    url = url.get("url") if isinstance(url, dict) else url
+    return url if isinstance(url, str) else None
+
+
+def image_urls(messages: Any) -> Iterator[str]:
+    """The image URLs of chat-format ``messages``, in order."""
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                url = _url(part)
+                if url is not None:
+                    yield url
+
+
+def url_problem(url: str, allow_urls: bool) -> Optional[str]:
+    """Why the server will not read the image ``url``, or None: ``data:`` URLs always,
+    ``http(s)`` ones only with ``allow_urls`` (``--allow-image-urls``)."""
+    if url.startswith("data:"):
+        return None
+    if url.startswith(("http://", "https://")):
+        if allow_urls:
+            return None
+        return ("this server does not fetch image URLs (start it with --allow-image-urls to "
+                "let it); send the image as a data: URL")
+    return f"an image must be a data: URL (or, with --allow-image-urls, http(s)), not {url[:32]!r}"
+
+
+def _data(url: str) -> bytes:
+    head, _, payload = url.partition(",")
+    if ";base64" not in head:
+        raise ValueError("an image data: URL must be base64 (data:<type>;base64,...)")
+    try:
+        return base64.b64decode(payload, validate=False)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"the image's base64 data cannot be decoded ({e})") from None
+
+
+def pixel_problem(data: bytes, max_pixels: Optional[int]) -> Optional[str]:
+    """Why the encoded image ``data`` is refused — unreadable, or more than ``max_pixels``
+    pixels (0 or None: no cap) — read from its header only, never decoded; or None."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as im:
+                width, height = im.size
+    except Image.DecompressionBombError:  # over twice PIL's own cap (it decodes none)
+        ours = (f"this server takes at most {max_pixels:,} (--max-image-pixels)" if max_pixels
+                else "more than the image library reads")
+        return f"the image is over {2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels; {ours}"
+    except Image.UnidentifiedImageError:
+        return "the image cannot be read: its data is not an image format the server reads"
+    except Exception as e:  # noqa: BLE001 - any image PIL cannot read
+        return f"the image cannot be read ({type(e).__name__}: {e})"
+    if max_pixels and width * height > max_pixels:
+        return (f"the image is {width} x {height} = {width * height:,} pixels; this server "
+                f"takes at most {max_pixels:,} (--max-image-pixels)")
+    return None
+
+
+def image_problem(url: str, allow_urls: bool, max_pixels: Optional[int]) -> Optional[str]:
+    """`url_problem`, then for a ``data:`` URL `pixel_problem` (a fetched URL is checked
+    once fetched: `inline`)."""
+    problem = url_problem(url, allow_urls)
+    if problem is not None or not url.startswith("data:"):
+        return problem
+    try:
+        return pixel_problem(_data(url), max_pixels)
+    except ValueError as e:
+        return str(e)
+
+
+def inline(url: str, max_pixels: Optional[int]) -> str:
+    """``url`` as a ``data:`` URL (an allowed ``http(s)`` one fetched, at most
+    `FETCH_LIMIT` bytes in `FETCH_TIMEOUT` seconds), its size checked; ValueError says
+    why it cannot be served."""
+    if url.startswith("data:"):
+        data = _data(url)
+        out = url
+    else:
+        try:
+            with urlopen(url, timeout=FETCH_TIMEOUT) as response:  # noqa: S310 - allowed by flag
+                mime = response.headers.get_content_type()
+                data = response.read(FETCH_LIMIT + 1)
+        except Exception as e:  # noqa: BLE001 - the fetch failed: the request is refused
+            raise ValueError(f"the image at {url[:80]} could not be fetched ({e})") from None
+        if len(data) > FETCH_LIMIT:
+            raise ValueError(f"the image at {url[:80]} is over {FETCH_LIMIT} bytes")
+        out = f"data:{mime};base64,{base64.b64encode(data).decode()}"
+    problem = pixel_problem(data, max_pixels)
+    if problem is not None:
+        raise ValueError(problem)
+    return out
+
+
+def check_all(urls: List[str], allow_urls: bool, max_pixels: Optional[int],
+              what: str = "an image") -> Optional[str]:
+    """The first `image_problem` among ``urls``, said as ``<what> <i>: <problem>``."""
+    for i, url in enumerate(urls):
+        problem = image_problem(url, allow_urls, max_pixels)
+        if problem is not None:
+            return f"{what} {i + 1}: {problem}" if len(urls) > 1 else problem
+    return None
+
+
+class ImagePolicy:
+    """The server's image settings, read from its options: ``allow_urls``
+    (``--allow-image-urls``) and ``max_pixels`` (``--max-image-pixels``; 0: no cap)."""
+
+    def __init__(self, allow_urls: bool = False, max_pixels: Optional[int] = DEFAULT_MAX_PIXELS):
+        self.allow_urls, self.max_pixels = allow_urls, max_pixels
+
+    @classmethod
+    def of(cls, cli_args) -> "ImagePolicy":
+        cap = getattr(cli_args, "max_image_pixels", None)
+        return cls(bool(getattr(cli_args, "allow_image_urls", False)),
+                   DEFAULT_MAX_PIXELS if cap is None else int(cap))
+
+    def problem(self, messages: Any) -> Optional[str]:
+        """The first reason an image of chat-format ``messages`` is refused, or None."""
+        return check_all(list(image_urls(messages)), self.allow_urls, self.max_pixels)
