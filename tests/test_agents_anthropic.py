@@ -21,6 +21,11 @@ from mlx_kvcache.testing.waits import CAP  # noqa: E402
 
 pytestmark = pytest.mark.timeout(CAP)
 
+
+def _prompt(u) -> int:
+    """The prompt's tokens by Anthropic's usage: its three input counts add up to it."""
+    return u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens
+
 SYSTEM = "You are terse."
 CONVO = [{"role": "user", "content": "Hello there, how are you today?"},
          {"role": "assistant", "content": "Fine."},
@@ -84,8 +89,8 @@ def test_raw_stream_events(server, client):
     start, delta = events[0].message.usage, events[-2].usage
     # message_start knows the prompt's length (and, on the batch path, what was restored);
     # message_delta has the final numbers.
-    assert start.input_tokens + start.cache_read_input_tokens == n
-    assert delta.input_tokens + delta.cache_read_input_tokens == n and delta.output_tokens == 4
+    assert _prompt(start) == n
+    assert _prompt(delta) == n and delta.output_tokens == 4
     assert kinds[:2] == ["message_start", "content_block_start"] or \
         kinds[:3] == ["message_start", "ping", "content_block_start"]
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
@@ -103,12 +108,14 @@ def test_usage_is_honest_and_agrees_with_the_cache(server, client):
     again = client.messages.create(model="m", max_tokens=4, system=SYSTEM, messages=CONVO,
                                    extra_body=GREEDY).usage
     recent = server.entry_since(sent)
-    assert again.input_tokens + again.cache_read_input_tokens == n
+    assert _prompt(again) == n
     assert again.cache_read_input_tokens == recent["cached_tokens"] == n - 1  # full hit
     assert again.input_tokens == recent["prompt_tokens"] - recent["cached_tokens"]
     # The chat route's request above stored the prompt: the first read all but one token.
     assert first.cache_read_input_tokens == n - 1
-    assert again.cache_creation_input_tokens == again.input_tokens
+    # No cache_control breakpoint: nothing is reported as created; the three add up.
+    assert again.cache_creation_input_tokens == first.cache_creation_input_tokens == 0
+    assert _prompt(first) == n
 
 
 def test_volatile_lines_do_not_break_the_prefix(server, client):
@@ -212,7 +219,7 @@ def test_tool_round_trip(tool_server):
     (call,) = [b for b in r.content if b.type == "tool_use"]
     assert call.name == TOOL_CALL["name"] and call.input == TOOL_CALL["arguments"]
     assert call.id.startswith("toolu_")
-    first_prompt = r.usage.input_tokens + r.usage.cache_read_input_tokens
+    first_prompt = _prompt(r.usage)
     msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
                                            "content": [{"type": "text", "text": "sunny, 21 C"}],
@@ -227,7 +234,7 @@ def test_tool_round_trip(tool_server):
     # The tool result came back after the call it answers, rendered as the call was made.
     assert again.usage.cache_read_input_tokens >= first_prompt
     n = c.messages.count_tokens(model="m", messages=msgs, tools=TOOLS).input_tokens
-    assert n == again.usage.input_tokens + again.usage.cache_read_input_tokens
+    assert n == _prompt(again.usage)
     rendered = tool_server.entry_since(sent)
     assert rendered["prompt_tokens"] == n
 
@@ -261,7 +268,7 @@ def test_tool_choice_gives_the_template_what_it_allows(tool_server):
     plain = c.messages.create(model="m", max_tokens=16, messages=msgs)
     assert [b.model_dump(exclude={"id"}) for b in r.content] == \
         [b.model_dump(exclude={"id"}) for b in plain.content]
-    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == count()
+    assert _prompt(r.usage) == count()
 
 
 def test_concurrent_answers_equal_sequential_ones(server, client):
@@ -327,7 +334,7 @@ def test_thinking_out_and_back(tmp_path):
                 for b in r.content] == [("thinking", THOUGHT), ("text", ANSWER)]
         assert "thinking_delta" in deltas and "text_delta" in deltas
         assert r.stop_reason == "end_turn"
-        first = r.usage.input_tokens + r.usage.cache_read_input_tokens
+        first = _prompt(r.usage)
         # The turn sent back with its thinking renders as the model wrote it: the next
         # prompt reads the previous prompt and the whole answer from the cache.
         msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True)
@@ -335,6 +342,27 @@ def test_thinking_out_and_back(tmp_path):
                  {"role": "user", "content": "Again."}]
         again = c.messages.create(model="m", max_tokens=16, messages=msgs)
         assert again.usage.cache_read_input_tokens >= first + r.usage.output_tokens - 1
+        # Thinking blocks are signed (Claude Code drops unsigned ones): streamed as a
+        # signature_delta, the same signature whole; one coming back is rendered whatever
+        # its signature (ours, another server's, none), and Claude Code's
+        # context_management and betas are accepted.
+        sig = r.content[0].signature
+        assert sig and "signature_delta" in deltas
+        assert again.content[0].type == "thinking" and again.content[0].signature == sig
+        for signature in (sig, "c2lnbmVkIGVsc2V3aGVyZQ==", None):
+            block = {"type": "thinking", "thinking": THOUGHT}
+            if signature is not None:
+                block["signature"] = signature
+            back = msgs[:1] + [{"role": "assistant", "content": [
+                block, {"type": "text", "text": ANSWER}]}, msgs[-1]]
+            out = c.beta.messages.create(
+                model="m", max_tokens=16, messages=back,
+                betas=["context-management-2025-06-27", "interleaved-thinking-2025-05-14",
+                       "fine-grained-tool-streaming-2025-05-14", "prompt-caching-2024-07-31"],
+                context_management={"edits": [{"type": "clear_tool_uses_20250919"}]},
+                thinking={"type": "enabled", "budget_tokens": 1024})
+            assert [b.type for b in out.content] == ["thinking", "text"]
+            assert _prompt(out.usage) == _prompt(again.usage)  # rendered alike
 
 
 @pytest.mark.parametrize("path", ["batch", "sequential", "draft"])
@@ -369,6 +397,12 @@ def test_budget_tokens_caps_the_reasoning(tmp_path, path):
                                   thinking={"type": "enabled", "budget_tokens": 50})
         assert blocks(roomy) == blocks(free)
         assert blocks(c.messages.create(model="m", max_tokens=32, messages=msgs)) == blocks(free)
+        # On every path the streamed message_start has the end's input counts (it waits
+        # for the prompt cache's fetch), the cache's read included.
+        events = list(c.messages.create(model="m", max_tokens=32, messages=msgs, stream=True))
+        start, end = events[0].message.usage, events[-2].usage
+        assert start.cache_read_input_tokens == end.cache_read_input_tokens > 0
+        assert (start.input_tokens, _prompt(start)) == (end.input_tokens, _prompt(end))
 
 
 def test_a_reasoning_budget_reads_where_the_reasoning_opened():
@@ -417,7 +451,7 @@ def test_thinking_switch_reaches_a_template_that_honours_it(tmp_path):
         n = {k: c.messages.count_tokens(model="m", messages=msgs, thinking=t).input_tokens
              for k, t in (("on", on), ("off", {"type": "disabled"}))}
         assert n["off"] == n["on"] + 2
-        assert off.usage.input_tokens + off.usage.cache_read_input_tokens == n["off"]
+        assert _prompt(off.usage) == n["off"]
         status, out = s.request("POST", "/v1/messages", body={
             "model": "m", "max_tokens": 4, "messages": msgs, "thinking": {"type": "sometimes"}})
         assert status == 400 and "thinking" in out["error"]["message"]

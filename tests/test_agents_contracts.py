@@ -74,6 +74,9 @@ class _Silent:
     def __init__(self, script) -> None:
         self._script = list(script)
 
+    def start_usage(self) -> Usage:  # (ChatEvents': the prompt's, before the answer)
+        return Usage(self.prompt_tokens, self.cached_tokens, 0, 0)
+
     def next_event(self, timeout):
         if not self._script:
             return None
@@ -385,7 +388,7 @@ def test_a_thinking_models_prefill_gets_no_think_injected(tmp_path):
     from mlx_kvcache.serving.routes.agents.bridge import count_tokens
     from mlx_kvcache.testing.agent_dirs import write_thinking_dir
     model = write_thinking_dir(tmp_path / "think", switch=True)
-    provider = SimpleNamespace(tokenizer=load_tokenizer(model), processor=None,
+    provider = SimpleNamespace(tokenizer=load_tokenizer(model), processor=None, model_key=None,
                                cli_args=SimpleNamespace(chat_template_args={}))
     handler = SimpleNamespace(response_generator=SimpleNamespace(
         model_provider=provider, generation_available=lambda: True))

@@ -348,7 +348,8 @@ def test_unique_tool_types_are_not_remembered_or_logged_each(server):
     for rnd in range(20):
         skipped.note([f"t{rnd}_{k}_{pad}" for k in range(10_000)])
     assert len(skipped) == SkippedTools.KEPT
-    assert len(responses.SKIPPED) == 0  # (this process served none)
+    # (this worker may have parsed requests with skipped tool types in other tests)
+    assert len(responses.SKIPPED) <= SkippedTools.KEPT
 
 
 def _png_header_only(width: int, height: int) -> bytes:

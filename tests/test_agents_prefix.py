@@ -25,6 +25,11 @@ from mlx_kvcache.testing.waits import CAP  # noqa: E402
 
 pytestmark = pytest.mark.timeout(CAP)
 
+
+def _prompt(u) -> int:
+    """The prompt's tokens by Anthropic's usage: its three input counts add up to it."""
+    return u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens
+
 LONG_SYSTEM = ("You are an agent for software engineering. Be careful with files. " * 6).strip()
 TOOLS = [{"name": "Read", "description": "Read a file",
           "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}},
@@ -95,7 +100,7 @@ def test_claude_code_session_reads_the_whole_previous_prompt(dirs, template):
                                      max_retries=0)
         usages = _session(client)
         log = s.tail(200_000)
-    prompts = [u.input_tokens + u.cache_read_input_tokens for u in usages]
+    prompts = [_prompt(u) for u in usages]
     assert usages[0].cache_read_input_tokens == 0
     for prev, u in zip(prompts, usages[1:]):
         assert u.cache_read_input_tokens >= prev, (prompts, usages)

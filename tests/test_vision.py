@@ -34,6 +34,11 @@ from mlx_kvcache.testing.waits import CAP  # noqa: E402
 
 pytestmark = pytest.mark.timeout(CAP)
 
+
+def _prompt(u) -> int:
+    """The prompt's tokens by Anthropic's usage: its three input counts add up to it."""
+    return u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens
+
 SYSTEM = "You look at pictures."
 BEFORE, AFTER = "What is in this picture? ", " Be brief."
 SIDE = 16  # 16 x 16 pixels: 2 x 2 image tokens of 8 x 8 pixels
@@ -196,7 +201,7 @@ def test_anthropic_image_block_answers_as_the_chat_route(server, stock):
         assert "".join(b.text for b in r.content if b.type == "text") == text
         assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 8
         # The usage counts the processor's prompt (the image's patch tokens).
-        assert r.usage.input_tokens + r.usage.cache_read_input_tokens == PROMPT_TOKENS
+        assert _prompt(r.usage) == PROMPT_TOKENS
     assert r.usage.cache_read_input_tokens == PROMPT_TOKENS - 1
     # count_tokens counts the prompt the processor makes, as the usage does.
     assert client.messages.count_tokens(model="claude-x", system=SYSTEM,

@@ -126,6 +126,7 @@ def add_options(parser) -> None:
     from ..prefix.stats import parse_bytes
     from ..store import default_root
     from .guards.admin import TOKEN_ENV
+    from .guards.context import mark_default_max_tokens
     from .guards.lifecycle import DEFAULT_GRACE
     from .guards.images import DEFAULT_MAX_PIXELS
     from .guards.memory import DEFAULT_WAIT, SHARE
@@ -177,6 +178,12 @@ def add_options(parser) -> None:
                    "A request naming a model that is neither this id, a local path nor a "
                    "Hugging Face repo id (owner/name; offline: a cached one) is answered by the "
                    "served model")
+    g.add_argument("--context-length", type=positive_int, default=None, metavar="TOKENS",
+                   help="the model's context length: a longer prompt gets a 400, an answer "
+                   "never runs past it, and an agent request without max_tokens (Codex sends "
+                   "none) may answer up to what the prompt leaves of it, unless --max-tokens "
+                   "is given (default: the model config's max_position_embeddings or alike)")
+    mark_default_max_tokens(parser)
     g.add_argument("--keep-billing-header", action="store_true",
                    help="agent routes: keep Claude Code's 'x-anthropic-billing-header:' line "
                    "at the top of the system prompt (default: dropped before rendering; it "
@@ -262,7 +269,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from .routes.agents import post_routes
     from .routes.handler import CacheAPIHandler
     from .guards.lifecycle import Lifecycle
-    from .routes.model_names import install as install_model_names
+    from .routes.model_names import batch_key, install as install_model_names
     from .cache.prompt_cache import TriePromptCache
     from .cache.profile import from_env as profile_from_env
     from .guards.sharding import sharding_problem
@@ -349,7 +356,8 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     install_model_names(model_provider)
     install_draft_use(model_provider, args.draft_policy)
     generator = ServerResponseGenerator(model_provider, cache, lifecycle=life, agree=agree,
-                                        memory=memory)
+                                        memory=memory,
+                                        same_model=functools.partial(batch_key, args))
     # Nothing is served before the model is loaded and checked (a signal still stops).
     if not started.wait(lambda: generator.generation_available() and not life.asked) \
             and not life.asked:
@@ -363,6 +371,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
         if agree.rank != 0:
             _follow(generator, cache, life)
             return
+        _log_context(args, model_provider, generator)
         handler = functools.partial(handler_class or CacheAPIHandler, routes=post_routes(),
                                     admin=AdminPolicy.make(args.admin_token, host))
         try:
@@ -373,6 +382,16 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     except Exception:  # noqa: BLE001 - mlx-lm's generation thread would keep us alive
         log.exception("mlx_kvcache: the server failed")
         _exit(1)
+
+
+def _log_context(args, model_provider, generator) -> None:
+    """The served model's context length and the coding clients' settings that match it."""
+    from .guards.context import client_settings, context_length, served_context
+
+    key = model_provider.model_key
+    n = context_length(args, key[0] if key else None, model_provider.model)
+    for what, settings in client_settings(served_context(generator), args, n):
+        log.info("mlx_kvcache: %s: %s", what, settings)
 
 
 def _exit(code: int) -> None:

@@ -16,7 +16,9 @@
   its characters, the rest of it), for prefills;
 * `write_tool_dir` with ``call=PATCH_CALL``: Codex's ``apply_patch`` called with a patch;
 * `write_patch_dir`: the same, then `PATCHED` once the tool's result came back (a whole
-  agent turn for a real CLI: the call, then a final answer).
+  agent turn for a real CLI: the call, then a final answer);
+* `write_long_dir`: the same kind of model whose answer never ends, with a small context
+  length in its config (for answer limits and context refusals).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import mlx.core as mx
 from .dirs import CHARS, SPECIALS, write_model_dir
 
 __all__ = ["REFUSING_TEMPLATE", "TOOL_TEMPLATE", "TOOL_CALL", "THINKING_TEMPLATE",
-           "THINKING_SWITCH_TEMPLATE", "THOUGHT", "LONG_THOUGHT",
+           "THINKING_SWITCH_TEMPLATE", "THOUGHT", "LONG_THOUGHT", "LONG_ANSWER",
+           "write_long_dir",
            "ANSWER", "write_refusing_dir", "write_tool_dir", "write_thinking_dir",
            "write_tool_template_dir", "write_char_tokenizer", "BAD_CALL", "SCRIPT_TEXT",
            "PATCH", "PATCH_CALL", "PATCHED", "write_script_dir", "write_patch_dir"]
@@ -83,6 +86,8 @@ TOOL_TEMPLATE = (
 THOUGHT, ANSWER = "Let me think about it.", "It is done."
 #: What the long-thinking model thinks: one token per character, each character once.
 LONG_THOUGHT = "abcdefghij"
+#: What the endless model says, again and again: one token per character.
+LONG_ANSWER = "klmnopqrst"
 
 #: Renders an assistant turn's reasoning inside <think> ... </think> before its text.
 THINKING_TEMPLATE = (
@@ -138,11 +143,13 @@ def write_tool_template_dir(path, kind: str = "llama", seed: int = 0) -> Path:
     return path
 
 
-def _write_chain_dir(path, template: str, added, chain, more=(), **config) -> Path:
+def _write_chain_dir(path, template: str, added, chain, more=(), loop: bool = False,
+                     **config) -> Path:
     """A "bigram" llama (see the module doc) that, from ``<|assistant|>``, produces the
-    tokens ``chain`` (names of specials, characters or ``added`` strings), then ``</s>``;
-    ``more``: other chains, each from its first token (no token in two chains);
-    ``config``: model config overrides (``max_position_embeddings``)."""
+    tokens ``chain`` (names of specials, characters or ``added`` strings), then ``</s>``
+    (``loop``: the chain again, for ever); ``more``: other chains, each from its first
+    token (no token in two chains); ``config``: model config overrides
+    (``max_position_embeddings``)."""
     path = Path(path)
     added = list(added)
     vocab = len(SPECIALS) + len(CHARS) + len(added)
@@ -157,6 +164,8 @@ def _write_chain_dir(path, template: str, added, chain, more=(), **config) -> Pa
     for other in more:
         other = [ids[t] for t in other]
         succ.update(zip(other, other[1:]))
+    if loop:
+        succ[steps[-1]] = steps[1]
     eos = ids["</s>"]
     weights = dict(mx.load(str(path / "model.safetensors")))
     for k, v in weights.items():
@@ -206,6 +215,14 @@ def write_script_dir(path) -> Path:
     added = [*_ADDED[:2], BAD_CALL]
     return _write_chain_dir(path, TOOL_TEMPLATE, added, ["<tool_call>", BAD_CALL, "</tool_call>"],
                             more=[list(SCRIPT_TEXT) + ["</s>"]])
+
+
+def write_long_dir(path, context: int) -> Path:
+    """A model whose answer never ends (`LONG_ANSWER` over and over: no end of sequence)
+    and whose config gives a ``context``-token context (``max_position_embeddings``),
+    through `TOOL_TEMPLATE`."""
+    return _write_chain_dir(path, TOOL_TEMPLATE, [], list(LONG_ANSWER), loop=True,
+                            max_position_embeddings=context)
 
 
 def write_thinking_dir(path, switch: bool = False, long: bool = False) -> Path:

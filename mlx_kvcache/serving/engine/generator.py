@@ -25,7 +25,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from queue import Empty, Queue
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mlx_lm.server import CompletionRequest, GenerationContext, ResponseGenerator
 
@@ -33,6 +33,7 @@ from ...generation.draft_length import DraftLengths
 from ..cache import extract, sequential
 from ..cache.profile import count_share, loop_phase
 from ..cache.prompt_cache import TriePromptCache
+from ..guards.context import ContextTooLong, answer_tokens, served_context
 from ..guards.lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
 from ..guards.memory import AdmissionQueue, MemoryGuard, MemoryRefused
 from ..guards.validation import generation_problem
@@ -194,10 +195,14 @@ class ServerResponseGenerator(ResponseGenerator):
             layout, idle / busy, the ranks' turn, stats and clear).
         lifecycle: the stop state shared with the HTTP handler and the app.
         agree: the ranks' `Agreement` (forwards stop signals to rank 0).
+        same_model: given each request's generation arguments, names its model as every
+            other request answered by the same model is named (mlx-lm batches only
+            requests whose ``args.model`` compare equal); default: as requested.
     """
 
     def __init__(self, model_provider, prompt_cache, lifecycle: Optional[Lifecycle] = None,
-                 agree=None, memory: Optional[MemoryGuard] = None) -> None:
+                 agree=None, memory: Optional[MemoryGuard] = None,
+                 same_model: Optional[Callable[[Any], Any]] = None) -> None:
         # Set before mlx-lm's __init__, which starts the generation thread.
         self.lifecycle = lifecycle or Lifecycle()
         self._served: Optional[ServedModel] = None
@@ -209,6 +214,7 @@ class ServerResponseGenerator(ResponseGenerator):
                 self._served = ServedModel(model_provider.model_key, model_provider.tokenizer,
                                            model_provider.processor)
         model_provider.load_default = load_default_kept
+        self._same_model = same_model or (lambda args: args)
         self._agree = agree
         #: The memory guard (``--memory-limit``): it gates the request queue.
         self.memory = memory or MemoryGuard()
@@ -274,6 +280,7 @@ class ServerResponseGenerator(ResponseGenerator):
         problem = generation_problem(prompt, args, self.model_provider.model)
         if problem:
             raise ValueError(problem)
+        self._fit_context(len(prompt), args)
         self._make_state_machine(self.model_provider.model_key, tokenizer, args.stop_words)
         budget = getattr(request, "reasoning_budget", None)
         if budget:  # mlx-lm makes this request's logits processors next (`reasoning_budget`)
@@ -299,6 +306,15 @@ class ServerResponseGenerator(ResponseGenerator):
             if cuts:
                 segments, types = split_segments(segments, types, cuts)
         return prompt, segments, types, state, vision
+
+    def _fit_context(self, prompt_tokens: int, args) -> None:
+        """Refuse a prompt over the model's context (`ContextTooLong`, before any work) and
+        clamp the answer to what the context leaves (every route; the agent routes did
+        both in the HTTP thread already)."""
+        limit = answer_tokens(served_context(self), prompt_tokens,
+                              getattr(args, "max_tokens", None), None)
+        if limit is not None:
+            args.max_tokens = limit
 
     def _goes_on_past_answer(self, tokenizer, request, args) -> bool:
         """Whether this chat request's next turn will extend its prompt and answer (the
@@ -418,12 +434,16 @@ class ServerResponseGenerator(ResponseGenerator):
     def generate(self, request, generation_args, progress_callback=None):
         ticket = Ticket()
         set_ticket(ticket)
+        generation_args = self._same_model(generation_args)
         if self.lifecycle.cut.is_set():
             self._refuse(ticket)
         try:
             ctx, response = super().generate(request, generation_args, progress_callback)
         except MemoryRefused:
             ticket.refused = True  # answered 503, not mlx-lm's 404
+            raise
+        except ContextTooLong as e:
+            ticket.refusal = e  # the client's to fix: a 400, not mlx-lm's 404
             raise
         if self.lifecycle.cut.is_set():  # it started just as the stop cut everything
             ctx.stop()

@@ -44,7 +44,7 @@ class Ticket:
     client closed the connection (`set_client_watch`), None where nothing watches."""
 
     __slots__ = ("started", "cut", "refused", "ctx", "last_tokens", "answered", "left",
-                 "keepalive")
+                 "keepalive", "refusal")
 
     def __init__(self) -> None:
         self.started = False
@@ -56,6 +56,10 @@ class Ticket:
         self.left: Optional[threading.Event] = client_watch()
         #: Called while the answer waits for its next token (its stream's keep-alive).
         self.keepalive: Optional[Callable[[], None]] = None
+        #: What refused the request before its answer started, where the client is to
+        #: fix it (a prompt over the model's context): the handler answers it, not with
+        #: mlx-lm's 404.
+        self.refusal: Optional[Exception] = None
 
 
 _local = threading.local()

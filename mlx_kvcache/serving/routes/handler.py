@@ -4,8 +4,10 @@
 Every other route is mlx-lm's, CORS headers included, or one of the ``POST`` routes the
 app hands the handler (`PostRoute`: the agent APIs). Ours add: the admin route's access
 rules (`admin`), a 400 for request fields that would end mlx-lm's generation thread
-(`validation`), and the stop (`lifecycle`): a request that arrives while the server stops
-gets a 503; an answer the stop cuts short ends with ``finish_reason: "length"``.
+(`validation`), a 400 in OpenAI's shape for a prompt over the model's context (`context`:
+``context_length_exceeded``, where mlx-lm would answer 404), and the stop (`lifecycle`): a
+request that arrives while the server stops gets a 503; an answer the stop cuts short ends
+with ``finish_reason: "length"``.
 
 Streams are never silent for longer than `keepalive_interval`: once a chat stream's
 headers are out, a ``: keepalive`` comment goes out whenever nothing was written for an
@@ -31,8 +33,9 @@ from mlx_lm.server import APIHandler
 
 from ...generation.model_pair import vocab_size
 from ..guards.admin import AdminPolicy
-from ..guards.lifecycle import current_ticket, set_client_watch, set_ticket
+from ..guards.context import ContextTooLong, served_context
 from ..guards.images import ImagePolicy, image_urls, url_problem
+from ..guards.lifecycle import current_ticket, set_client_watch, set_ticket
 from ..guards.validation import body_problem
 from . import body
 from .model_names import DEFAULT, model_entry, models_listing, resolve
@@ -88,6 +91,26 @@ class PostRoute:
 
 
 log = logging.getLogger("mlx_kvcache")
+
+
+class _Replied(io.RawIOBase):
+    """The ``wfile`` of a request already answered: what mlx-lm still writes is dropped;
+    closing closes the connection's own."""
+
+    def __init__(self, sent) -> None:
+        super().__init__()
+        self._sent = sent
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        return len(data)
+
+    def close(self) -> None:
+        self._sent.close()
+        super().close()
+
 
 #: The most request body read (and dropped) before refusing a request.
 _DRAIN_LIMIT = 64 << 20
@@ -291,10 +314,11 @@ class CacheAPIHandler(APIHandler):
     # model, and the listing never depends on a Hugging Face cache) ---------------------------
     def handle_models_request(self):
         args = self.response_generator.cli_args
+        context = served_context(self.response_generator)
         name = self.path.split("?", 1)[0].rstrip("/")[len("/v1/models"):].lstrip("/")
         if not name:
-            return self._send_json(200, models_listing(args, self.created))
-        entry = model_entry(args, self.created, name)
+            return self._send_json(200, models_listing(args, self.created, context))
+        entry = model_entry(args, self.created, name, context)
         if entry is None:
             return self._send_json(404, {"error": f"no model {name!r} is served here; "
                                                   f"GET /v1/models lists the served model"})
@@ -310,7 +334,26 @@ class CacheAPIHandler(APIHandler):
         ticket = current_ticket()
         if status_code == 404 and ticket is not None and ticket.refused:
             status_code = 503  # mlx-lm answers 404 to any error before the answer starts
+        elif status_code == 404 and ticket is not None and \
+                isinstance(ticket.refusal, ContextTooLong):
+            return self._refuse_too_long(ticket.refusal)
         super()._set_completion_headers(status_code)
+
+    def _refuse_too_long(self, e: ContextTooLong) -> None:
+        """A prompt over the model's context, refused before any work: 400 in OpenAI's
+        shape (``context_length_exceeded``). mlx-lm goes on to write its own error reply,
+        which goes nowhere; the connection closes after this reply."""
+        body = json.dumps({"error": {"message": str(e), "type": "invalid_request_error",
+                                     "param": "prompt" if self.path == "/v1/completions"
+                                     else "messages",
+                                     "code": "context_length_exceeded"}}).encode()
+        super()._set_completion_headers(400)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+        self.close_connection = True
+        self.wfile = _Replied(self.wfile)
 
     #: Whether a streamed chat answer gets keep-alive comments (the agent routes' captured
     #: chat runs do not: their front end keeps its own stream alive).

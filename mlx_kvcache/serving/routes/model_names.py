@@ -11,7 +11,11 @@ empty body (mlx-lm scans that cache and the scan raises). Here:
   loaded as mlx-lm loads it;
 * any other name is answered by the served model (the response still echoes the name the
   client sent);
-* ``/v1/models`` lists the served model under `served_id`, the id clients should send.
+* ``/v1/models`` lists the served model under `served_id`, the id clients should send,
+  with its context length (the caller's: `context.context_length`) as ``context_length``
+  and, as vLLM names it, ``max_model_len`` (absent when unknown);
+* every name answered by the served model is one model to mlx-lm's batching
+  (`batch_key`): mlx-lm compares the requested names and drains its batch when they differ.
 
 The rule reads only the name, the local file system and ``HF_HUB_OFFLINE``, so every rank
 of a sharded model (each resolves the request it is given, and mlx-lm already needs the
@@ -20,12 +24,14 @@ same paths on every host) picks the same model.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-__all__ = ["DEFAULT", "served_id", "resolve", "install", "models_listing", "model_entry"]
+__all__ = ["DEFAULT", "served_id", "resolve", "install", "batch_key", "models_listing",
+           "model_entry"]
 
 #: mlx-lm's name for the model given on the command line.
 DEFAULT = "default_model"
@@ -99,20 +105,41 @@ def install(provider) -> None:
     provider.load = load_resolved
 
 
-def models_listing(cli_args, created: int) -> Dict[str, Any]:
-    """The body of ``GET /v1/models``: the served model under `served_id`."""
+def batch_key(cli_args, args) -> Any:
+    """mlx-lm's generation arguments ``args`` with the requested model named as `resolve`
+    names it, so two requests the served model answers under different names (Claude
+    Code's main and side requests, ``/v1/messages`` beside the chat route) compare equal
+    where mlx-lm's batching compares them (``args.model``)."""
+    desc = getattr(args, "model", None)
+    name = getattr(desc, "model", None)
+    if desc is None or not isinstance(name, str):
+        return args
+    resolved = resolve(cli_args, name)
+    if resolved != name:
+        args.model = dataclasses.replace(desc, model=resolved)
+    return args
+
+
+def models_listing(cli_args, created: int, context: Optional[int] = None) -> Dict[str, Any]:
+    """The body of ``GET /v1/models``: the served model under `served_id`, with its
+    ``context`` length where known."""
     sid = served_id(cli_args)
     return {"object": "list",
-            "data": [] if sid is None else [_entry(sid, created)]}
+            "data": [] if sid is None else [_entry(sid, created, context)]}
 
 
-def model_entry(cli_args, created: int, name: str) -> Optional[Dict[str, Any]]:
+def model_entry(cli_args, created: int, name: str,
+                context: Optional[int] = None) -> Optional[Dict[str, Any]]:
     """The body of ``GET /v1/models/<name>`` (OpenAI's model object): ``name`` when a
     request naming it is answered by the served model, else None (404)."""
     if served_id(cli_args) is None or resolve(cli_args, name) != DEFAULT:
         return None
-    return _entry(name, created)
+    return _entry(name, created, context)
 
 
-def _entry(name: str, created: int) -> Dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "mlx-kvcache"}
+def _entry(name: str, created: int, context: Optional[int]) -> Dict[str, Any]:
+    entry: Dict[str, Any] = {"id": name, "object": "model", "created": created,
+                             "owned_by": "mlx-kvcache"}
+    if context is not None:
+        entry["context_length"] = entry["max_model_len"] = context
+    return entry

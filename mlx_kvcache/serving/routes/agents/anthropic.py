@@ -16,36 +16,47 @@ function tools; server tools (a ``type`` other than ``custom``) are skipped with
 line. ``tool_choice``: ``none`` gives the template no tools, ``{"type": "tool", "name"}``
 only that one (a 400 when it is not among ``tools``); ``auto`` and ``any`` give it all
 (a template cannot force a call). ``temperature`` / ``top_p`` / ``top_k``
-are used when present, else the server's defaults; ``metadata.user_id`` names the session.
+are used when present, else the server's defaults; ``metadata.user_id`` names the session
+(Claude Code's ``session_id`` inside it: `session_of`). ``max_tokens`` is clamped to what
+the model's context leaves; without it the answer may run to the end of the context
+(`context.answer_tokens`); a prompt over the context is a 400 ``prompt is too long: N
+tokens > M maximum`` before any work. ``context_management`` and the ``anthropic-beta``
+headers are accepted and ignored (nothing here clears tool results: the prefix would break).
 ``thinking`` (``enabled`` / ``disabled``) is given to the chat template as
 ``enable_thinking`` where the template honours it, else ignored; ``budget_tokens`` caps
 the reasoning (`reasoning_budget`: after that many tokens the end of thinking is forced;
 any positive number, not only Anthropic's 1,024 or more).
 Whatever model name the client sends, the served model answers and the name is echoed.
 
-Answers: ``content`` blocks in the order the model produced them (``thinking``, ``text``,
-``tool_use`` from mlx-lm's tool-call parser), ``stop_reason`` ``end_turn`` /
-``max_tokens`` / ``stop_sequence`` / ``tool_use``, and honest ``usage``:
-``input_tokens`` the prompt tokens not read from the cache, ``cache_read_input_tokens``
-those restored, ``cache_creation_input_tokens`` those this request computed and the
-prompt cache stores for reuse, ``output_tokens`` — the numbers of the log line and
+Answers: ``content`` blocks in the order the model produced them (``thinking`` with a
+``signature``: `sign_thinking`; ``text``; ``tool_use`` from mlx-lm's tool-call parser),
+``stop_reason`` ``end_turn`` / ``max_tokens`` / ``stop_sequence`` / ``tool_use``, and
+``usage`` that adds up (`call.Usage`): ``cache_read_input_tokens`` restored +
+``cache_creation_input_tokens`` computed up to the last ``cache_control`` breakpoint +
+``input_tokens`` computed after it = the prompt = ``count_tokens``, in ``message_start``
+and at the end alike; ``output_tokens`` — the numbers of the log line and
 ``GET /v1/cache``. Streamed: ``message_start``, ``ping``, per block
-``content_block_start`` / ``content_block_delta`` (``text_delta``, ``thinking_delta``,
-``input_json_delta``) / ``content_block_stop``, ``message_delta`` (stop reason, usage),
-``message_stop``; a failure after the answer started is an ``error`` event. A stream is
-never silent for longer than `wire.keepalive_interval`: ``ping`` events while the request
-waits, its prompt is processed or it decodes. Errors are
-``{"type": "error", "error": {"type", "message"}}`` with the fitting status.
+``content_block_start`` / ``content_block_delta`` (``text_delta``, ``thinking_delta`` and
+a closing ``signature_delta``, ``input_json_delta``) / ``content_block_stop``,
+``message_delta`` (stop reason, usage), ``message_stop``; a failure after the answer
+started is an ``error`` event. A stream is never silent for longer than
+`wire.keepalive_interval`: ``ping`` events while the request waits, its prompt is
+processed or it decodes. Errors are ``{"type": "error", "error": {"type", "message"}}``
+with the fitting status.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import logging
+import re
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .call import (AgentRequestError, ChatCall, Event, SkippedTools, keep_reasoning_of,
+from .call import (AgentRequestError, ChatCall, Event, SkippedTools, Usage, keep_reasoning_of,
                    restrict_tools)
 from .bridge import ChatEvents, count_tokens, run_chat, served_model
 from .wire import Route, read_body, send_json, serve
@@ -230,6 +241,9 @@ def _assistant(m: Dict[str, Any], i: int, out: _Builder) -> None:
         elif t == "thinking":
             if not _is_text(b.get("thinking")):
                 raise _bad(f"{name}.thinking must be a string")
+            if not signed_here(b["thinking"], b.get("signature")):
+                log.debug("mlx_kvcache: %s is a thinking block this server did not sign "
+                          "(another server's, or edited): rendered all the same", name)
             thinking.append(b["thinking"])
         elif t == "redacted_thinking":
             continue  # encrypted for Anthropic's models: nothing a local model can read
@@ -358,7 +372,7 @@ def parse_request(body: Any, count_only: bool = False) -> ChatCall:
         if meta.get("user_id") is not None:
             if not _is_text(meta["user_id"]):
                 raise _bad("metadata.user_id must be a string")
-            call.session = meta["user_id"]
+            call.session = session_of(meta["user_id"])
     if count_only:
         return call
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
@@ -377,13 +391,49 @@ def parse_request(body: Any, count_only: bool = False) -> ChatCall:
     return call
 
 
+#: What thinking blocks' signatures are keyed with: a fixed key, so the same answer is the
+#: same bytes from any server and after a restart (nothing is trusted on a signature: a
+#: block coming back is only rendered, signed or not).
+_SIGNING_KEY = b"mlx-kvcache thinking v1"
+
+
+def sign_thinking(thinking: str) -> str:
+    """The ``signature`` of a thinking block this server produced: an HMAC of its text
+    (opaque to clients; Claude Code drops thinking blocks without one)."""
+    mac = hmac.new(_SIGNING_KEY, thinking.encode("utf-8"), hashlib.sha256).digest()
+    return base64.b64encode(mac).decode("ascii")
+
+
+def signed_here(thinking: str, signature: Any) -> bool:
+    """Whether ``signature`` is the one this server gives ``thinking``."""
+    return isinstance(signature, str) and hmac.compare_digest(signature,
+                                                              sign_thinking(thinking))
+
+
+_LEGACY_SESSION = re.compile(r"_session_([0-9A-Za-z-]+)$")
+
+
+def session_of(user_id: str) -> str:
+    """The session a ``metadata.user_id`` names: Claude Code's is a JSON object as a
+    string (``device_id``, ``account_uuid``, ``session_id``), earlier ones
+    ``user_<hash>_account_<uuid>_session_<uuid>``; its ``session_id`` tells one session
+    from another (the device is the same for all). Any other value names itself."""
+    try:
+        v = json.loads(user_id)
+    except ValueError:
+        v = None
+    if isinstance(v, dict) and isinstance(v.get("session_id"), str) and v["session_id"]:
+        return v["session_id"]
+    m = _LEGACY_SESSION.search(user_id)
+    return m.group(1) if m else user_id
+
+
 # -- the answer ------------------------------------------------------------------------------
-def _usage(ev: Optional[Event], prompt_tokens: int = 0, cached: int = 0) -> Dict[str, int]:
-    u = ev.usage if ev is not None else None
-    if u is None:  # at the start: what is known yet (the message_delta has the rest)
-        return {"input_tokens": prompt_tokens - cached, "output_tokens": 0,
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
-    return {"input_tokens": u.uncached_tokens, "output_tokens": u.output_tokens,
+def _usage(u: Optional[Usage]) -> Dict[str, int]:
+    """Anthropic's usage: the three input counts add up to the prompt (`Usage`)."""
+    if u is None:
+        u = Usage(0, 0, 0, 0)
+    return {"input_tokens": u.input_tokens, "output_tokens": u.output_tokens,
             "cache_creation_input_tokens": u.created_tokens,
             "cache_read_input_tokens": u.cached_tokens}
 
@@ -399,28 +449,37 @@ def _tool_input(arguments: str) -> Any:
 class MessageBuilder:
     """An answer as Anthropic content blocks and stream events, fed `Event`s."""
 
-    def __init__(self, model: str, prompt_tokens: int = 0, cached_tokens: int = 0) -> None:
+    def __init__(self, model: str, start_usage: Optional[Callable[[], Usage]] = None) -> None:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.model = model
-        self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
+        self._start_usage = start_usage or (lambda: Usage(0, 0, 0, 0))
         self.blocks: List[Dict[str, Any]] = []
         self._open: Optional[str] = None  # the kind of the block being streamed
         self.done: Optional[Event] = None
         self.failed: Optional[str] = None  # why the answer failed after it started
 
     def start(self) -> List[Tuple[str, Dict[str, Any]]]:
+        """``message_start`` (its usage is the prompt's, as the end's: it may wait for the
+        prompt cache's fetch) and a ``ping``."""
         head = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": _usage(None, self.prompt_tokens, self.cached_tokens)}
+                "usage": _usage(self._start_usage())}
         return [("message_start", {"type": "message_start", "message": head}),
                 ("ping", {"type": "ping"})]
 
     def _close(self) -> List[Tuple[str, Dict[str, Any]]]:
         if self._open is None:
             return []
+        out: List[Tuple[str, Dict[str, Any]]] = []
+        if self._open == "thinking":  # signed once whole, as Anthropic's stream signs it
+            block = self.blocks[-1]
+            block["signature"] = sign_thinking(block["thinking"])
+            out.append(("content_block_delta", {
+                "type": "content_block_delta", "index": len(self.blocks) - 1,
+                "delta": {"type": "signature_delta", "signature": block["signature"]}}))
         self._open = None
-        return [("content_block_stop", {"type": "content_block_stop",
-                                        "index": len(self.blocks) - 1})]
+        return out + [("content_block_stop", {"type": "content_block_stop",
+                                              "index": len(self.blocks) - 1})]
 
     def feed(self, ev: Event) -> List[Tuple[str, Dict[str, Any]]]:
         """The stream events ``ev`` makes (and the whole answer's blocks grow)."""
@@ -466,7 +525,7 @@ class MessageBuilder:
             out += [("message_delta", {"type": "message_delta",
                                        "delta": {"stop_reason": self.stop_reason,
                                                  "stop_sequence": ev.stop_sequence},
-                                       "usage": _usage(ev)}),
+                                       "usage": _usage(ev.usage)}),
                     ("message_stop", {"type": "message_stop"})]
         elif ev.kind == "error":
             self.failed = ev.text or "the answer failed"
@@ -490,7 +549,7 @@ class MessageBuilder:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": self.blocks, "stop_reason": self.stop_reason,
                 "stop_sequence": self.done.stop_sequence if self.done else None,
-                "usage": _usage(self.done)}
+                "usage": _usage(self.done.usage if self.done else None)}
 
 
 # -- HTTP ------------------------------------------------------------------------------------
@@ -509,8 +568,7 @@ def _request_id() -> Dict[str, str]:
 
 
 def _answer(handler, body: Dict[str, Any], events: ChatEvents) -> MessageBuilder:
-    return MessageBuilder(body.get("model") or served_model(handler),
-                          events.prompt_tokens, events.cached_tokens or 0)
+    return MessageBuilder(body.get("model") or served_model(handler), events.start_usage)
 
 
 def follow_up(body: Dict[str, Any], message: Dict[str, Any],

@@ -66,6 +66,7 @@ from mlx_lm.server import APIHandler
 from ...engine.templates import (REASONING_SWITCHES, answer_extends_prompt, honours_thinking,
                                  reasoning_switches, system_policy)
 from ...engine.generator import MarkedRequest, ServedModel
+from ...guards.context import ContextTooLong, answer_tokens, explicit_max_tokens, served_context
 from ...guards.images import ImagePolicy, inline
 from ...guards.lifecycle import current_ticket
 from ..handler import KEEPALIVE_S, CacheAPIHandler
@@ -98,6 +99,7 @@ class _Prepared:
     layout: "conversation.Layout"
     template_args: Dict[str, Any]    # the chat template's arguments it was rendered with
     model: ServedModel               # whose tokenizer rendered and encoded it
+    marked_end: int = 0              # where the client's last breakpoint ends (0: none)
 
 
 def _served(generator) -> ServedModel:
@@ -138,7 +140,9 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
         inline = switches is None
         template_args.update(switches or {})
     breakpoints = list(call.breakpoints)
-    if call.end_mark is not None and not answer_extends_prompt(tokenizer, template_args):
+    route_mark = call.end_mark is not None and call.end_mark not in breakpoints and \
+        not answer_extends_prompt(tokenizer, template_args)
+    if route_mark:
         breakpoints.append(call.end_mark)
     try:
         conv = conversation.Conversation.from_call(
@@ -168,7 +172,26 @@ def _prepare(handler, call: ChatCall) -> _Prepared:
     problem = ImagePolicy.of(args).problem(messages)  # before anything fetches or decodes
     if problem is not None:
         raise AgentRequestError(problem)
-    return _Prepared(messages, tools, layout, template_args, model)
+    # The client's breakpoints (not the route's own end mark, at the input's end: after
+    # every one of them) say what a request stores for reuse: its usage's cache creation.
+    client_cuts = layout.cuts[:-1] if route_mark else layout.cuts
+    marked = call.breakpoints or call.tool_breakpoints or call.call_breakpoints
+    return _Prepared(messages, tools, layout, template_args, model,
+                     max(client_cuts, default=0) if marked else 0)
+
+
+def _answer_limit(handler, call: ChatCall, prep: _Prepared) -> Optional[int]:
+    """The answer's ``max_tokens`` (`context.answer_tokens`: the client's, else the user's
+    ``--max-tokens``, else what the context leaves; clamped to what it leaves). A prompt
+    over the context is refused here, before any work: Anthropic's message, OpenAI's
+    ``context_length_exceeded`` code."""
+    generator = handler.response_generator
+    try:
+        return answer_tokens(served_context(generator), prep.layout.prompt_tokens,
+                             call.max_tokens, explicit_max_tokens(generator.cli_args))
+    except ContextTooLong as e:
+        raise AgentRequestError(str(e), 400, "invalid_request_error",
+                                code="context_length_exceeded") from None
 
 
 def _continues(messages: List[Dict[str, Any]]) -> bool:
@@ -181,7 +204,7 @@ def _continues(messages: List[Dict[str, Any]]) -> bool:
     return last.get("role") == "assistant" and bool(text.strip()) and not last.get("tool_calls")
 
 
-def _body(call: ChatCall, prep: _Prepared) -> Dict[str, Any]:
+def _body(call: ChatCall, prep: _Prepared, max_tokens: Optional[int]) -> Dict[str, Any]:
     body: Dict[str, Any] = {"messages": prep.messages, "stream": True,
                             "stream_options": {"include_usage": True}}
     asked = {k: v for k, v in prep.template_args.items()
@@ -190,8 +213,8 @@ def _body(call: ChatCall, prep: _Prepared) -> Dict[str, Any]:
         body["chat_template_kwargs"] = asked
     if prep.tools:
         body["tools"] = prep.tools
-    if call.max_tokens is not None:
-        body["max_tokens"] = call.max_tokens
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
     if call.stop:
         body["stop"] = list(call.stop)
     for k in ("temperature", "top_p", "top_k"):
@@ -295,6 +318,7 @@ class _ChatRun(CacheAPIHandler):
         run.calls = 0  # tool calls the answer returned
         run.prompt_tokens = prep.layout.prompt_tokens
         run.cached_tokens: Optional[int] = None
+        run.ctx = None
         return run
 
     # -- what mlx-lm's handler calls -----------------------------------------------------------
@@ -318,6 +342,7 @@ class _ChatRun(CacheAPIHandler):
     def end_headers(self) -> None:
         ctx = getattr(current_ticket(), "ctx", None)  # this thread's request (`generate`)
         if ctx is not None:
+            self.ctx = ctx
             self.prompt_tokens = len(ctx.prompt)
             if ctx.prompt_cache_count >= 0:  # the batch path fetched already
                 self.cached_tokens = ctx.prompt_cache_count
@@ -393,11 +418,8 @@ class _ChatRun(CacheAPIHandler):
         u = self.usage or {}
         prompt = int(u.get("prompt_tokens") or 0)
         cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        cached = max(0, min(cached, prompt))
-        cache = getattr(self.response_generator, "prompt_cache", None)
-        stores = bool(getattr(cache, "stores_prompts", lambda: False)())
-        usage = Usage(prompt, cached, prompt - cached if stores else 0,
-                      int(u.get("completion_tokens") or 0))
+        usage = Usage.split(prompt, cached, self.prep.marked_end, self.stores(),
+                            int(u.get("completion_tokens") or 0))
         finish, which = self.finish or "stop", None
         if finish == "tool_calls" and not self.calls:  # the calls came back as text
             finish = "stop"
@@ -407,6 +429,25 @@ class _ChatRun(CacheAPIHandler):
             if which is not None:
                 finish = "stop_sequence"
         return Event("done", finish_reason=finish, stop_sequence=which, usage=usage)
+
+    def stores(self) -> bool:
+        """Whether the prompt cache stores the prompts it computes."""
+        cache = getattr(self.response_generator, "prompt_cache", None)
+        return bool(getattr(cache, "stores_prompts", lambda: False)())
+
+    def fetched(self) -> Optional[int]:
+        """What the prompt cache restored for this prompt, once its fetch ran: waits for it
+        (the batch path fetches before the answer starts, the sequential path right after),
+        bounded by progress — None when the answer produced events or ended first."""
+        while self.cached_tokens is None:
+            ctx = self.ctx
+            if ctx is not None and ctx.prompt_cache_count >= 0:
+                self.cached_tokens = ctx.prompt_cache_count
+            elif ctx is None or self.events.qsize() or self.closed:
+                return None  # (an event says the generation moved on: the end has usage)
+            else:
+                time.sleep(0.002)
+        return self.cached_tokens
 
     # -- the worker thread ------------------------------------------------------------------------
     def serve(self) -> None:
@@ -433,14 +474,16 @@ class _ChatRun(CacheAPIHandler):
 
     def refusal(self) -> AgentRequestError:
         try:
-            msg = json.loads(self.error_body.decode() or "{}").get("error") or ""
+            err = json.loads(self.error_body.decode() or "{}").get("error") or ""
         except (ValueError, AttributeError):
-            msg = self.error_body.decode(errors="replace")
+            err = self.error_body.decode(errors="replace")
+        code = err.get("code") if isinstance(err, dict) else None  # (OpenAI's shape)
+        msg = err.get("message") if isinstance(err, dict) else err
         msg = str(msg or f"the request failed (HTTP {self.status})")
         if self.status == 503 or "generation thread" in msg:
             return AgentRequestError(msg, 503, "overloaded_error")
         if self.status in (400, 404):  # mlx-lm answers 404 to what failed its tokenizing
-            return AgentRequestError(msg, 400, "invalid_request_error")
+            return AgentRequestError(msg, 400, "invalid_request_error", code=code)
         return AgentRequestError(msg, 500, "api_error")
 
 
@@ -478,7 +521,8 @@ def run_chat(handler, call: ChatCall, waiting: Optional[Callable[[], None]] = No
     streamed answer's keep-alive; what it raises ends the request. Closing the iterator
     early (the client left) stops the generation."""
     prep = _prepare(handler, call)
-    run = _ChatRun.make(handler, _body(call, prep), prep, call)
+    run = _ChatRun.make(handler, _body(call, prep, _answer_limit(handler, call, prep)), prep,
+                        call)
     worker = threading.Thread(target=run.serve, name="mlx_kvcache-agent", daemon=True)
     worker.start()
     try:
@@ -497,13 +541,25 @@ class ChatEvents:
     """The events of one answer (an iterator; `close` it to stop early; `next_event`
     waits with a timeout). Known before the first event: ``prompt_tokens``, the prompt's
     length, and ``cached_tokens``, what the prompt cache restored, where it has already
-    fetched (else None: the ``done`` event's usage says)."""
+    fetched (else None until `start_usage` waited for the fetch; the ``done`` event's usage
+    says it too)."""
 
     def __init__(self, run: _ChatRun) -> None:
         self._run = run
         self.prompt_tokens: int = run.prompt_tokens
         self.cached_tokens: Optional[int] = run.cached_tokens
         self._ended = False
+
+    def start_usage(self) -> Usage:
+        """The prompt's usage before the answer (no output yet), split as the ``done``
+        event's is (`Usage.split`): waits for the prompt cache's fetch, which comes before
+        any prefill (see `_ChatRun.fetched`)."""
+        run = self._run
+        cached = run.fetched()
+        if cached is not None:
+            self.cached_tokens = cached
+        return Usage.split(self.prompt_tokens, self.cached_tokens or 0, run.prep.marked_end,
+                           run.stores())
 
     def __iter__(self) -> "ChatEvents":
         return self

@@ -31,23 +31,25 @@ class ChatCall:
     ``"<label>.content[j]"``). ``tools``: OpenAI function tools (``[{"type": "function",
     "function": {"name", "description", "parameters"}}]``), given to the chat template.
     ``tool_choice``: the client's, as sent (`restrict_tools` enforces what can be).
-    ``max_tokens``: None for the server's ``--max-tokens``. ``sampling``: only what the
-    client sent (``temperature``, ``top_p``, ``top_k``); the rest are the server's
-    defaults. ``stop``: stop strings. ``breakpoints``: ``(message index, part index)``
-    whose END the client marked for reuse (part index 0 for a string content): the prompt
-    cache stores a checkpoint there; ``tool_breakpoints`` (indices of ``tools``) and
-    ``call_breakpoints`` (``(message index, tool call index)``) likewise; ``end_mark``:
-    the ``(message, part)`` where the input ends, marked by the route itself where the
-    client comes back with the conversation extended, and checkpointed only where that
-    next request may diverge right after it (`templates`: a template whose generation
-    prompt the history does not repeat, or a reasoning model). ``thinking``:
-    whether the model should reason first (Anthropic's ``thinking``), None for the
-    template's default: given to the chat template as ``enable_thinking`` where it
-    honours it, else ignored (a debug log line); ``reasoning_budget``: at most that many
-    tokens of it (`reasoning_budget`), or None. ``session``: the client's session name (Codex
-    ``prompt_cache_key``, Anthropic ``metadata.user_id``), or None: listed with the request
-    in the log line and ``GET /v1/cache`` ``recent``; eviction stays least-recently-used,
-    which already takes other sessions' leaves first (see `TriePromptCache.expect`).
+    ``max_tokens``: the client's limit, None for none (the bridge then lets the answer run
+    to what the context leaves, or the user's ``--max-tokens``: `context.answer_tokens`).
+    ``sampling``: only what the client sent (``temperature``, ``top_p``, ``top_k``); the
+    rest are the server's defaults. ``stop``: stop strings. ``breakpoints``: ``(message
+    index, part index)`` whose END the client marked for reuse (part index 0 for a string
+    content): the prompt cache stores a checkpoint there; ``tool_breakpoints`` (indices of
+    ``tools``) and ``call_breakpoints`` (``(message index, tool call index)``) likewise;
+    ``end_mark``: the ``(message, part)`` where the input ends, marked by the route itself
+    where the client comes back with the conversation extended, and checkpointed only where
+    that next request may diverge right after it (`templates`: a template whose generation
+    prompt the history does not repeat, or a reasoning model). ``thinking``: whether the
+    model should reason first (Anthropic's ``thinking``), None for the template's default:
+    given to the chat template as ``enable_thinking`` where it honours it, else ignored (a
+    debug log line); ``reasoning_budget``: at most that many tokens of it
+    (`reasoning_budget`), or None. ``session``: the client's session name (Codex
+    ``prompt_cache_key``, Claude Code's ``session_id`` in ``metadata.user_id``), or None:
+    listed with the request in the log line and ``GET /v1/cache`` ``recent``; eviction stays
+    least-recently-used, which already takes other sessions' leaves first (see
+    `TriePromptCache.expect`).
     ``keep_reasoning``: render earlier assistant turns with their reasoning as generated
     (the client's ``keep_reasoning``; None: the server's ``--keep-reasoning``).
     """
@@ -97,21 +99,39 @@ def restrict_tools(call: ChatCall, none: bool = False, name: Optional[str] = Non
 
 @dataclass
 class Usage:
-    """Token counts of one answer. ``prompt_tokens``: the whole prompt; ``cached_tokens``:
-    of those, restored from the prompt cache (the log line's ``cached``);
-    ``created_tokens``: of those, computed by this request and stored for reuse (the
-    prompt cache stores every prompt it computes unless it is off or the model's caches
-    cannot be stored: then 0); ``output_tokens``: the answer's."""
+    """Token counts of one answer, split so they add up: ``prompt_tokens`` (the whole
+    prompt, what ``count_tokens`` says) = ``cached_tokens`` (restored from the prompt
+    cache: the log line's ``cached``) + ``created_tokens`` (computed by this request up to
+    the end of the client's last ``cache_control`` breakpoint, where the prompt cache
+    stores them for reuse; 0 without a breakpoint, or where the cache stores nothing) +
+    `input_tokens` (the rest: computed after that breakpoint). ``output_tokens``: the
+    answer's."""
 
     prompt_tokens: int
     cached_tokens: int
     created_tokens: int
     output_tokens: int
 
+    @classmethod
+    def split(cls, prompt_tokens: int, cached_tokens: int, marked_end: int, stores: bool,
+              output_tokens: int = 0) -> "Usage":
+        """The counts of a ``prompt_tokens`` prompt of which ``cached_tokens`` were
+        restored, whose last client breakpoint ends at token ``marked_end`` (0: none), on
+        a prompt cache that ``stores`` what it computes."""
+        prompt = max(int(prompt_tokens), 0)
+        cached = max(0, min(int(cached_tokens), prompt))
+        created = max(0, min(int(marked_end), prompt) - cached) if stores else 0
+        return cls(prompt, cached, created, int(output_tokens))
+
     @property
     def uncached_tokens(self) -> int:
-        """Prompt tokens not read from the cache (Anthropic's ``input_tokens``)."""
+        """Prompt tokens not read from the cache (computed by this request)."""
         return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def input_tokens(self) -> int:
+        """Computed prompt tokens past the last breakpoint (Anthropic's ``input_tokens``)."""
+        return self.prompt_tokens - self.cached_tokens - self.created_tokens
 
 
 @dataclass

@@ -18,6 +18,9 @@ reasoning off (``none``, ``minimal``) or on (``low`` … ``xhigh``), given to th
 as ``enable_thinking`` where the template honours it (as Anthropic's ``thinking``); its
 ``summary`` is ignored. A user message's ``input_image`` parts are served as the chat
 route serves images (where the model has an image processor, else a 400 that says so).
+Without ``max_output_tokens`` (Codex sends none) the answer may run to what the model's
+context leaves, or the user's ``--max-tokens`` (`context.answer_tokens`); a prompt over
+the context is a 400 with ``code: "context_length_exceeded"`` before any work.
 
 The translation is two pure steps, tested without a server:
   * `parse_request`: a request body -> a `ChatCall` (OpenAI chat-format messages in the
@@ -580,6 +583,8 @@ class ResponseBuilder:
             if u is not None:
                 self.usage = {
                     "input_tokens": u.prompt_tokens,
+                    # OpenAI's input_tokens is the whole prompt, cached ones included;
+                    # cache writes are a client breakpoint's, which Responses has not.
                     "input_tokens_details": {"cached_tokens": u.cached_tokens,
                                              "cache_write_tokens": u.created_tokens},
                     "output_tokens": u.output_tokens,
