@@ -82,6 +82,31 @@ def test_recurrent_layers_name_the_tokens_they_cost():
             "divergence") in r.rule
 
 
+def test_each_cache_kind_says_its_own_restore_rule_and_mlx_lm_classes_say_their_kinds():
+    """The words for a restore that landed short are the layer class's own
+    (``restore_rule``, caches/), mlx-lm's class of a kind we have says that kind's, and
+    any other class is named as one restored whole."""
+    from mlx_kvcache.caches import (
+        ChunkedKVCache, GenericCache, KVCache, QuantizedKVCache, RecurrentCache,
+        RotatingKVCache, restore_rule_of,
+    )
+
+    class Odd:  # a model's own cache class
+        offset = 0
+        state = ()
+
+    ours = [KVCache(), QuantizedKVCache(), RotatingKVCache(8), RecurrentCache(2), ChunkedKVCache(4)]
+    words = {type(c): restore_rule_of(c) for c in ours}
+    assert words[RecurrentCache] == "recurrent layers restore only at checkpoints"
+    assert "window wrapped" in words[RotatingKVCache] and "chunk" in words[ChunkedKVCache]
+    assert words[KVCache] == words[QuantizedKVCache] and "kv_bits" in words[KVCache]
+    mlx = [mlc.KVCache(), mlc.QuantizedKVCache(), mlc.RotatingKVCache(8), mlc.ArraysCache(2),
+           mlc.ChunkedKVCache(4)]
+    assert [restore_rule_of(c) for c in mlx] == [words[type(c)] for c in ours]
+    assert restore_rule_of(Odd()) == restore_rule_of(GenericCache(Odd())) == (
+        "Odd layers (a cache class restored whole) restore only at checkpoints")
+
+
 def test_excerpts_decode_escape_and_mark_images():
     def decode(ids):  # one character per id
         return "".join(map(chr, ids))

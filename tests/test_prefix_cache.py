@@ -265,14 +265,25 @@ class _OpaqueStateCache(KVCache):
         self.keys, self.values, self.offset = v[:3]
 
 
-def test_unsnapshottable_cache_state_warns_and_still_generates():
+def test_unsnapshottable_cache_state_warns_and_still_generates(tmp_path):
+    from mlx_kvcache.prefix.null import NullManager
     m = build("llama")
     m.make_cache = lambda: [_OpaqueStateCache() for _ in m.layers]
-    with pytest.warns(RuntimeWarning, match="cannot be reused"):
-        pc = mk.PrefixCache(m)
-    rs = list(pc.stream_generate(TOK, [1, 2, 3, 4], 3))
-    assert rs[-1].cache.reason and "_OpaqueStateCache" in rs[-1].cache.reason
-    assert rs[-1].cache.prefilled_tokens == 4
+    with pytest.warns(RuntimeWarning, match="cannot be reused") as told:
+        pc = mk.PrefixCache(m, cache_dir=str(tmp_path / "c"))
+    assert len(told) == 1  # no disk tier was tried: nothing is ever stored
+    assert isinstance(pc.manager, NullManager) and pc.store is None
+    for _ in range(2):  # caching off: the repeat computes its whole prompt again
+        rs = list(pc.stream_generate(TOK, [1, 2, 3, 4], 3))
+        assert rs[-1].cache.reason and "_OpaqueStateCache" in rs[-1].cache.reason
+        assert rs[-1].cache.prefilled_tokens == 4 and rs[-1].cache.restored_tokens == 0
+        assert rs[-1].cache.reuse is None and rs[-1].cache.cache_bytes == 0
+    s = pc.stats
+    assert (s.nodes, s.bytes_held, s.snapshot_bytes, s.live_bytes, s.disk_bytes) == (0, 0, 0, 0, 0)
+    assert s.requests == 2 and pc.nbytes == 0
+    assert pc.save() == 0 and pc.load() == 0 and not (tmp_path / "c").exists()
+    pc.clear()
+    assert pc.stats.nodes == 0
 
 
 def test_prompt_as_text_and_generate():

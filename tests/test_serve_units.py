@@ -60,6 +60,52 @@ def test_fetch_insert_round_trip_never_aliases(name):
     assert len(rest) >= 1
 
 
+class _OpaqueStateCache(mlc.KVCache):
+    """A cache class whose state holds something no snapshot can: caching is off."""
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, object()
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.offset = v[:3]
+
+
+def test_caching_off_stores_nothing_and_says_why(tmp_path):
+    """A model whose caches cannot be snapshotted: mlx-lm computes every prompt whole, the
+    cache reports zeros and why (``GET /v1/cache``), and every verb of the seam still
+    answers (the null manager: `prefix.null`)."""
+    m = build("llama")
+    m.make_cache = lambda: [_OpaqueStateCache() for _ in m.layers]
+    pc = TriePromptCache(provider(m), max_bytes=1 << 30, checkpoint_interval=8,
+                         cache_dir=str(tmp_path / "c"))
+    prompt = [(7 * i + 3) % V for i in range(20)]
+    for _ in range(2):
+        assert pc.checkpoints(KEY, prompt) == []
+        assert pc.fetch_nearest_cache(KEY, prompt) == (None, prompt)
+        ref, cache = served(m, prompt)
+        pc.insert_cache(KEY, prompt + [t for t, _ in ref], cache)
+        pc.trim_to(n_sequences=1, n_bytes=0)
+        pc.end_turn(pc.turn_flags())
+        pc.idle()
+    assert not pc.stores_prompts() and pc.nbytes == 0 and len(pc) == 0
+    pc.foresee("s", prompt + [1, 2])  # nothing is computed ahead where nothing is stored
+    pc.ahead(lambda: False, 8)
+    assert pc.report()["foresight"]["queued"] == 0 and len(pc) == 0
+    assert pc.turn_flags() == [0, 0]
+    assert all(r == {"n_sequences": 0, "n_bytes": 0} for r in pc.stats_by_type().values())
+    rep = pc.report()
+    assert rep["enabled"] is False and "_OpaqueStateCache" in rep["disabled_because"]
+    assert (rep["bytes_held"], rep["nodes"], rep["layers"], rep["disk_bytes"]) == (0, 0, 0, 0)
+    assert rep["cache_dir"] is None and rep["kv_bits"] is None and "disk_nodes" not in rep
+    assert rep["requests"] == 0 and rep["cached_tokens"] == 0
+    assert rep["recent"] == []  # a request is listed at its final insert: none is stored
+    assert pc.clear()["cleared"] is True
+    pc.close()
+    assert not (tmp_path / "c").exists()
+
+
 def test_a_batch_fetch_is_merged_from_the_tries_arrays_like_mlx_lm_merges_copies(monkeypatch):
     """On the batch path a restored attention layer reaches mlx-lm's merge as the arrays
     the restore would have concatenated (one copy of each reused row, not two); the batch

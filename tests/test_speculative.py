@@ -608,3 +608,39 @@ def test_kv_bits_switch_is_where_plain_decoding_puts_it(start):
     # canonical run that feeds the whole follow-up prompt cold.
     assert_same(canonical(m, follow, 6, start), got2)
     check_no_leaks(pc)
+
+
+# -- each layer kind's rollback rule (caches/rollback.py) -----------------------------------
+def test_each_layer_kind_rolls_back_by_its_own_rule():
+    """Ours answer for themselves; mlx-lm's classes (caching off) are adapted in caches/:
+    a window needs a checkpoint once a pass would wrap it, KV rewinds live, a recurrent
+    state only comes back whole — the same answers for our class and mlx-lm's."""
+    from mlx_lm.models import cache as mlc
+
+    from mlx_kvcache import caches
+    from mlx_kvcache.caches.rollback import ForeignRollback, layers_of, rollback_of
+
+    def fed(c, n):
+        c.update_and_fetch(mx.ones((1, 2, n, 4)), mx.ones((1, 2, n, 4)))
+        return c
+
+    for ours, theirs in ((fed(caches.KVCache(), 5), fed(mlc.KVCache(), 5)),
+                         (fed(caches.RotatingKVCache(8), 5), fed(mlc.RotatingKVCache(8), 5))):
+        assert rollback_of(ours) is ours and isinstance(rollback_of(theirs), ForeignRollback)
+        window = isinstance(ours, caches.RotatingKVCache)
+        for c in (ours, theirs):
+            r = rollback_of(c)
+            assert r.rewinds_live()
+            assert r.needs_checkpoint(3) is False and r.needs_checkpoint(4) is window
+            assert not r.rewind(6) and r.rewind(3) and c.offset == 3
+    for c in (caches.RecurrentCache(2), mlc.ArraysCache(2)):
+        r = rollback_of(c)
+        c[0] = mx.zeros((1, 3))
+        c.advance(1)
+        assert not r.rewinds_live() and r.needs_checkpoint(0)
+        point = r.rollback_point()
+        c[0] = mx.ones((1, 3))
+        c.advance(1)
+        assert r.return_to(point, 1) and c[0].sum().item() == 0
+    inner = [mlc.KVCache(), caches.RecurrentCache(2)]
+    assert layers_of([mlc.CacheList(*inner), mlc.KVCache()])[:2] == inner

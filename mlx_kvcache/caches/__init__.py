@@ -19,7 +19,7 @@ from .chunked import ChunkedKVCache, ChunkedSnapshot
 from .generic import GenericCache, GenericSnapshot
 from .factory import (
     LEAF_TYPES, cache_arrays, convert, layer_signature, leaf_caches, load_prompt_cache,
-    make_prompt_cache, settle,
+    make_prompt_cache, restore_rule_of, settle,
 )
 from .merging import MergeDispatch
 from .protocol import ProtocolError, check as check_protocol
@@ -35,5 +35,5 @@ __all__ = [
     "GenericSnapshot", "settle", "LEAF_TYPES", "cache_arrays", "convert", "layer_signature",
     "leaf_caches", "make_prompt_cache", "load_prompt_cache", "BatchKVCache",
     "BatchRotatingKVCache", "BatchRecurrentCache", "BatchQuantizedKVCache", "MergeDispatch",
-    "ProtocolError", "check_protocol",
+    "ProtocolError", "check_protocol", "restore_rule_of",
 ]

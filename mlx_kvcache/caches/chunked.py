@@ -33,6 +33,7 @@ from .buffers import KVBuffers, SnapshotKV
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .merging import MergeDispatch
 from .reach import Reach, Runs, Span
+from .rollback import Rollback
 from .snapshot import CacheError, Snapshot, compact
 
 
@@ -68,7 +69,7 @@ class ChunkedSnapshot(SnapshotKV, Snapshot):
 _Piece = Tuple[int, int, mx.array, mx.array]
 
 
-class ChunkedKVCache(KVBuffers):
+class ChunkedKVCache(KVBuffers, Rollback):
     """Drop-in for mlx-lm's ``ChunkedKVCache`` (llama4): ``keys`` / ``values`` hold the
     rows ``[start_position, offset)``; ``offset`` is the absolute position of the next token."""
 
@@ -277,6 +278,8 @@ class ChunkedKVCache(KVBuffers):
     #: Kind rules (`reach`): a chunk's rows come back from runs of stored rows.
     any_offset = False
     quantizable = False
+    #: Why a restore landed short, in words (`prefix.explain`).
+    restore_rule = "chunked-attention layers restore only where their chunk's rows are held"
 
     @property
     def interval_cap(self) -> int:

@@ -112,6 +112,40 @@ def leaf_caches(caches: Sequence[Any]) -> List[Any]:
     return out
 
 
+def quantizable(c: Any) -> bool:
+    """Whether the ``kv_bits`` switch converts the cache-list entry ``c`` (a full-attention
+    layer of ours at the top level, as mlx-lm converts only those; never a ``CacheList``
+    or a class we adapt)."""
+    return isinstance(c, LEAF_TYPES) and c.quantizable
+
+
+def half_written(c: Any) -> bool:
+    """Whether layer ``c`` (a leaf, `leaf_caches`) holds a write past its offset: a
+    recurrent layer, or an adapted class, that a forward pass interrupted (its state
+    cannot be trusted at any offset). KV-family layers never do: their rows past the
+    offset are simply not read."""
+    return isinstance(c, (RecurrentCache, GenericCache)) and c.dirty
+
+
+def recurrent_arrays(leaves: Sequence[Any]) -> List[mx.array]:
+    """The arrays of the recurrent layers among ``leaves`` (mlx-lm's ``ArraysCache``
+    family, ours included): a decode step's logits do not depend on them, so the step
+    evaluates them beside its outputs."""
+    return [x for c in leaves if isinstance(c, mlc.ArraysCache) for x in c.cache if x is not None]
+
+
+def restore_rule_of(c: Any) -> str:
+    """Why a restore of layer cache ``c`` landed short, in words: its class's
+    ``restore_rule``; for mlx-lm's class of a kind we have, that kind's; for any other
+    class, a whole-state class's (`GenericCache.rule_for`)."""
+    if isinstance(c, LEAF_TYPES) or isinstance(c, GenericCache):
+        return c.restore_rule
+    for cls in LEAF_TYPES:
+        if type(c) is cls.mlx_class:
+            return cls.restore_rule
+    return GenericCache.rule_for(class_name(c))
+
+
 def settle(caches: Sequence[Any], n: int) -> None:
     """Call after every forward pass of ``n`` tokens over ``caches`` (a model's cache list):
     recurrent layers that wrote state without `advance`, and objects adapted without an

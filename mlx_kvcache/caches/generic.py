@@ -26,6 +26,7 @@ import mlx.core as mx
 from . import tree
 from .checks import check_offset, check_snapshot, check_target
 from .reach import WholeState
+from .rollback import Rollback
 from .snapshot import CacheError, Snapshot, compact
 
 log = logging.getLogger("mlx_kvcache")
@@ -98,7 +99,7 @@ def _attr_names(obj: Any) -> List[str]:
     return names
 
 
-class GenericCache(WholeState):
+class GenericCache(WholeState, Rollback):
     """The trie's view of a cache object of a class it does not know (see the module
     docstring). ``obj`` is the object the model uses; it is read and written, never replaced."""
 
@@ -183,6 +184,23 @@ class GenericCache(WholeState):
         if self.tracked:
             self._fed = int(n)
             self._mark()
+
+    @staticmethod
+    def rule_for(cls: str) -> str:
+        """Why a restore of a layer of class ``cls`` (a class name, dotted or not)
+        landed short, in words (`prefix.explain`)."""
+        return f"{cls.rsplit('.', 1)[-1]} layers (a cache class restored whole) restore only at checkpoints"
+
+    @property
+    def restore_rule(self) -> str:
+        return self.rule_for(self.cls)
+
+    # -- rollback after a rejected draft (`rollback`): only whole, from a snapshot
+    def rewinds_live(self) -> bool:
+        return False
+
+    def needs_checkpoint(self, ahead: int) -> bool:
+        return True
 
     def signature(self, quantization: Any = None) -> List[Any]:
         """Kind and settings (`factory.layer_signature`): the class and how its state is read."""

@@ -15,6 +15,7 @@ from .buffers import KVBuffers, concat_rows
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .merging import MergeDispatch, as_class
 from .reach import Reach, Span, UpTo, chain, scheduled_reach
+from .rollback import Rollback
 from .quantized import QuantizedKVCache
 from .rows import KVSnapshot, QuantizedSnapshot, merge_rows, quantize_rows, split_rows
 from .snapshot import CacheError, compact
@@ -22,7 +23,7 @@ from .snapshot import CacheError, compact
 __all__ = ["KVCache", "KVSnapshot", "BatchKVCache"]
 
 
-class KVCache(KVBuffers):
+class KVCache(KVBuffers, Rollback):
     """Growable KV cache for one attention layer, drop-in for mlx-lm's ``KVCache``.
 
     Keys and values live in buffers grown in steps of 256 positions (as mlx-lm does,
@@ -241,6 +242,9 @@ class KVCache(KVBuffers):
     any_offset = True
     interval_cap = 0
     quantizable = True
+    #: Why a restore landed short, in words (`prefix.explain`): a plain KV layer falls
+    #: short only under a ``kv_bits`` schedule.
+    restore_rule = "quantized KV rows restore only where the kv_bits schedule allows"
 
     def reach(self, spans: Sequence[Span], live_common: int, top: int, quant: Any = None) -> Reach:
         """Every offset up to where the live rows and the spans' `KVSnapshot` rows run

@@ -29,13 +29,14 @@ from mlx_lm.models.cache import create_attention_mask
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .merging import MergeDispatch
 from .reach import Reach, Span, UpTo, chain, scheduled_reach, walk
+from .rollback import Rollback
 from .rows import (
     KVSnapshot, QuantizedSnapshot, Triple, check_quant, merge_rows,
     pack_rows, quantize_rows, split_rows,
 )
 from .snapshot import CacheError, Snapshot, compact
 
-class QuantizedKVCache:
+class QuantizedKVCache(Rollback):
     """Growable quantized KV cache for one attention layer (mlx-lm's layout and face).
 
     ``quantized_kv_start`` records the schedule the rows belong to (-1 when unknown); it
@@ -239,6 +240,8 @@ class QuantizedKVCache:
     any_offset = False
     interval_cap = 0
     quantizable = True
+    #: Why a restore landed short, in words (`prefix.explain`).
+    restore_rule = "quantized KV rows restore only where the kv_bits schedule allows"
 
     def reach(self, spans: Sequence[Span], live_common: int, top: int, quant: Any = None) -> Reach:
         """Under ``quant`` (a `KVQuantization`): the rows valid for it; without one, only

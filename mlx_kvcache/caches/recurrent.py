@@ -24,6 +24,7 @@ from mlx_lm.models.cache import ArraysCache
 from .checks import check_offset, check_snapshot, check_target
 from .merging import MergeDispatch
 from .reach import WholeState
+from .rollback import Rollback
 from .snapshot import CacheError, Snapshot, compact
 
 
@@ -53,7 +54,7 @@ class RecurrentSnapshot(Snapshot):
             raise CacheError(f"recurrent snapshot is missing {e}") from None
 
 
-class RecurrentCache(WholeState, ArraysCache):
+class RecurrentCache(WholeState, Rollback, ArraysCache):
     """Slots of recurrent state (``cache[0]`` conv state, ``cache[1]`` recurrent state),
     drop-in for mlx-lm's ``ArraysCache`` (it subclasses it, which Mamba-1 requires).
 
@@ -61,6 +62,9 @@ class RecurrentCache(WholeState, ArraysCache):
     accumulator over the whole sequence. ``offset`` counts the tokens absorbed; models
     that call ``advance(n)`` keep it current, and `settle` covers those that do not.
     """
+
+    #: Why a restore landed short, in words (`prefix.explain`).
+    restore_rule = "recurrent layers restore only at checkpoints"
 
     def __init__(self, size: int = 2, left_padding: Optional[List[int]] = None) -> None:
         if int(size) < 1:

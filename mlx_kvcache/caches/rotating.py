@@ -22,6 +22,7 @@ from .buffers import KVBuffers, SnapshotKV
 from .checks import check_kv, check_offset, check_snapshot, check_target
 from .merging import MergeDispatch, as_class
 from .reach import Reach, Span, WholeState, whole_state_reach
+from .rollback import Rollback
 from .snapshot import CacheError, Snapshot, compact
 
 
@@ -57,7 +58,7 @@ class RotatingSnapshot(SnapshotKV, Snapshot):
             raise CacheError(f"rotating snapshot is missing {e}") from None
 
 
-class RotatingKVCache(WholeState, KVBuffers):
+class RotatingKVCache(WholeState, KVBuffers, Rollback):
     """Sliding-window KV cache holding at most ``max_size`` positions (plus ``keep``
     attention-sink rows that are never evicted), drop-in for mlx-lm's class.
 
@@ -158,6 +159,13 @@ class RotatingKVCache(WholeState, KVBuffers):
         """True once tokens have left the window (they cannot come back)."""
         return self.offset > self.max_size
 
+    # -- rollback after a rejected draft (`rollback`): a window rewinds live until it wraps
+    def rewinds_live(self) -> bool:
+        return not self.wrapped
+
+    def needs_checkpoint(self, ahead: int) -> bool:
+        return self.offset + ahead > self.max_size
+
     # -- snapshot face ----------------------------------------------------------------
     def snapshot(self, from_offset: int = 0) -> Optional[RotatingSnapshot]:
         """The whole window at ``offset`` (``from_offset`` is recorded, not used)."""
@@ -242,6 +250,8 @@ class RotatingKVCache(WholeState, KVBuffers):
         return None, snapshot
 
     # -- restore along a stored prefix (`reach`) -----------------------------------------
+    #: Why a restore landed short, in words (`prefix.explain`).
+    restore_rule = "sliding-window layers restore only at checkpoints once their window wrapped"
     # (Kind rules: `WholeState`'s — a window comes back whole, from a snapshot at a span's
     # end — and, while it never wrapped, any offset below.)
     def reach(self, spans: Sequence[Span], live_common: int, top: int, quant: Any = None) -> Reach:

@@ -130,8 +130,8 @@ def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO, d
     kw.update(max_disk_bytes=args.max_disk_bytes, cold_bits=args.cold_bits)
     t0 = time.perf_counter()
     cache = PrefixCache(model, cache_dir=str(cache_dir), **kw)
-    mgr = getattr(cache, "manager", None)
-    if mgr is not None:
+    if cache.unsupported is None:  # (caching off: there is no disk tier)
+        mgr = cache.manager
         tokens = mgr.peek(lambda: sum(len(n.tokens) for n in mgr.trie.nodes()))
         out.write(f"[cache] loaded {tokens} cached tokens ({human_bytes(cache.stats.disk_bytes)} "
                   f"on disk) from {cache_dir} in {time.perf_counter() - t0:.1f} s\n")

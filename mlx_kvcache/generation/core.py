@@ -1,18 +1,21 @@
 """`CacheCore`: the one composition root of a cached model, for both front ends.
 
 `PrefixCache` (generation) and the server's `TriePromptCache` (serving) hold one each. It
-builds the `PrefixManager` for a `ModelPair` with every setting passed to its constructor,
-attaches the disk store once (`attach_store`: the store's check before each restore, the
-no-merge rule for nodes on disk, load, the budget, the purge of bad files — in one
-critical section), owns the background writer and the fingerprint that names the
-persisted cache, and measures whether the memory budget can hold one checkpoint.
+builds the `PrefixManager` for a `ModelPair` with every setting passed to its constructor
+(or, when this model's caches cannot be reused, a `NullManager` that stores nothing: the
+core always holds a manager, and ``why_not`` says why it is the null one), attaches the
+disk store once (`attach_store`: the store's check before each restore, the no-merge rule
+for nodes on disk, load, the budget, the purge of bad files — in one critical section),
+owns the background writer and the fingerprint that names the persisted cache, and
+measures whether the memory budget can hold one checkpoint.
 
 The memory budget (``max_bytes``) has one meaning in both front ends: every byte of KV
 cache held in memory for the model — the trie's snapshots plus the caches of the requests
 running now. `PrefixCache` lends those caches itself (live sets, counted by the manager);
 the server's batch holds its own, and mlx-lm trims the cache to the budget less them
-(`serving.model_state.open_model` hands it the budget in force, `TriePromptCache.trim_to`
-is where every ceiling below the budget lands). docs/design.md, "The memory budget".
+(`serving.cache.model_state.open_model` hands it the budget in force,
+`TriePromptCache.trim_to` is where every ceiling below the budget lands). docs/design.md,
+"The memory budget".
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ..caches import CacheError, KVQuantization, layer_signature, make_prompt_ca
 from ..prefix.agreement import SOLO, Agreement, every
 from ..prefix.live import LiveSet
 from ..prefix.manager import PrefixManager
+from ..prefix.null import Manager, NullManager
 from ..store import PersistentStore, cache_key, model_fingerprint
 from ..store.autosave import Autosaver
 from . import sizing
@@ -92,7 +96,8 @@ class CacheCore:
         self._fingerprint: Optional[str] = None
         #: Why this model's caches are not reused (None: they are).
         self.why_not: Optional[str] = off
-        self.manager: Optional[PrefixManager] = None
+        #: The trie and live sets; a `NullManager` (stores nothing) when ``why_not``.
+        self.manager: Manager
         #: The disk tier (`attach_store`), and its background writer.
         self.store: Optional[PersistentStore] = None
         self.autosaver: Optional[Autosaver] = None
@@ -110,6 +115,7 @@ class CacheCore:
                 self.why_not = str(e)
         if not every(agree, self.why_not is None):  # a rank that cannot cache turns it off for all
             self.why_not = self.why_not or "another rank cannot snapshot its layers"
+            self.manager = NullManager(self.why_not, max_bytes=self.max_bytes, agree=agree)
             return
         self.manager = PrefixManager(
             pair.make_caches, max_bytes=self.max_bytes, pre_end_margin=pre_end_margin,
@@ -119,13 +125,17 @@ class CacheCore:
     def turn_off(self, why: str) -> None:
         """Stop reusing caches (a check after construction found them wrong); before any
         request, and on every rank alike."""
-        self.manager, self.why_not = None, why
+        self.manager = NullManager(why, max_bytes=self.max_bytes, agree=self.agree)
+        self.why_not = why
 
     # -- the memory budget ----------------------------------------------------------------
     def budget_problem(self, interval: int) -> Optional[str]:
         """The warning when ``max_bytes`` cannot hold one checkpoint of the pair (at
         ``interval`` tokens, at most 2048) beside a request's own caches; None when it
-        can, or when the models cannot be measured. Runs both models on one token."""
+        can, when the models cannot be measured, or when caching is off (nothing is
+        held). Runs both models on one token."""
+        if self.why_not is not None:
+            return None
         tokens = max(1, min(int(interval), 2048) if interval > 0 else 2048)
         try:
             one = self._exec(lambda: sum(
@@ -140,8 +150,7 @@ class CacheCore:
         asked for from outside: what the server's running batch or its memory guard
         leaves); agreed between ranks in one collective. Callable inside a critical
         section too."""
-        if self.manager is not None:
-            self.manager.settle(None if ceiling is None else max(int(ceiling), 0))
+        self.manager.settle(None if ceiling is None else max(int(ceiling), 0))
 
     # -- the disk tier --------------------------------------------------------------------
     def fingerprint(self) -> str:
@@ -165,9 +174,9 @@ class CacheCore:
         could not)."""
         if self.store is not None:
             return self.store
-        mgr = self.manager
-        if mgr is None:
+        if self.why_not is not None:  # (agreed: every rank is off alike)
             raise RuntimeError(f"caching is off for this model: {self.why_not}")
+        mgr = self.manager
         store, error = None, None
         try:
             if default and max_disk_bytes is None:
@@ -193,7 +202,7 @@ class CacheCore:
         trie, fit the budget, drop the nodes of bad files — one critical section. Returns
         the tokens loaded (on disk; read when first needed)."""
         store, mgr = self.store, self.manager
-        if store is None or mgr is None:
+        if store is None:
             raise RuntimeError("no disk store is open (open_store)")
 
         def load() -> int:
@@ -213,7 +222,7 @@ class CacheCore:
         # Half the memory budget held: the tier parks only written nodes, so writes that
         # waited for an idle moment go now (a full budget would drop unwritten ones). Read
         # from the writer's thread: a counter, no lock.
-        self.autosaver = Autosaver(store.write, pressing=lambda: mgr is not None and (
+        self.autosaver = Autosaver(store.write, pressing=lambda: (
             2 * mgr.snapshot_bytes >= mgr.max_bytes))
         store.tier.set_writer(self._write_now)
         return n
@@ -244,7 +253,7 @@ class CacheCore:
     def save(self) -> int:
         """Write what the trie holds now (incremental); bytes on disk."""
         store, mgr = self.store, self.manager
-        if store is None or mgr is None:
+        if store is None:
             raise RuntimeError("no disk store is open (open_store)")
         return store.write(*mgr.run(store.capture))
 
@@ -257,7 +266,7 @@ class CacheCore:
         what changed since, what a failed write owed) and close the store. Idempotent."""
         mgr, store = self.manager, self.store
         if self.autosaver is not None:
-            again = (lambda: mgr.run(store.capture)) if recapture and mgr and store else None
+            again = (lambda: mgr.run(store.capture)) if recapture and store is not None else None
             self.autosaver.close(timeout, again)
         if store is not None:
             store.close()

@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Typ
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
-from mlx_lm.models import cache as mlc
 
+from ..caches.factory import recurrent_arrays
 from ..prefix.stats import RequestStats
 from .draft_length import DraftLength
 from .prefill import Feed, Runner, inline
@@ -50,8 +50,7 @@ class PlainDecoder:
         # nothing the caches hold stays an unevaluated graph between steps.
         leaves = self.feed.leaves
         if leaves is not None:
-            mx.async_eval([x for c in leaves if isinstance(c, mlc.ArraysCache) for x in c.cache
-                           if x is not None])
+            mx.async_eval(recurrent_arrays(leaves))
         return y, logprobs.squeeze(0)
 
     def step(self) -> Tuple[List[Emitted], bool]:

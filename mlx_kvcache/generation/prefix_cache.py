@@ -27,7 +27,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..caches import KVQuantization
 from ..prefix.explain import Explainer, Reuse
-from ..prefix.manager import Plan, PrefixManager
+from ..prefix.manager import Plan
+from ..prefix.null import Manager
 from ..prefix.stats import CacheStats, RequestStats
 from ..store import PersistentStore
 from . import request, sizing, validation
@@ -209,11 +210,9 @@ class PrefixCache:
                           f"every request will recompute its whole prompt", RuntimeWarning,
                           stacklevel=2)
         #: The warning about a budget below one checkpoint of the model (None: it fits).
-        self.budget_warning: Optional[str] = None
-        if self.manager is not None:
-            self.budget_warning = self.core.budget_problem(snapshot_interval)
-            if self.budget_warning:
-                warnings.warn(f"mlx_kvcache: {self.budget_warning}", RuntimeWarning, stacklevel=2)
+        self.budget_warning: Optional[str] = self.core.budget_problem(snapshot_interval)
+        if self.budget_warning:
+            warnings.warn(f"mlx_kvcache: {self.budget_warning}", RuntimeWarning, stacklevel=2)
         self._open_disk(cache_dir, max_disk_bytes)
         if self.core.autosaver is not None:
             _OPEN.add(self)
@@ -223,8 +222,8 @@ class PrefixCache:
         self.disk_budget_note: Optional[str] = None
         self.max_disk_bytes = max_disk_bytes
         self.cache_dir = None if cache_dir is None else str(cache_dir)
-        if self.cache_dir is None or self.manager is None:
-            return
+        if self.cache_dir is None or self.unsupported is not None:
+            return  # (caching off: no disk tier for what is never stored)
         try:
             self.core.attach_store(self.cache_dir, max_disk_bytes, default=True)
         except Exception as e:  # fail-open: a cache problem never stops the model
@@ -237,8 +236,9 @@ class PrefixCache:
 
     # -- what it holds ------------------------------------------------------------------
     @property
-    def manager(self) -> Optional[PrefixManager]:
-        """The trie and live sets (None when this model's caches cannot be reused)."""
+    def manager(self) -> Manager:
+        """The trie and live sets (a `NullManager`, which stores nothing, when this
+        model's caches cannot be reused: ``unsupported`` says why)."""
         return self.core.manager
 
     @property
@@ -249,7 +249,7 @@ class PrefixCache:
     @property
     def nbytes(self) -> int:
         """Everything the cache holds: snapshots plus live caches (what ``max_bytes`` bounds)."""
-        return self.manager.peek(lambda: self.manager.nbytes) if self.manager else 0
+        return self.manager.peek(lambda: self.manager.nbytes)
 
     @property
     def stats(self) -> CacheStats:
@@ -257,12 +257,12 @@ class PrefixCache:
         with self._stats_lock:
             s = CacheStats(**vars(self._stats))
         mgr = self.manager
-        if mgr is not None:
-            def read():
-                s.snapshot_bytes, s.live_bytes = mgr.snapshot_bytes, mgr.live_bytes
-                s.nodes, s.disk_nodes = mgr.trie.node_count, mgr.trie.parked_count
-                s.evicted_bytes = mgr.evicted_bytes
-            mgr.peek(read)
+
+        def read():
+            s.snapshot_bytes, s.live_bytes = mgr.snapshot_bytes, mgr.live_bytes
+            s.nodes, s.disk_nodes = mgr.trie.node_count, mgr.trie.parked_count
+            s.evicted_bytes = mgr.evicted_bytes
+        mgr.peek(read)
         st = self.store
         if st is not None:
             # the directory's budget in force (one per directory, shared by every process)
@@ -286,11 +286,10 @@ class PrefixCache:
     def account(self, st: RequestStats, stored: Optional[Sequence[int]] = None) -> None:
         """A request ended: add its stats to the totals, remember what it ``stored`` (the
         tokens recorded, for later miss explanations) and hand the trie's changes to the
-        background writer. Inside the manager's critical section (its ``on_done``), or
-        anywhere without a manager."""
-        if stored is not None and self.manager is not None:
+        background writer. Inside the manager's critical section (its ``on_done``)."""
+        if stored is not None:
             self._explainer.remember(stored, self.manager.evicted_bytes, self._clears)
-        st.cache_bytes = self.manager.nbytes if self.manager else 0
+        st.cache_bytes = self.manager.nbytes
         with self._stats_lock:
             self._stats.add(st)
         self.core.autosave()
@@ -408,16 +407,16 @@ class PrefixCache:
     def _prefetch(self, tokens) -> None:
         """Start reading the files of parked nodes ``tokens`` will restore (any thread)."""
         store, mgr = self.store, self.manager
-        if store is not None and mgr is not None:
+        if store is not None:
             mgr.peek(store.prefetch, tokens)
 
     def save(self, path: Optional[str] = None) -> int:
         """Write the cache under ``path`` (default: ``cache_dir``) now; returns bytes on disk.
 
         Incremental: snapshots already on disk are not rewritten. Raises ``OSError``
-        when the directory cannot be written.
+        when the directory cannot be written. 0 when caching is off (``unsupported``).
         """
-        if self.manager is None:
+        if self.unsupported is not None:
             return 0
         store = self._store_at(path)
         return store.write(*self.manager.run(store.capture, path))
@@ -427,9 +426,9 @@ class PrefixCache:
 
         Returns the number of cached tokens loaded (on disk; read when first needed).
         Fail-open: a missing, damaged, other-model or other-version cache gives one
-        warning and loads nothing.
+        warning and loads nothing; 0 when caching is off (``unsupported``).
         """
-        if self.manager is None:
+        if self.unsupported is not None:
             return 0
         self._store_at(path)
         return self.core.load(path)
@@ -447,6 +446,5 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every snapshot and the idle live state. Requests running now still answer
         correctly (they own their caches) but record nothing."""
-        if self.manager:
-            self.manager.clear()
-            self._clears += 1
+        self.manager.clear()
+        self._clears += 1

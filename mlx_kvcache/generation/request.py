@@ -50,19 +50,16 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
     # The PrefixCache's models as they are now (a caller may have wrapped them since).
     pair = ModelPair(pc.model, pc.draft_model, target_entries=pc.target_entries,
                      vocabs=(pc.target_vocab, pc.draft_vocab))
-    live = None
-    if mgr is None:  # mlx-lm's own caches: the trie cannot hold them
+    live, plan = mgr.checkout(tokens, snapshot_at)
+    stats.matched_tokens, stats.restored_tokens = plan.matched, plan.restored
+    stats.disk_tokens = plan.from_disk
+    stats.reason = plan.reason
+    start, stops = plan.restored, plan.stops
+    if live is None:  # caching off (`NullManager`): mlx-lm's own caches, the whole prompt
         caches = engine.run(lambda: [c for m in pair.models for c in mlc.make_prompt_cache(m)])
         feed = Feed(pair, caches)
-        start, stops = 0, []
-        stats.reason = f"model caches cannot be reused: {pc.unsupported}"
     else:
-        live, plan = mgr.checkout(tokens, snapshot_at)
-        stats.matched_tokens, stats.restored_tokens = plan.matched, plan.restored
-        stats.disk_tokens = plan.from_disk
-        stats.reason = plan.reason
         stats.reuse = pc.explain(tokenizer, tokens, plan)
-        start, stops = plan.restored, plan.stops
         feed = Feed(pair, live, tokens[:start])
     n = len(tokens)
 
@@ -81,7 +78,7 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
     try:
         # Prefill up to the last prompt token, stopping at every planned snapshot.
         prefill(feed, tokens, start, n - 1, step=chunk, stops=stops,
-                checkpoint=checkpoint if live is not None else None, progress=prefilled,
+                checkpoint=checkpoint, progress=prefilled,
                 run=engine.run)
         dec = engine.run(lambda: decoder(
             feed, tokens, num_draft=num_draft, sampler=sampler or (lambda x: mx.argmax(x, axis=-1)),
@@ -98,9 +95,6 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
     finally:
         if dec is not None:  # (speculative: both models at one prefix of the emitted tokens)
             feed.fed, _ = engine.run(dec.finish, stats.finish_reason is not None)
-        if live is not None:
-            fed, pending = feed.fed, feed.pending
-            mgr.checkin(live, fed, pending,
-                        on_done=lambda recorded: pc.account(stats, fed if recorded else None))
-        else:
-            pc.account(stats)
+        fed, pending = feed.fed, feed.pending
+        mgr.checkin(live, fed, pending,
+                    on_done=lambda recorded: pc.account(stats, fed if recorded else None))

@@ -8,8 +8,9 @@ one is emitted too. Every emitted token is the target's own sample given the emi
 prefix, so the output has the target's distribution and, greedy, is token-for-token the
 target's greedy output.
 
-Rollback. After a round each model must hold only emitted tokens. A layer that rewinds
-live (``restore(None, t)``: KV layers, a window that has not wrapped) just does. A layer
+Rollback. After a round each model must hold only emitted tokens; how each layer goes
+back is its kind's rule (`caches.rollback`: ours, and mlx-lm's classes adapted there).
+A layer that rewinds live (KV layers, a window that has not wrapped) just does. A layer
 that cannot (a recurrent state, a window that wraps during the pass) is snapshotted before
 the pass — its model's *checkpoint* — and when a live rewind fails, every layer of that
 model returns to the checkpoint. The accepted tokens are then *carried*: fed again at the
@@ -29,10 +30,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_map
-from mlx_lm.models import cache as mlc
 
 from ..caches import settle
+from ..caches.rollback import layers_of, rollback_of
 from ..prefix.stats import RequestStats
 from .draft_length import DraftLength
 from .model_pair import clamp_ids
@@ -41,74 +41,6 @@ __all__ = ["SpeculativeDecoder", "Emitted"]
 
 #: One emitted token: id, the target's log-probs at its position, whether the draft proposed it.
 Emitted = Tuple[int, mx.array, bool]
-
-
-def _flatten(caches: Sequence[Any]) -> List[Any]:
-    out: List[Any] = []
-    for c in caches:
-        if isinstance(c, mlc.CacheList):
-            out.extend(_flatten(c.caches))
-        else:
-            out.append(c)
-    return out
-
-
-# -- what each layer cache can undo (our classes answer through `restore`; mlx-lm's own
-#    classes, used when the prefix cache is off, through `trim` and `state`) ---------------
-def _rewinds_live(c: Any) -> bool:
-    """Whether ``c`` can go back to any earlier offset without a snapshot (asks nothing of it)."""
-    wrapped = getattr(c, "wrapped", None)  # our RotatingKVCache
-    if isinstance(wrapped, bool):
-        return not wrapped
-    return bool(c.is_trimmable())
-
-
-def _needs_snapshot(c: Any, ahead: int) -> bool:
-    """Whether ``c`` may be unable to rewind after a pass of ``ahead`` more tokens."""
-    max_size = getattr(c, "max_size", None)
-    if isinstance(max_size, int) and hasattr(c, "offset"):  # a window wraps, or it does not
-        return c.offset + ahead > max_size
-    return not c.is_trimmable()
-
-
-def _rewind(c: Any, t: int) -> bool:
-    """Bring ``c`` back to ``t`` tokens from its live state; False (no change) if it cannot."""
-    if hasattr(c, "restore"):
-        return c.restore(None, t)
-    off = getattr(c, "offset", None)
-    if off is None or t > off:
-        return False
-    if t < off:
-        if not c.is_trimmable():
-            return False
-        c.trim(off - t)
-    return True
-
-
-def _fresh(x: Any) -> Any:
-    # A new wrapper around the same (immutable) data: an in-place write to the cache's
-    # array later rebinds only the cache's wrapper, never the saved one.
-    return mx.array(x) if isinstance(x, mx.array) else x
-
-
-def _snapshot(c: Any) -> Any:
-    """``c``'s whole state, unchangeable by later writes (our snapshots; None: empty).
-
-    A cache of another class goes through mlx-lm 0.32's protocol: its ``state`` carries
-    everything, scalars included (there is no ``meta_state`` any more)."""
-    if hasattr(c, "snapshot"):
-        return c.snapshot(0)
-    return tree_map(_fresh, c.state)
-
-
-def _restore(c: Any, snap: Any, at: int) -> bool:
-    if hasattr(c, "snapshot"):
-        if snap is None:  # the layer was empty at the checkpoint
-            c.free()
-            return at == 0
-        return c.restore(snap, at)
-    c.state = tree_map(_fresh, snap)
-    return True
 
 
 class _Lost(RuntimeError):
@@ -120,7 +52,8 @@ class _Side:
     (``n``: ``seq[:n]``), drafted tokens held past those (``extra``) and its checkpoint."""
 
     def __init__(self, model, caches: List[Any], n: int, vocab: Optional[int] = None) -> None:
-        self.model, self.caches, self.leaves = model, caches, _flatten(caches)
+        self.model = model
+        self.set_caches(caches)
         self.vocab = vocab  # ids at or past it are fed as ``vocab - 1`` (see `clamp_ids`)
         self.n, self.extra = n, 0
         self.high = n  # most committed tokens ever held: feeding below it is a replay
@@ -135,7 +68,9 @@ class _Side:
 
     def set_caches(self, caches: List[Any]) -> None:
         """The cache list to run on from now (the kv_bits switch replaces cache objects)."""
-        self.caches, self.leaves = caches, _flatten(caches)
+        self.caches, self.leaves = caches, layers_of(caches)
+        #: Each layer's rollback rules (`caches.rollback`: its kind's, mlx-lm's adapted).
+        self.rules = [rollback_of(c) for c in self.leaves]
 
     def forward(self, ids: mx.array, committed: int) -> mx.array:
         """Feed ``ids``: their first ``committed`` continue ``seq[:n]``, the rest are drafts.
@@ -171,22 +106,23 @@ class _Side:
         if self.at != self.n:
             self.drop()
             self.at = self.n
-        for i, c in enumerate(self.leaves):
-            if i not in self.snaps and _needs_snapshot(c, ahead):
-                self.snaps[i] = _snapshot(c)
+        for i, r in enumerate(self.rules):
+            if i not in self.snaps and r.needs_checkpoint(ahead):
+                self.snaps[i] = r.rollback_point()
 
     def rollback(self, keep: int) -> int:
         """Hold ``keep`` committed tokens, or fewer: each layer rewinds live where it can;
         when one cannot, every layer returns to the checkpoint. Returns the tokens held."""
-        if not self.busy and all([_rewind(c, keep) for c in self.leaves]):
+        if not self.busy and all([r.rewind(keep) for r in self.rules]):
             self.n, self.extra = keep, 0
             return keep
         if self.at is None or self.at > keep:
             raise _Lost(f"no checkpoint at or below offset {keep}")
-        for i, c in enumerate(self.leaves):
-            ok = _restore(c, self.snaps[i], self.at) if i in self.snaps else _rewind(c, self.at)
+        for i, r in enumerate(self.rules):
+            ok = r.return_to(self.snaps[i], self.at) if i in self.snaps else r.rewind(self.at)
             if not ok:
-                raise _Lost(f"{type(c).__name__} layer {i} cannot return to offset {self.at}")
+                raise _Lost(f"{type(self.leaves[i]).__name__} layer {i} cannot return to "
+                            f"offset {self.at}")
         self.n, self.extra, self.busy = self.at, 0, False
         return self.at
 
@@ -374,7 +310,7 @@ class SpeculativeDecoder:
                 # (Never below the kv_bits switch: a switched cache's rows there are not
                 # the unquantized ones.)
                 below_switch = self.quant_start is not None and lo.n < self.quant_start
-                if lo is t and not below_switch and all(_rewinds_live(c) for c in hi.leaves):
+                if lo is t and not below_switch and all(r.rewinds_live() for r in hi.rules):
                     hi.rollback(lo.n)
                 else:
                     lo.forward(mx.array(self.seq[lo.n:hi.n], mx.uint32), hi.n - lo.n)

@@ -23,6 +23,8 @@ from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..caches.factory import restore_rule_of
+
 __all__ = ["Explainer", "Reuse", "excerpt"]
 
 #: Tokens shown on each side of the divergence.
@@ -128,22 +130,8 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
+#: The planner's reason names the layer that fell short: "layer 3 (…)".
 _LAYER = re.compile(r"layer (\d+) \(([^)]*)\)")
-
-
-def _kind_rule(leaf: Any, cls: str) -> str:
-    """What a layer kind can restore, in words (for a restore that landed short)."""
-    name = type(leaf).__name__
-    if name == "RecurrentCache":
-        return "recurrent layers restore only at checkpoints"
-    if name == "RotatingKVCache":
-        return "sliding-window layers restore only at checkpoints once their window wrapped"
-    if name == "ChunkedKVCache":
-        return "chunked-attention layers restore only where their chunk's rows are held"
-    if name in ("QuantizedKVCache", "KVCache"):
-        return "quantized KV rows restore only where the kv_bits schedule allows"
-    short = cls.rsplit(".", 1)[-1] if cls else name
-    return f"{short} layers (a cache class restored whole) restore only at checkpoints"
 
 
 class Explainer:
@@ -252,6 +240,6 @@ class Explainer:
         rule = None
         found = _LAYER.search(reason or "")
         if found and int(found.group(1)) < len(leaves):
-            rule = _kind_rule(leaves[int(found.group(1))], found.group(2))
+            rule = restore_rule_of(leaves[int(found.group(1))])  # its kind's words (caches/)
         rule = rule or reason or "a layer had no state at the match"
         return f"{rule}: landed {lost} token{'s' if lost != 1 else ''} before {where}"

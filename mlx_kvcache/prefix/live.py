@@ -12,9 +12,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from ..caches.factory import LEAF_TYPES, leaf_caches
-from ..caches.generic import GenericCache
-from ..caches.recurrent import RecurrentCache
+from ..caches.factory import half_written, leaf_caches, quantizable
 from ..caches.schedule import KVQuantization
 from .tokens import as_tokens
 
@@ -47,8 +45,7 @@ class LiveSet:
         out: List[Optional[KVQuantization]] = []
         for c in self.caches:
             n = len(leaf_caches([c]))
-            top = isinstance(c, LEAF_TYPES) and c.quantizable
-            out.extend([self.quant if top else None] * n)
+            out.extend([self.quant if quantizable(c) else None] * n)
         return out
 
     def quantize_due(self) -> None:
@@ -73,7 +70,7 @@ class LiveSet:
         for c in self.leaves:
             if c.offset != length:
                 return False
-            if isinstance(c, (RecurrentCache, GenericCache)) and c.dirty:
+            if half_written(c):
                 return False
         return True
 

@@ -90,7 +90,7 @@ def open_model(provider, key, agree: Agreement, *, max_bytes: Optional[int],
     track = False
     # Only models with recurrent layers are checked (attention masks its padding; that is
     # mlx-lm's batch path for every model). The forward passes involve every rank.
-    if core.manager is not None and every(agree, bool(getattr(provider, "is_batchable", False))) \
+    if core.why_not is None and every(agree, bool(getattr(provider, "is_batchable", False))) \
             and any_rank(agree, bool(recurrent_kinds(model))):
         attention_ok, recurrent_ok = _padding_exact(model, agree)
         if not every(agree, attention_ok):
@@ -98,7 +98,7 @@ def open_model(provider, key, agree: Agreement, *, max_bytes: Optional[int],
                           "padded rows of this model")
         track = not every(agree, recurrent_ok)
     st = ModelState(key, core, track_padding=track)
-    if core.manager is None:
+    if core.why_not is not None:
         log.warning("mlx_kvcache: prompt caching is off for this model: %s", core.why_not)
         return st
     problem = core.budget_problem(checkpoint_interval)

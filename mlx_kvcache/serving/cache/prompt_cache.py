@@ -62,7 +62,7 @@ from .idle_writes import IdleWrites
 from .model_state import ModelState, open_model
 from . import native  # called through the module: a profile probes it (`profile`)
 from .padding import was_padded
-from .restored_merge import RestoredKVCache
+from .restored_merge import holds_restored
 from .profile import Profile, probe_request_path
 from .rank_turn import RankTurn
 from .request_log import RequestLog
@@ -225,7 +225,7 @@ class TriePromptCache:
         def plan():
             st = self._state(model_key)
             key = self._key(tokens)
-            if st.manager is None or key is None:
+            if key is None:
                 return []
             if st.store is not None:  # parked nodes of this prompt: start reading them
                 st.manager.peek(st.store.prefetch, key)
@@ -252,7 +252,7 @@ class TriePromptCache:
         """Whether a request's prompt is stored for reuse once computed (the trie is open
         and the model's caches can be snapshotted)."""
         st = self._model
-        return st is not None and st.manager is not None
+        return st is not None and st.why_not is None
 
     @staticmethod
     def _key(tokens: Sequence[int]) -> Optional[np.ndarray]:
@@ -268,7 +268,7 @@ class TriePromptCache:
         ids = self._key(tokens)
         if ids is None:  # a namespaced prompt that starts with an image: not cached
             return None, list(tokens)
-        if st.manager is None or not len(tokens):
+        if st.why_not is not None or not len(tokens):  # mlx-lm computes the whole prompt
             why = st.why_not or "the prompt cache is off"
             self._log.fetched(tokens, 0, 0, "sequential" if seq else "batch",
                               Reuse("off", 0, len(tokens), None, "", "", "", f"caching is off: {why}"))
@@ -289,8 +289,7 @@ class TriePromptCache:
             # empty `RestoredKVCache` copies the hits' rows once when it leads the batch,
             # and tracking batch padding needs our recurrent class in every row.
             out = native.to_native(live.caches, st.track_padding, merged=True)
-            if plan.restored == 0 and not st.track_padding and not any(
-                    isinstance(c, RestoredKVCache) for c in out):
+            if plan.restored == 0 and not st.track_padding and not holds_restored(out):
                 return None, rest
             return out, rest
         try:
@@ -344,7 +343,7 @@ class TriePromptCache:
     def _insert(self, model_key, tokens: np.ndarray, prompt_cache: List[Any], cache_type: str,
                 final: Optional[int] = None) -> None:
         st = self._state(model_key)
-        if st.manager is None or not len(tokens):
+        if st.why_not is not None or not len(tokens):  # caching off: nothing to store or log
             return
         seq = sequential.current()
         note, key = "", tokens  # prompt + answer; ``tokens`` what the caches hold
@@ -423,8 +422,8 @@ class TriePromptCache:
         """The generation loop is idle: compute foreseen prefixes until ``waiting()`` says a
         request came (asked before every chunk of ``step`` tokens). Generation thread."""
         st = self._model
-        if st is None or st.manager is None or not self.foresight.pending():
-            return
+        if st is None or st.why_not is not None or not self.foresight.pending():
+            return  # (caching off: nothing is computed ahead, as nothing is stored)
         before = self.foresight.computed
         self._guard("computing a foreseen prefix",
                     lambda: self.foresight.run(st.manager, st.pair, step, waiting, stream,
@@ -449,7 +448,7 @@ class TriePromptCache:
         st = self._model
         if st is not None and st.writer is not None:
             st.writer.idle()
-        if not self._writes.pending or st is None or st.manager is None:
+        if not self._writes.pending or st is None:
             return
         self._guard("capturing the prompt cache for the disk", lambda: self._capture(st),
                     None, "idle")
@@ -470,7 +469,7 @@ class TriePromptCache:
 
     def trim_to(self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None) -> None:
         st = self._model
-        if st is None or st.manager is None:
+        if st is None:
             return
         mgr = st.manager
 
@@ -490,13 +489,13 @@ class TriePromptCache:
     def turn_flags(self) -> List[int]:
         """This rank's part of the turn's collective (`rank_turn`): read-only."""
         st = self._model
-        return self._turn.flags(st.manager if st is not None else None)
+        return self._turn.flags(st.manager) if st is not None else [0, 0]  # no model yet
 
     def end_turn(self, agreed: Sequence[int]) -> None:
         """After the turn's collective, on every rank (``agreed``: every rank's
         `turn_flags`, element-wise max): fit the budget, drop what not every rank stored."""
         st = self._model
-        if st is None or st.manager is None:
+        if st is None:
             return
 
         def settle() -> None:
@@ -508,12 +507,11 @@ class TriePromptCache:
     def nbytes(self) -> int:
         st = self._model
         # snapshots, and the last sequential request's caches kept for the next (`adopt`)
-        return 0 if st is None or st.manager is None else st.manager.peek(
-            lambda: st.manager.held_bytes)
+        return 0 if st is None else st.manager.peek(lambda: st.manager.held_bytes)
 
     def __len__(self) -> int:
         st = self._model
-        if st is None or st.manager is None:
+        if st is None:
             return 0
         return st.manager.trie.node_count  # a counter: no lock needed to read one int
 
@@ -523,7 +521,7 @@ class TriePromptCache:
     def stats_by_type(self) -> Dict[str, Dict[str, int]]:
         out = {t: {"n_sequences": 0, "n_bytes": 0} for t in ("assistant", "user", "system")}
         st = self._model
-        if st is None or st.manager is None:
+        if st is None:
             return out
 
         # mlx-lm logs this before every request: counters kept by the trie, O(labels).
@@ -537,7 +535,7 @@ class TriePromptCache:
     # and a clear that is durable on every rank before it answers ------------------------
     def _local(self) -> Tuple[int, ...]:
         st = self._model
-        if st is None or st.manager is None:
+        if st is None:
             return (0, 0, 0, 0, self.requests, self.cached_tokens, self.disk_tokens)
         mgr = st.manager
         # Counters only: O(1) in the trie's size (the idle set: O(layers)), under the lock.
@@ -572,11 +570,11 @@ class TriePromptCache:
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "evicted_bytes": evicted, "checkpoint_interval": self.checkpoint_interval,
             "cache_dir": str(st.store.directory()) if st and st.store else None,
-            "cold_bits": self.cold_bits, "enabled": bool(st and st.manager),
+            "cold_bits": self.cold_bits, "enabled": st is not None and st.why_not is None,
             # the layers each node holds (with a draft model: the target's, then the draft's)
-            "layers": len(st.manager.ops) if st and st.manager else 0,
-            "kv_bits": st.manager.kv_quant.signature()[1:] if st and st.manager
-            and st.manager.kv_quant else None,
+            "layers": len(st.manager.ops) if st else 0,
+            "kv_bits": st.manager.kv_quant.signature()[1:] if st and st.manager.kv_quant
+            else None,
             "recent": self._log.listing(), "prompt_excerpts": self.excerpts,
             "foresight": self.foresight.report(),
             "profile": self.profile.snapshot(),
@@ -588,7 +586,7 @@ class TriePromptCache:
             # inserts the disk does not hold yet (written once the server idles a moment)
             out["disk_writes_pending"] = bool(self._writes.pending) or (
                 st.writer is not None and st.writer.pending)
-        if st is not None and st.manager is None:
+        if st is not None and st.why_not is not None:
             out["disabled_because"] = st.why_not
         if self.memory is not None:  # the server's memory guard
             out["memory"] = self.memory.report()
@@ -612,7 +610,7 @@ class TriePromptCache:
         st = self._model
         mine: Dict[str, Any] = {"rank": self.agree.rank, "memory_cleared": True,
                                 "disk_cleared": True, "freed_bytes": 0, "freed_files": 0}
-        if st is not None and st.manager is not None:
+        if st is not None:
             st.manager.clear()
             self.foresight.clear()
             self.clears += 1
@@ -658,7 +656,7 @@ class TriePromptCache:
         st = self._model
         if st is None:
             return
-        if st.writer is not None and self._writes.pending and st.manager is not None:
+        if st.writer is not None and self._writes.pending:
             self._capture(st)  # the generation thread has stopped: nothing else runs MLX
         st.core.close(timeout, recapture=False)
 

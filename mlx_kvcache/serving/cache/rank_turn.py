@@ -60,11 +60,9 @@ class RankTurn:
             if made and stateless:
                 self._stateless.append(self._seq)
 
-    def flags(self, manager: Optional[PrefixManager]) -> List[int]:
+    def flags(self, manager: PrefixManager) -> List[int]:
         """This rank's part of the turn's collective: [over budget, made a node without
         state]; read-only."""
-        if manager is None:
-            return [0, 0]
         over = manager.peek(lambda: manager.over_budget(self.limit))
         return [int(over), int(bool(self._stateless))]
 

@@ -28,7 +28,7 @@ from mlx_lm.models import cache as mlc
 
 Parts = List[Tuple[mx.array, int]]
 
-__all__ = ["RestoredKVCache"]
+__all__ = ["RestoredKVCache", "holds_restored"]
 
 
 class RestoredKVCache(mlc.KVCache):
@@ -67,3 +67,9 @@ def _fill(dst: mx.array, row: int, at: int, parts: Parts) -> None:
     for a, n in parts:
         dst[row:row + 1, :, at:at + n] = a[..., :n, :]
         at += n
+
+
+def holds_restored(caches: List[object]) -> bool:
+    """Whether a batch fetch's cache list holds a restored KV layer (`RestoredKVCache`):
+    then mlx-lm must merge with it, even for a miss, so the hits' rows are copied once."""
+    return any(isinstance(c, RestoredKVCache) for c in caches)
