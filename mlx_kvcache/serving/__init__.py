@@ -1,9 +1,10 @@
-"""Layer 5: the prefix cache behind mlx-lm's OpenAI-compatible server.
+"""Layer 5: the prefix cache behind mlx-lm's OpenAI-compatible server, in four parts that
+import one way (docs/design.md; ``tests/test_architecture.py`` keeps it):
 
-``prompt_cache`` (`TriePromptCache`, the object the server is handed in place of its
-``LRUPromptCache``), ``native`` (to and from mlx-lm's own cache classes), ``generator``
-(checkpoints inside long prompt segments), ``handler`` (``/v1/cache``), ``seam`` (the
-probe of mlx-lm's server and the patch of its ``main``), ``app`` (running it all).
+``guards`` (every reason to say no) < ``cache`` (`TriePromptCache`, what the server is
+handed in place of its ``LRUPromptCache``) < ``engine`` (mlx-lm's generation thread,
+overridden) < ``routes`` (HTTP, the agent APIs) < ``app`` (options, wiring through
+constructors, running it, the stop) and ``seam`` (every mlx-lm internal we touch, probed).
 """
 
 from .cache.prompt_cache import TriePromptCache

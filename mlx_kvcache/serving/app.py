@@ -82,28 +82,23 @@ def admin_token(s: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def positive_int(s: str) -> int:
-    import argparse
+def _int_at_least(low: int):
+    """An argparse type: an integer, at least ``low``."""
+    def parse(s: str) -> int:
+        import argparse
 
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+    return parse
 
 
-def non_negative_int(s: str) -> int:
-    import argparse
-
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
 
 
 def _regex(s: str) -> str:
