@@ -448,15 +448,16 @@ class ServerResponseGenerator(ResponseGenerator):
             self._refuse(ticket)
         try:
             ctx, response = super().generate(request, generation_args, progress_callback)
-        except MemoryRefused as e:
-            ticket.refused = True  # answered 503 (or 400: it never fits), not mlx-lm's 404
-            ticket.status = e.status
-            if isinstance(e, MemoryNeverFits):
-                ticket.error = {"message": str(e), "type": "invalid_request_error",
-                                "param": None, "code": "memory_limit_exceeded"}
+        except MemoryRefused as e:  # answered 503 (or 400: it never fits), not mlx-lm's 404
+            ticket.refuse(e.status, {"message": str(e), "type": "invalid_request_error",
+                                     "param": None, "code": "memory_limit_exceeded"}
+                          if isinstance(e, MemoryNeverFits) else None)
             raise
-        except ContextTooLong as e:
-            ticket.refusal = e  # the client's to fix: a 400, not mlx-lm's 404
+        except ContextTooLong as e:  # the client's to fix: a 400, not mlx-lm's 404
+            ticket.refuse(400, {"message": str(e), "type": "invalid_request_error",
+                                "param": "prompt" if getattr(request, "request_type", None)
+                                == "text" else "messages",
+                                "code": "context_length_exceeded"})
             raise
         if self.lifecycle.cut.is_set():  # it started just as the stop cut everything
             ctx.stop()
@@ -467,7 +468,7 @@ class ServerResponseGenerator(ResponseGenerator):
 
     @staticmethod
     def _refuse(ticket: Ticket) -> None:
-        ticket.refused = True
+        ticket.refuse(503)
         raise ServerStopping("the server is stopping; this request was not started")
 
     def _await_response(self, response_queue):

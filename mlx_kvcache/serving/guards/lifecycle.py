@@ -46,7 +46,7 @@ class Ticket:
     (`set_client_watch`), None where nothing watches."""
 
     __slots__ = ("started", "cut", "refused", "status", "error", "ctx", "last_tokens",
-                 "answered", "left", "keepalive", "refusal")
+                 "answered", "left", "keepalive")
 
     def __init__(self) -> None:
         self.started = False
@@ -60,10 +60,11 @@ class Ticket:
         self.left: Optional[threading.Event] = client_watch()
         #: Called while the answer waits for its next token (its stream's keep-alive).
         self.keepalive: Optional[Callable[[], None]] = None
-        #: What refused the request before its answer started, where the client is to
-        #: fix it (a prompt over the model's context): the handler answers it, not with
-        #: mlx-lm's 404.
-        self.refusal: Optional[Exception] = None
+
+    def refuse(self, status: int, error: Optional[dict] = None) -> None:
+        """Mark the request refused before its answer started: the handler answers
+        ``status`` (not mlx-lm's 404) with ``error`` as OpenAI's error object, if given."""
+        self.refused, self.status, self.error = True, status, error
 
 
 _local = threading.local()

@@ -4,8 +4,9 @@
 Every other route is mlx-lm's, CORS headers included, or one of the ``POST`` routes the
 app hands the handler (`PostRoute`: the agent APIs). Ours add: the admin route's access
 rules (`admin`), a 400 for request fields that would end mlx-lm's generation thread
-(`validation`), a 400 in OpenAI's shape for a prompt over the model's context (`context`:
-``context_length_exceeded``, where mlx-lm would answer 404), and the stop (`lifecycle`): a
+(`validation`), a refusal before the answer starts in its own status and OpenAI's error
+shape where mlx-lm would answer 404 (a prompt over the model's context: 400
+``context_length_exceeded``; memory: 503, or 400 when it never fits), and the stop (`lifecycle`): a
 request that arrives while the server stops gets a 503; an answer the stop cuts short ends
 with ``finish_reason: "length"``.
 
@@ -34,7 +35,7 @@ from mlx_lm.server import APIHandler
 from ...generation.model_pair import vocab_size
 from ..engine.generator import MarkedRequest
 from ..guards.admin import AdminPolicy
-from ..guards.context import ContextTooLong, served_context
+from ..guards.context import served_context
 from ..guards.images import ImagePolicy, image_urls, url_problem
 from ..guards.lifecycle import current_ticket, set_client_watch, set_ticket
 from ..guards.validation import body_problem
@@ -93,25 +94,6 @@ class PostRoute:
 
 
 log = logging.getLogger("mlx_kvcache")
-
-
-class _Replied(io.RawIOBase):
-    """The ``wfile`` of a request already answered: what mlx-lm still writes is dropped;
-    closing closes the connection's own."""
-
-    def __init__(self, sent) -> None:
-        super().__init__()
-        self._sent = sent
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        return len(data)
-
-    def close(self) -> None:
-        self._sent.close()
-        super().close()
 
 
 #: The most request body read (and dropped) before refusing a request.
@@ -380,26 +362,7 @@ class CacheAPIHandler(APIHandler):
             status_code = ticket.status
             if ticket.error is not None:  # its body, next, in OpenAI's error shape
                 self.wfile = _ErrorBody(self, self.wfile, ticket.error)
-        elif status_code == 404 and ticket is not None and \
-                isinstance(ticket.refusal, ContextTooLong):
-            return self._refuse_too_long(ticket.refusal)
         super()._set_completion_headers(status_code)
-
-    def _refuse_too_long(self, e: ContextTooLong) -> None:
-        """A prompt over the model's context, refused before any work: 400 in OpenAI's
-        shape (``context_length_exceeded``). mlx-lm goes on to write its own error reply,
-        which goes nowhere; the connection closes after this reply."""
-        body = json.dumps({"error": {"message": str(e), "type": "invalid_request_error",
-                                     "param": "prompt" if self.path == "/v1/completions"
-                                     else "messages",
-                                     "code": "context_length_exceeded"}}).encode()
-        super()._set_completion_headers(400)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-        self.wfile.flush()
-        self.close_connection = True
-        self.wfile = _Replied(self.wfile)
 
     #: Whether a streamed chat answer gets keep-alive comments (the agent routes' captured
     #: chat runs do not: their front end keeps its own stream alive).
