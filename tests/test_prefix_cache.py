@@ -6,11 +6,10 @@ import threading
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mlx_lm.models.cache import KVCache
 
 import mlx_kvcache as mk
 from mlx_kvcache.prefix.planner import guess_spacing, stops
-from models import V, build
+from models import OpaqueStateCache, V, build
 from reference import (  # noqa: F401  (track_snapshots is an autouse fixture)
     MARGIN, TOK, assert_same, check_no_leaks, cold, model, new_cache, run, track_snapshots,
 )
@@ -253,29 +252,18 @@ def test_cancel_and_failures_keep_trie_valid(name):
     check_no_leaks(pc)
 
 
-class _OpaqueStateCache(KVCache):
-    """A cache class whose state holds something no snapshot can: the one case left."""
-
-    @property
-    def state(self):
-        return self.keys, self.values, self.offset, object()
-
-    @state.setter
-    def state(self, v):
-        self.keys, self.values, self.offset = v[:3]
-
 
 def test_unsnapshottable_cache_state_warns_and_still_generates(tmp_path):
     from mlx_kvcache.prefix.null import NullManager
     m = build("llama")
-    m.make_cache = lambda: [_OpaqueStateCache() for _ in m.layers]
+    m.make_cache = lambda: [OpaqueStateCache() for _ in m.layers]
     with pytest.warns(RuntimeWarning, match="cannot be reused") as told:
         pc = mk.PrefixCache(m, cache_dir=str(tmp_path / "c"))
     assert len(told) == 1  # no disk tier was tried: nothing is ever stored
     assert isinstance(pc.manager, NullManager) and pc.store is None
     for _ in range(2):  # caching off: the repeat computes its whole prompt again
         rs = list(pc.stream_generate(TOK, [1, 2, 3, 4], 3))
-        assert rs[-1].cache.reason and "_OpaqueStateCache" in rs[-1].cache.reason
+        assert rs[-1].cache.reason and "OpaqueStateCache" in rs[-1].cache.reason
         assert rs[-1].cache.prefilled_tokens == 4 and rs[-1].cache.restored_tokens == 0
         assert rs[-1].cache.reuse is None and rs[-1].cache.cache_bytes == 0
     s = pc.stats

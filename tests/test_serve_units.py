@@ -14,7 +14,7 @@ from mlx_lm.models import cache as mlc
 from mlx_kvcache.serving import TriePromptCache
 from mlx_kvcache.serving import app, seam
 from mlx_kvcache.serving.engine.generator import split_segments
-from models import V, build
+from models import OpaqueStateCache, V, build
 
 KEY = ("model", None, None)
 
@@ -60,24 +60,13 @@ def test_fetch_insert_round_trip_never_aliases(name):
     assert len(rest) >= 1
 
 
-class _OpaqueStateCache(mlc.KVCache):
-    """A cache class whose state holds something no snapshot can: caching is off."""
-
-    @property
-    def state(self):
-        return self.keys, self.values, self.offset, object()
-
-    @state.setter
-    def state(self, v):
-        self.keys, self.values, self.offset = v[:3]
-
 
 def test_caching_off_stores_nothing_and_says_why(tmp_path):
     """A model whose caches cannot be snapshotted: mlx-lm computes every prompt whole, the
     cache reports zeros and why (``GET /v1/cache``), and every verb of the seam still
     answers (the null manager: `prefix.null`)."""
     m = build("llama")
-    m.make_cache = lambda: [_OpaqueStateCache() for _ in m.layers]
+    m.make_cache = lambda: [OpaqueStateCache() for _ in m.layers]
     pc = TriePromptCache(provider(m), max_bytes=1 << 30, checkpoint_interval=8,
                          cache_dir=str(tmp_path / "c"))
     prompt = [(7 * i + 3) % V for i in range(20)]
@@ -96,7 +85,7 @@ def test_caching_off_stores_nothing_and_says_why(tmp_path):
     assert pc.turn_flags() == [0, 0]
     assert all(r == {"n_sequences": 0, "n_bytes": 0} for r in pc.stats_by_type().values())
     rep = pc.report()
-    assert rep["enabled"] is False and "_OpaqueStateCache" in rep["disabled_because"]
+    assert rep["enabled"] is False and "OpaqueStateCache" in rep["disabled_because"]
     assert (rep["bytes_held"], rep["nodes"], rep["layers"], rep["disk_bytes"]) == (0, 0, 0, 0)
     assert rep["cache_dir"] is None and rep["kv_bits"] is None and "disk_nodes" not in rep
     assert rep["requests"] == 0 and rep["cached_tokens"] == 0

@@ -15,14 +15,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step, speculative_generate_step
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 import mlx_kvcache as mk
 import mlx_kvcache.testing
 from mlx_kvcache.testing import noisy_copy
-from models import V, build
+from models import OpaqueStateCache, V, build
 from reference import (  # noqa: F401  (track_snapshots is an autouse fixture)
     FLOAT_TOL, MARGIN, TOK, assert_same, check_no_leaks, cold, model, new_cache, run,
     track_snapshots,
@@ -484,22 +483,11 @@ def test_persisted_cache_is_keyed_on_both_models(tmp_path):
     again.close()
 
 
-class _OpaqueStateCache(KVCache):
-    """A cache whose state holds something no snapshot can (the one kind the trie refuses)."""
-
-    @property
-    def state(self):
-        return self.keys, self.values, self.offset, object()
-
-    @state.setter
-    def state(self, v):
-        self.keys, self.values, self.offset = v[:3]
-
 
 def test_draft_with_caches_the_trie_cannot_hold():
     """Without the prefix cache (a cache kind it refuses), speculation still works."""
     m = build("llama")
-    m.make_cache = lambda: [_OpaqueStateCache() for _ in m.layers]
+    m.make_cache = lambda: [OpaqueStateCache() for _ in m.layers]
     d = noisy_copy("llama", 0.1)
     with pytest.warns(RuntimeWarning, match="cannot be reused"):
         pc = mk.PrefixCache(m, draft_model=d, num_draft_tokens=3, draft_policy="fixed")
