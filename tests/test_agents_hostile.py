@@ -138,7 +138,9 @@ def _shape_ok(path: str, out) -> bool:
             "invalid_request_error", "request_too_large")
     if path == "/v1/responses":
         return set(out["error"]) >= {"message", "type", "param", "code"}
-    return isinstance(out.get("error"), str)
+    # mlx-lm's chat route: its string, or OpenAI's error object where ours refuses first
+    err = out.get("error")
+    return isinstance(err, str) or isinstance(err, dict) and isinstance(err.get("message"), str)
 
 
 ALL_ROUTES = (*AGENT_ROUTES, "/v1/chat/completions")
@@ -180,6 +182,15 @@ SURROGATES = [
      "tools[0].input_schema.properties.q.description"),
     ("/v1/messages/count_tokens", {"model": "m", "messages": CONVO, "tools": [
         {"name": "f", "input_schema": {"type": "object", "\udc00": 1}}]}, "input_schema"),
+    # mlx-lm's routes, through our handler
+    ("/v1/chat/completions", {"max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a\ud800b"}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", {"max_tokens": 2, "messages": CONVO, "tools": [
+        {"type": "function", "function": {"name": "f", "description": "\udfff",
+                                          "parameters": {}}}]},
+     "tools[0].function.description"),
+    ("/v1/completions", {"max_tokens": 2, "prompt": "x\ud800"}, "prompt"),
 ]
 
 
@@ -187,7 +198,8 @@ SURROGATES = [
 def test_lone_surrogates_are_named_in_a_400(server, path, body, where):
     status, out = server.request("POST", path, raw=json.dumps(body).encode())
     assert status == 400 and _shape_ok(path, out), (status, out)
-    assert where in out["error"]["message"] and "surrogate" in out["error"]["message"]
+    msg = out["error"] if isinstance(out["error"], str) else out["error"]["message"]
+    assert where in msg and "surrogate" in msg, msg
     if path == "/v1/responses":
         assert out["error"]["param"].startswith(where.split(".")[0])
     # a surrogate pair is text, and served
@@ -394,6 +406,62 @@ def test_an_image_over_the_pixel_cap_is_refused_from_its_header(vision):
             assert "13000 x 13000" in msg and "--max-image-pixels" in msg, msg
     # Eight refusals of a ~500 MB image: no decoding (the bodies themselves are ~0.7 MB).
     assert _rss_kib(server.proc.pid) - before < 60_000
+
+
+def _peak_kib(pid: int, reset: bool = False) -> int:
+    """The process's peak resident memory (``VmHWM``), first set back to what it holds now
+    with ``reset``."""
+    if reset:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_images_whose_decoding_can_never_fit_are_refused_undecoded(vision_dir, tmp_path):
+    from mlx_kvcache.testing.vision_dir import image_data_url
+
+    # 6,000 x 6,000 pixels (under the pixel cap) take ~500 MB to decode; the limit leaves
+    # 300 MB beside the model's weights (under 1 MB): every route refuses them with its
+    # 400, before anything decodes them. A small image still answers.
+    png = _png_header_only(6_000, 6_000)
+    b64 = base64.b64encode(png).decode()
+    with Server.ours(vision_dir, tmp_path / "log.txt", tmp_path, "--no-persist",
+                     "--trust-remote-code", "--memory-limit", "300M") as s:
+        pid = s.proc.pid
+        before = _peak_kib(pid, reset=True)
+        for path, body in _image_bodies(f"data:image/png;base64,{b64}", b64):
+            status, out = s.request("POST", path, body)
+            assert status == 400 and _shape_ok(path, out), (path, status, out)
+            msg = out["error"] if isinstance(out["error"], str) else out["error"]["message"]
+            assert "never be decoded" in msg and "--memory-limit" in msg, msg
+        assert _peak_kib(pid) - before < 100_000  # (decoding one would add ~500,000 KiB)
+        assert s.cache()["memory"]["never_fit"] == 4
+        small = image_data_url(16, 16)
+        for path, body in _image_bodies(small, small.split(",", 1)[1]):
+            status, out = s.request("POST", path, body)
+            assert status == 200, (path, status, out)
+
+
+def test_count_tokens_decodes_on_the_generation_thread_one_at_a_time(vision):
+    from concurrent.futures import ThreadPoolExecutor
+
+    # Four clients count a 3,000 x 3,000 image each (~130 MB to decode) at once. Decoded in
+    # their HTTP threads they would hold up to four decodings together; decoded where the
+    # message route decodes them (the generation thread, admitted by the memory guard),
+    # one at a time.
+    b64 = base64.b64encode(_png_header_only(3_000, 3_000)).decode()
+    body = dict(_image_bodies("", b64))["/v1/messages/count_tokens"]
+    pid = vision.proc.pid
+    before = _peak_kib(pid, reset=True)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: vision.request("POST", "/v1/messages/count_tokens",
+                                                     body), range(4)))
+    assert all(status == 200 for status, _ in got), got
+    assert len({out["input_tokens"] for _, out in got}) == 1
+    grown = _peak_kib(pid) - before
+    assert 60_000 < grown < 200_000, grown  # one decoding (~130 MB), never two at once
 
 
 class _ImageHost:

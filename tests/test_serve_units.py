@@ -468,6 +468,79 @@ def test_admission_fairness_is_bounded():
     assert q.get_nowait()[1] == "big"  # it goes first once it fits
 
 
+def test_images_are_decoded_only_where_the_guard_admits_their_decoding():
+    from queue import Empty, Queue
+
+    from mlx_kvcache.serving.guards.memory import (AdmissionQueue, DecodeJob, Footprint,
+                                                   MemoryGuard, MemoryNeverFits, MemoryRefused)
+
+    # Rule 6: a request's images (bytes to decode, read from their headers) are admitted
+    # before anything decodes them (`size` stands for mlx-lm's tokenizing, which decodes).
+    g = MemoryGuard(limit=10_000, wait=3600.0, active_memory=lambda: 0)
+    g.footprint = Footprint(weights=1000, kv_fixed=0, kv_per_token=1.0, act_per_token=0.0,
+                            step=8)
+    images = {"text": 0, "photo": 5_000, "poster": 8_000, "mural": 9_001}
+    decoded = []
+
+    def size(item):
+        decoded.append(item[1])
+        return (100, 100)
+    q = AdmissionQueue(g, size, lambda item: False, images=lambda item: images[item[1]])
+
+    def put(kind) -> Queue:
+        out: Queue = Queue()
+        q.put((out, kind, None))
+        return out
+    # Decoding that can never fit beside the weights: 400 at once, nothing decoded.
+    mural = put("mural")
+    with pytest.raises(Empty):
+        q.get_nowait()
+    refused = mural.get_nowait()
+    assert isinstance(refused, MemoryNeverFits) and refused.status == 400
+    assert "never be decoded" in str(refused) and "--memory-limit" in str(refused)
+    assert decoded == [] and g.report()["never_fit"] == 1
+    # Fits: decoded once, then admitted as a request.
+    put("photo")
+    running = q.get(timeout=0)
+    assert running[1] == "photo" and decoded == ["photo"]
+    # While it runs, images that do not fit beside it wait undecoded; a text request
+    # behind them goes first, and a count (`DecodeJob`) that fits runs in the line.
+    g.reserve(4_000, 1000, 0)  # (what a long answer beside it holds)
+    poster = put("poster")
+    put("text")
+    assert q.get_nowait()[1] == "text" and decoded == ["photo", "text"]
+    counted = Queue()
+    q.put((counted, DecodeJob(lambda: 42, 1_000), None))
+    with pytest.raises(Empty):
+        q.get_nowait()
+    assert counted.get_nowait() == 42 and poster.qsize() == 0
+    failing = Queue()
+    q.put((failing, DecodeJob(lambda: 1 / 0, 100), None))
+    with pytest.raises(Empty):
+        q.get_nowait()
+    assert isinstance(failing.get_nowait(), ZeroDivisionError)  # the asker's, not the loop's
+    g.idle()  # the answers ended
+    assert q.get_nowait()[1] == "poster" and decoded[-1] == "poster"
+    # Waited too long (here: nothing runs that could free what is in use): 503, undecoded.
+    g2 = MemoryGuard(limit=10_000, wait=0.0, active_memory=lambda: 7_000)
+    g2.footprint = g.footprint
+    q2 = AdmissionQueue(g2, size, lambda item: False, images=lambda item: images[item[1]])
+    out = Queue()
+    q2.put((out, "photo", None))
+    with pytest.raises(Empty):
+        q2.get_nowait()
+    refused = out.get_nowait()
+    assert type(refused) is MemoryRefused and "cannot decode this request's images" in str(refused)
+    assert decoded[-1] == "poster"
+    # No limit: a job runs as it comes.
+    free = AdmissionQueue(MemoryGuard(limit=None), size, lambda item: False)
+    out = Queue()
+    free.put((out, DecodeJob(lambda: "ran", 10**12), None))
+    with pytest.raises(Empty):
+        free.get_nowait()
+    assert out.get_nowait() == "ran"
+
+
 def test_the_reservation_follows_the_decoded_tokens():
     from mlx_lm.server import Response
 

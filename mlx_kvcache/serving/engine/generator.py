@@ -36,7 +36,9 @@ from ..cache.namespace import Namespaced
 from ..cache.prompt_cache import TriePromptCache
 from ..guards.context import ContextTooLong, answer_tokens, served_context
 from ..guards.lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
-from ..guards.memory import AdmissionQueue, MemoryGuard, MemoryNeverFits, MemoryRefused
+from ..guards.images import ImagePolicy
+from ..guards.memory import (AdmissionQueue, DecodeJob, MemoryGuard, MemoryNeverFits,
+                             MemoryRefused)
 from ..guards.validation import generation_problem
 from .templates import answer_extends_prompt
 from .reasoning_budget import ReasoningBudget
@@ -225,7 +227,8 @@ class ServerResponseGenerator(ResponseGenerator):
         self._sized: Dict[int, Tuple[Any, Any, tuple]] = {}  # request id -> tokenized
         self._gate = AdmissionQueue(self.memory, self._request_size,
                                     lambda item: isinstance(item[1], Control),
-                                    lambda item: self._sized.pop(id(item[1]), None))
+                                    lambda item: self._sized.pop(id(item[1]), None),
+                                    self._image_bytes)
         # (--draft-policy; mlx-lm refuses a draft model under mlx.launch)
         self._draft_lengths = DraftLengths(
             getattr(getattr(model_provider, "cli_args", None), "draft_policy", "adaptive"))
@@ -270,6 +273,35 @@ class ServerResponseGenerator(ResponseGenerator):
             self._sized.clear()
         self._sized[id(request)] = (request, tokenizer, out)
         return len(out[0]), int(getattr(args, "max_tokens", 0) or 0)
+
+    def _image_bytes(self, item) -> int:
+        """What decoding a queued request's images takes (`images.decode_bytes`): 0 for a
+        text request, or where the model has no image processor (mlx-lm drops the images)."""
+        request = item[1]
+        if getattr(request, "request_type", None) != "chat" \
+                or self.model_provider.processor is None:
+            return 0
+        return ImagePolicy.decode_bytes(request.messages)
+
+    def decode(self, run: Callable[[], Any], nbytes: int) -> Any:
+        """``run()`` on the generation thread once the memory guard admits decoding images
+        that take ``nbytes`` at their peak (``count_tokens``: never in an HTTP thread, where
+        any number of clients could decode at once); returns what it returned, raises what
+        it raised, or the guard's `MemoryRefused`."""
+        q: Queue = Queue()
+        if not self.generation_available():
+            raise RuntimeError("the generation thread is not running")
+        self.requests.put((q, DecodeJob(run, nbytes), None))
+        while True:
+            try:
+                out = q.get(timeout=0.1)
+            except Empty:
+                if not self.generation_available():
+                    raise RuntimeError("the generation thread ended first") from None
+                continue
+            if isinstance(out, BaseException):
+                raise out
+            return out
 
     # -- prompts ------------------------------------------------------------------------------
     def _tokenize(self, tokenizer, request, args):

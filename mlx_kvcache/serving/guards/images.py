@@ -9,6 +9,10 @@
   decoded to RGB (mlx-lm's ``_decode_image``), more in the image processor. The header
   says the size without decoding (PIL's ``Image.open`` reads only that), so an image over
   ``--max-image-pixels`` is refused before any decoding (`pixel_problem`).
+* **How much memory decoding takes.** mlx-lm decodes all of a request's images before its
+  processor sees any; the memory guard admits that decoding like a request (`decode_bytes`,
+  from the headers: ``guards.memory``), on the generation thread, for the message routes
+  and ``count_tokens`` alike.
 """
 
 from __future__ import annotations
@@ -20,14 +24,23 @@ import warnings
 from typing import Any, Iterator, List, Optional
 from urllib.request import urlopen
 
-__all__ = ["DEFAULT_MAX_PIXELS", "image_urls", "url_problem", "pixel_problem",
-           "image_problem", "inline", "check_all", "ImagePolicy"]
+__all__ = ["DEFAULT_MAX_PIXELS", "KEPT_BYTES_PER_PIXEL", "PEAK_BYTES_PER_PIXEL", "image_urls",
+           "url_problem", "pixel_problem", "image_problem", "decode_bytes", "inline",
+           "check_all", "ImagePolicy"]
 
 #: ``--max-image-pixels`` by default: 40 megapixels (a 7,680 × 5,120 photo fits).
 DEFAULT_MAX_PIXELS = 40_000_000
 #: Seconds and bytes one fetched image may take (with ``--allow-image-urls``).
 FETCH_TIMEOUT = 30.0
 FETCH_LIMIT = 64 << 20
+#: What mlx-lm's ``_decode_image`` keeps of each decoded image until the processor is done
+#: with all of them: its RGB ``uint8`` array, 3 bytes a pixel.
+KEPT_BYTES_PER_PIXEL = 3
+#: What decoding one image takes beside that at its peak: PIL holds the decoded image at 4
+#: bytes a pixel (RGB as RGBX), ``convert("RGB")`` a second such copy, and ``np.asarray``
+#: reads it through a 3-byte string: 4 + 4 + 3 more. (14 bytes a pixel in all, measured with
+#: ``VmHWM`` for RGB and RGBA PNGs of 4,000 x 4,000: 14.0 and 14.0.)
+PEAK_BYTES_PER_PIXEL = 11
 
 
 def _url(part: Any) -> Optional[str]:
@@ -71,6 +84,31 @@ def _data(url: str) -> bytes:
         return base64.b64decode(payload, validate=False)
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"the image's base64 data cannot be decoded ({e})") from None
+
+
+def _pixels(url: str) -> int:
+    """The pixels of the ``data:`` URL image ``url`` by its header (0: unreadable, or not
+    a data: URL; such a request fails before decoding anything)."""
+    from PIL import Image
+
+    if not url.startswith("data:"):
+        return 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(_data(url))) as im:
+                width, height = im.size
+    except Exception:  # noqa: BLE001 - unreadable: refused by `image_problem`, or mlx-lm's error
+        return 0
+    return int(width) * int(height)
+
+
+def decode_bytes(urls: List[str]) -> int:
+    """The memory decoding the ``data:`` URL images ``urls`` takes at its peak, from their
+    headers: every decoded image kept (`KEPT_BYTES_PER_PIXEL`) and the largest one's
+    decoding beside them (`PEAK_BYTES_PER_PIXEL`)."""
+    pixels = [_pixels(u) for u in urls]
+    return KEPT_BYTES_PER_PIXEL * sum(pixels) + PEAK_BYTES_PER_PIXEL * max(pixels, default=0)
 
 
 def pixel_problem(data: bytes, max_pixels: Optional[int]) -> Optional[str]:
@@ -154,6 +192,11 @@ class ImagePolicy:
         cap = getattr(cli_args, "max_image_pixels", None)
         return cls(bool(getattr(cli_args, "allow_image_urls", False)),
                    DEFAULT_MAX_PIXELS if cap is None else int(cap))
+
+    @staticmethod
+    def decode_bytes(messages: Any) -> int:
+        """`decode_bytes` of the images of chat-format ``messages``."""
+        return decode_bytes(list(image_urls(messages)))
 
     def problem(self, messages: Any) -> Optional[str]:
         """The first reason an image of chat-format ``messages`` is refused, or None."""

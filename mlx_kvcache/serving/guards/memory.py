@@ -32,6 +32,14 @@ The rules, in the order a request meets them:
    generated so far is sent). A request whose ``max_tokens`` can never fit is so ended,
    not refused: it may well stop sooner.
 
+6. *Images*: mlx-lm decodes a request's images when it tokenizes it, which here is at
+   admission (rule 2 needs its prompt's length; what it made is kept for mlx-lm). The
+   decoding is admitted first, by rules 1-4 with its own need — the bytes it takes at its
+   peak, from the images' headers (``images.decode_bytes``) — so no image is decoded where
+   the limit cannot take it, and each once. ``count_tokens`` with images is a `DecodeJob`
+   in the same line: decoded on the generation thread, never in an HTTP thread, where any
+   number of clients could decode at once.
+
 Commands (``DELETE /v1/cache``, the stop) pass at once. While requests run, every insert
 keeps the prompt cache within what the limit leaves beside them (`MemoryGuard.room`).
 
@@ -59,8 +67,8 @@ from mlx_lm.server import GenerationContext, Response
 
 from ...prefix.stats import human_bytes
 
-__all__ = ["AdmissionQueue", "Footprint", "MemoryGuard", "MemoryNeverFits", "MemoryRefused",
-           "Reservation", "default_limit", "measure"]
+__all__ = ["AdmissionQueue", "DecodeJob", "Footprint", "MemoryGuard", "MemoryNeverFits",
+           "MemoryRefused", "Reservation", "default_limit", "measure"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -307,6 +315,11 @@ class MemoryGuard:
         fp = self.footprint
         return fp.weights + fp.need(prompt_tokens, self.first_answer(max_tokens)) > self.limit
 
+    def decoding_never_fits(self, nbytes: int) -> bool:
+        """Whether decoding that takes ``nbytes`` passes what the limit leaves beside the
+        weights with an empty prompt cache and nothing running (rule 6)."""
+        return self.footprint.weights + int(nbytes) > self.limit
+
     def largest_prompt(self) -> int:
         """The longest prompt (tokens) that can ever be admitted, with a full headroom."""
         lo, hi = 0, 1
@@ -430,6 +443,24 @@ class MemoryGuard:
                 f"the model's {human_bytes(fp.weights)}; the longest prompt it can take is "
                 f"about {self.largest_prompt()} tokens")
 
+    def images_too_large(self, nbytes: int) -> str:
+        """The 400's message for images whose decoding can never fit (rule 6)."""
+        fp = self.footprint
+        return (f"the images of this request can never be decoded within the server's memory "
+                f"limit: decoding them takes about {human_bytes(nbytes)} (their pixels, from "
+                f"their headers), and the limit {human_bytes(self.limit)} (--memory-limit) "
+                f"leaves {human_bytes(max(self.limit - fp.weights, 0))} beside the model's "
+                f"{human_bytes(fp.weights)}; send fewer or smaller images")
+
+    def images_refusal(self, nbytes: int, waited: float) -> str:
+        """The 503's message for images whose decoding did not fit in time (rule 6)."""
+        fp = self.footprint
+        return (f"the server's memory limit ({human_bytes(self.limit)}, --memory-limit) "
+                f"cannot decode this request's images"
+                f"{' after waiting %.0f s' % waited if waited >= 1 else ''}: they take about "
+                f"{human_bytes(nbytes)} and {human_bytes(self.in_use())} is in use (the model "
+                f"{human_bytes(fp.weights if fp else 0)}); retry later")
+
     def report(self) -> Dict[str, Any]:
         """``GET /v1/cache``'s ``memory``: the limit, MLX's active and peak memory, what
         admitted requests reserved, and the admission counters."""
@@ -485,6 +516,27 @@ class _Released:
         return getattr(self._queue, name)
 
 
+class DecodeJob:
+    """Work on a request's images that is not a request (``count_tokens``): put in the line
+    as ``(answer queue, job, None)``, admitted by the rules of its decoding (rule 6), run
+    on the generation thread, its result (or the exception it raised, or the guard's
+    refusal) put on the answer queue. ``run``: the work; ``nbytes``: what its decoding
+    takes at its peak."""
+
+    __slots__ = ("run", "nbytes")
+
+    def __init__(self, run: Callable[[], Any], nbytes: int) -> None:
+        self.run, self.nbytes = run, int(nbytes)
+
+    def answer(self, rqueue: Queue) -> None:
+        """Run it and put what came of it on ``rqueue``."""
+        try:
+            out = self.run()
+        except Exception as e:  # noqa: BLE001 - the asker's error, never the loop's
+            out = e
+        rqueue.put(out)
+
+
 @dataclass
 class _Waiting:
     item: Tuple[Any, Any, Any]
@@ -492,6 +544,7 @@ class _Waiting:
     seq: int
     size: Optional[Tuple[int, int]] = None  # (prompt tokens, max tokens)
     sized: bool = False
+    images: Optional[int] = None  # bytes its images' decoding takes (rule 6)
     told: bool = False
     passed: int = 0  # later requests admitted past this one
 
@@ -508,17 +561,21 @@ class AdmissionQueue(Queue):
             (the request is then admitted unmeasured; mlx-lm reports its error).
         is_command: items that are not requests.
         forget: called for a request refused (what `size` kept of it can go).
+        images: the bytes decoding a request's images takes (0: none; rule 6), read before
+            `size` (which decodes them).
     """
 
     def __init__(self, guard: MemoryGuard,
                  size: Callable[[Tuple[Any, Any, Any]], Optional[Tuple[int, int]]],
                  is_command: Callable[[Any], bool],
-                 forget: Callable[[Tuple[Any, Any, Any]], None] = lambda item: None) -> None:
+                 forget: Callable[[Tuple[Any, Any, Any]], None] = lambda item: None,
+                 images: Callable[[Tuple[Any, Any, Any]], int] = lambda item: 0) -> None:
         super().__init__()
         self.guard = guard
         self._size = size
         self._is_command = is_command
         self._forget = forget
+        self._images = images
         self._line: Deque[_Waiting] = deque()
         self._commands: Deque[Any] = deque()
         self._seq = 0
@@ -534,7 +591,11 @@ class AdmissionQueue(Queue):
         while True:
             self._arrivals()
             if self._commands:
-                return self._commands.popleft()
+                item = self._commands.popleft()
+                if not isinstance(item[1], DecodeJob):
+                    return item
+                item[1].answer(item[0])  # no limit: it runs as it comes
+                continue
             item = self._admit()
             if item is not None:
                 return item
@@ -573,14 +634,34 @@ class AdmissionQueue(Queue):
         w.item[0].put(error)
 
     def _admit(self):
-        """The first request in line that may go now (rules 1-4), or None."""
+        """The first request in line that may go now (rules 1-4, 6), or None; each
+        `DecodeJob` met on the way runs where its decoding is admitted."""
         guard = self.guard
         try:
             ahead: List[_Waiting] = []  # waiting requests a later one would pass
             held_back = False  # one ahead was passed enough: the rest only wait (rule 3)
             for w in list(self._line):
                 if not w.sized:
-                    w.size, w.sized = self._size(w.item), True
+                    job = w.item[1] if isinstance(w.item[1], DecodeJob) else None
+                    if w.images is None:
+                        w.images = job.nbytes if job is not None else self._images(w.item)
+                    if w.images:  # its decoding is admitted first (rule 6)
+                        nbytes = w.images
+                        if guard.decoding_never_fits(nbytes):
+                            guard.never_fit += 1
+                            self._refuse(w, MemoryNeverFits(guard.images_too_large(nbytes)))
+                            continue
+                        if held_back or not guard.try_admit(nbytes):
+                            held_back = self._wait(
+                                w, ahead, held_back,
+                                lambda waited: guard.images_refusal(nbytes, waited),
+                                f"images that take about {human_bytes(nbytes)} to decode")
+                            continue
+                    if job is not None:
+                        self._line.remove(w)
+                        job.answer(w.item[0])
+                        continue
+                    w.size, w.sized = self._size(w.item), True  # (decodes its images)
                 if w.size is None:  # cannot tell: mlx-lm reports the request's problem
                     self._line.remove(w)
                     return w.item
@@ -601,23 +682,31 @@ class AdmissionQueue(Queue):
                     rqueue, request, args = w.item
                     res = guard.reserve(need, prompt, answer, max_tokens)
                     return (_Released(rqueue, res), request, args)
-                waited = time.monotonic() - w.since
-                if not guard.running() or waited >= guard.wait:
-                    # nothing running can free memory, or it waited enough
-                    guard.refused += 1
-                    self._refuse(w, MemoryRefused(guard.refusal(need, prompt, max_tokens,
-                                                                waited)))
-                    continue
-                if not w.told:
-                    w.told = True
-                    log.info("mlx_kvcache: a request of %d prompt tokens waits for memory "
-                             "(needs about %s; %s in use of the %s limit; %d running)",
-                             prompt, human_bytes(need), human_bytes(guard.in_use()),
-                             human_bytes(guard.limit), guard.running())
-                ahead.append(w)
-                held_back = held_back or w.passed >= PASS_LIMIT
+                held_back = self._wait(
+                    w, ahead, held_back,
+                    lambda waited: guard.refusal(need, prompt, max_tokens, waited),
+                    f"{prompt} prompt tokens (needs about {human_bytes(need)})")
             if self._line:
                 self._blocked = self._line[-1].seq
             return None
         finally:
             guard.waiting = len(self._line)
+
+    def _wait(self, w: _Waiting, ahead: List[_Waiting], held_back: bool,
+              refusal: Callable[[float], str], what: str) -> bool:
+        """``w`` does not fit now: refused with `MemoryRefused` (``refusal``'s message) when
+        nothing running could free memory or it waited enough (rule 4), else it waits, said
+        once; returns whether what follows it only waits (rule 3)."""
+        guard = self.guard
+        waited = time.monotonic() - w.since
+        if not guard.running() or waited >= guard.wait:
+            guard.refused += 1
+            self._refuse(w, MemoryRefused(refusal(waited)))
+            return held_back
+        if not w.told:
+            w.told = True
+            log.info("mlx_kvcache: a request waits for memory: %s; %s in use of the %s "
+                     "limit; %d running", what, human_bytes(guard.in_use()),
+                     human_bytes(guard.limit), guard.running())
+        ahead.append(w)
+        return held_back or w.passed >= PASS_LIMIT

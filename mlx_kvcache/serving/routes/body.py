@@ -12,7 +12,8 @@ in its own error shape and the connection never closes on a traceback:
 * JSON nested deeper than the parser can recurse (``json.loads`` raises `RecursionError`,
   not `ValueError`, on ``[[[[…`` 100,000 levels deep): 400;
 * a lone UTF-16 surrogate (``"\\ud800"``: valid JSON, but no tokenizer encodes it):
-  `lone_surrogate` names the field holding it.
+  `lone_surrogate` names the field holding it, on every route (mlx-lm's tokenizer would
+  raise in its generation thread, answered with a 404 and the tokenizer's words).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import socket
 from typing import Any, List, Optional, Tuple
 
 __all__ = ["BodyError", "MAX_BODY_BYTES", "BODY_TIMEOUT", "read_raw", "parse", "may_nest_deep",
-           "lone_surrogate"]
+           "escapes_surrogate", "lone_surrogate", "surrogate_message"]
 
 #: The largest body read by default (``--max-body-bytes``): an agent's whole conversation
 #: with a few images fits many times over.
@@ -127,11 +128,23 @@ def parse(raw: bytes) -> Any:
     return body
 
 
+def escapes_surrogate(raw: bytes) -> bool:
+    """Whether the JSON text ``raw`` escapes a UTF-16 surrogate anywhere (a pair or a lone
+    one: only then can `lone_surrogate` find one)."""
+    return _SURROGATE_ESCAPE.search(raw) is not None
+
+
+def surrogate_message(where: str) -> str:
+    """The 400's message for a lone surrogate at ``where`` (`lone_surrogate`)."""
+    return (f"{where} holds a lone UTF-16 surrogate (such as \\ud800): it is not text a "
+            "tokenizer can encode")
+
+
 def lone_surrogate(raw: bytes, body: Any) -> Optional[str]:
     """The path (``messages[2].content[0].text``, ``tools[1].input_schema``) of the first
     string of ``body`` (parsed from ``raw``) holding a lone UTF-16 surrogate, or None.
     Walks the body only when ``raw`` escapes a surrogate at all (pairs are fine)."""
-    if not _SURROGATE_ESCAPE.search(raw):
+    if not escapes_surrogate(raw):
         return None
     stack: List[Tuple[str, Any]] = [("", body)]
     while stack:

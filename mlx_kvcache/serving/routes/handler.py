@@ -250,12 +250,16 @@ class CacheAPIHandler(APIHandler):
     def _mlx_post(self) -> None:
         """mlx-lm's ``do_POST`` on a body read here first (`body`): its own read has no
         size cap or timeout, and its parse lets `RecursionError` (deeply nested JSON) and
-        `UnicodeDecodeError` escape — no answer, a traceback in the log. mlx-lm parses the
-        body again; ours is parsed only where it could nest that deep (`may_nest_deep`)."""
+        `UnicodeDecodeError` escape — no answer, a traceback in the log — and a lone
+        surrogate reaches its tokenizer (a 404 with the tokenizer's words). mlx-lm parses
+        the body again; ours is parsed only where it could nest that deep (`may_nest_deep`)
+        or escapes a surrogate."""
         try:
             raw = body.read_raw(self)
-            if body.may_nest_deep(raw):
-                body.parse(raw)
+            if body.may_nest_deep(raw) or body.escapes_surrogate(raw):
+                where = body.lone_surrogate(raw, body.parse(raw))
+                if where is not None:
+                    return self._send_json(400, {"error": body.surrogate_message(where)})
             else:
                 raw.decode("utf-8")
         except body.BodyError as e:

@@ -67,7 +67,8 @@ from ...engine.templates import (REASONING_SWITCHES, answer_extends_prompt, hono
                                  reasoning_switches, system_policy)
 from ...engine.generator import MarkedRequest, ServedModel
 from ...guards.context import ContextTooLong, answer_tokens, explicit_max_tokens, served_context
-from ...guards.images import ImagePolicy, inline
+from ...guards.images import ImagePolicy, decode_bytes, inline
+from ...guards.memory import MemoryRefused
 from ...guards.lifecycle import current_ticket
 from ..handler import KEEPALIVE_S, CacheAPIHandler
 from . import conversation
@@ -231,14 +232,24 @@ def count_tokens(handler, call: ChatCall) -> int:
     lay, processor = prep.layout, prep.model.processor
     if not lay.images or processor is None:
         return lay.prompt_tokens
-    cap = ImagePolicy.of(handler.response_generator.model_provider.cli_args).max_pixels
+    generator = handler.response_generator
+    cap = ImagePolicy.of(generator.model_provider.cli_args).max_pixels
     try:
         # The URL forms the message route serves (an allowed http(s) one is fetched here,
-        # as mlx-lm's route fetches it), each checked against the pixel cap first.
+        # as mlx-lm's route fetches it), each checked against the pixel cap first; then
+        # decoded as the message route decodes them: on the generation thread, once the
+        # memory guard admits their decoding.
         lay = replace(lay, images=[inline(u, cap) for u in lay.images])
-        return conversation.processed_tokens(prep.model.tokenizer, processor, lay)
+        return generator.decode(
+            lambda: conversation.processed_tokens(prep.model.tokenizer, processor, lay),
+            decode_bytes(lay.images))
+    except MemoryRefused as e:  # 400 where it never fits, else 503 (retry later)
+        raise AgentRequestError(str(e), e.status, "invalid_request_error" if e.status == 400
+                                else "overloaded_error") from None
     except ValueError as e:
         raise AgentRequestError(str(e)) from None
+    except RuntimeError as e:  # the generation thread is gone (the server stops)
+        raise AgentRequestError(str(e), 503, "overloaded_error") from None
 
 
 def prompt_ids(handler, call: ChatCall) -> Optional[List[int]]:

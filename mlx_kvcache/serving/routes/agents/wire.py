@@ -86,8 +86,7 @@ def read_body(handler) -> Any:
         raise AgentRequestError(e.message, e.status, kind) from None
     where = body_reader.lone_surrogate(raw, out)
     if where is not None:
-        raise AgentRequestError(f"{where} holds a lone UTF-16 surrogate (such as \\ud800): "
-                                "it is not text a tokenizer can encode", param=where)
+        raise AgentRequestError(body_reader.surrogate_message(where), param=where)
     return out
 
 
