@@ -461,7 +461,10 @@ def test_count_tokens_decodes_on_the_generation_thread_one_at_a_time(vision):
     assert all(status == 200 for status, _ in got), got
     assert len({out["input_tokens"] for _, out in got}) == 1
     grown = _peak_kib(pid) - before
-    assert 60_000 < grown < 200_000, grown  # one decoding (~130 MB), never two at once
+    # One decoding at a time: ~90 MiB measured (a 3,000² image held at 4 B a pixel is
+    # 36 MB, past glibc's largest mmap threshold: always mapped afresh, so at least that is
+    # seen); four at once in HTTP threads grew it by 328 MiB.
+    assert 30_000 < grown < 200_000, grown
 
 
 class _ImageHost:
