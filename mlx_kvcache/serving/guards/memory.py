@@ -422,14 +422,23 @@ class MemoryGuard:
         with self._mu:
             self._reserved.clear()
 
-    def refusal(self, need: int, prompt_tokens: int, max_tokens: int, waited: float) -> str:
+    def _left_beside_weights(self) -> str:
+        fp = self.footprint
+        return (f"the limit {human_bytes(self.limit)} (--memory-limit) leaves "
+                f"{human_bytes(max(self.limit - fp.weights, 0))} beside the model's "
+                f"{human_bytes(fp.weights)}")
+
+    def _not_now(self, what: str, need: int, waited: float) -> str:
         fp = self.footprint
         return (f"the server's memory limit ({human_bytes(self.limit)}, --memory-limit) "
-                f"cannot take this request{' after waiting %.0f s' % waited if waited >= 1 else ''}"
-                f": its {prompt_tokens} prompt tokens and the first "
-                f"{self.first_answer(max_tokens)} answer tokens need about "
-                f"{human_bytes(need)} and {human_bytes(self.in_use())} is in use (the model "
-                f"{human_bytes(fp.weights if fp else 0)}); retry later")
+                f"cannot {what}{' after waiting %.0f s' % waited if waited >= 1 else ''}: "
+                f"about {human_bytes(need)} is needed and {human_bytes(self.in_use())} is in "
+                f"use (the model {human_bytes(fp.weights if fp else 0)}); retry later")
+
+    def refusal(self, need: int, prompt_tokens: int, max_tokens: int, waited: float) -> str:
+        """The 503's message for a request that did not fit in time (rule 4)."""
+        return self._not_now(f"take this request of {prompt_tokens} prompt tokens with the "
+                             f"first {self.first_answer(max_tokens)} answer tokens", need, waited)
 
     def too_large(self, prompt_tokens: int, max_tokens: int) -> str:
         """The 400's message for a request that can never fit (rule 1)."""
@@ -438,28 +447,19 @@ class MemoryGuard:
         return (f"this request can never fit in the server's memory limit: its "
                 f"{prompt_tokens} prompt tokens need about {human_bytes(need)} "
                 f"({human_bytes(int(fp.kv_per_token * 1024))} of caches per 1k tokens, "
-                f"twice, and its prefill), and the limit {human_bytes(self.limit)} "
-                f"(--memory-limit) leaves {human_bytes(max(self.limit - fp.weights, 0))} beside "
-                f"the model's {human_bytes(fp.weights)}; the longest prompt it can take is "
-                f"about {self.largest_prompt()} tokens")
+                f"twice, and its prefill), and {self._left_beside_weights()}; the longest "
+                f"prompt it can take is about {self.largest_prompt()} tokens")
 
     def images_too_large(self, nbytes: int) -> str:
         """The 400's message for images whose decoding can never fit (rule 6)."""
-        fp = self.footprint
         return (f"the images of this request can never be decoded within the server's memory "
                 f"limit: decoding them takes about {human_bytes(nbytes)} (their pixels, from "
-                f"their headers), and the limit {human_bytes(self.limit)} (--memory-limit) "
-                f"leaves {human_bytes(max(self.limit - fp.weights, 0))} beside the model's "
-                f"{human_bytes(fp.weights)}; send fewer or smaller images")
+                f"their headers), and {self._left_beside_weights()}; send fewer or smaller "
+                f"images")
 
     def images_refusal(self, nbytes: int, waited: float) -> str:
         """The 503's message for images whose decoding did not fit in time (rule 6)."""
-        fp = self.footprint
-        return (f"the server's memory limit ({human_bytes(self.limit)}, --memory-limit) "
-                f"cannot decode this request's images"
-                f"{' after waiting %.0f s' % waited if waited >= 1 else ''}: they take about "
-                f"{human_bytes(nbytes)} and {human_bytes(self.in_use())} is in use (the model "
-                f"{human_bytes(fp.weights if fp else 0)}); retry later")
+        return self._not_now("decode this request's images", nbytes, waited)
 
     def report(self) -> Dict[str, Any]:
         """``GET /v1/cache``'s ``memory``: the limit, MLX's active and peak memory, what
