@@ -419,17 +419,17 @@ def _peak_kib(pid: int, reset: bool = False) -> int:
     raise AssertionError("no VmHWM")
 
 
-def test_images_whose_decoding_can_never_fit_are_refused_undecoded(vision_dir, tmp_path):
+def test_images_the_limit_can_never_take_are_refused_before_decoding_or_encoding(vision_dir,
+                                                                                    tmp_path):
     from mlx_kvcache.testing.vision_dir import image_data_url
 
-    # 6,000 x 6,000 pixels (under the pixel cap) take ~500 MB to decode; the limit leaves
-    # 300 MB beside the model's weights (under 1 MB): every route refuses them with its
-    # 400, before anything decodes them. A small image still answers.
-    png = _png_header_only(6_000, 6_000)
-    b64 = base64.b64encode(png).decode()
+    # The limit leaves 300 MB beside the model's weights (under 1 MB).
     with Server.ours(vision_dir, tmp_path / "log.txt", tmp_path, "--no-persist",
                      "--trust-remote-code", "--memory-limit", "300M") as s:
         pid = s.proc.pid
+        # 6,000 x 6,000 pixels (under the pixel cap) take ~500 MB to decode: every route
+        # refuses them with its 400, before anything decodes them.
+        b64 = base64.b64encode(_png_header_only(6_000, 6_000)).decode()
         before = _peak_kib(pid, reset=True)
         for path, body in _image_bodies(f"data:image/png;base64,{b64}", b64):
             status, out = s.request("POST", path, body)
@@ -438,6 +438,21 @@ def test_images_whose_decoding_can_never_fit_are_refused_undecoded(vision_dir, t
             assert "never be decoded" in msg and "--memory-limit" in msg, msg
         assert _peak_kib(pid) - before < 100_000  # (decoding one would add ~500,000 KiB)
         assert s.cache()["memory"]["never_fit"] == 4
+        # 512 x 512 pixels decode in 4 MB, but the processor makes them 4,096 tokens, and
+        # this vision tower's attention takes ~2 GB to encode them (measured at start from
+        # two small images): refused before the encoding — counted, as count_tokens only
+        # decodes.
+        b64 = base64.b64encode(_png_header_only(512, 512)).decode()
+        before = _peak_kib(pid, reset=True)
+        for path, body in _image_bodies(f"data:image/png;base64,{b64}", b64):
+            status, out = s.request("POST", path, body)
+            if path == "/v1/messages/count_tokens":
+                assert status == 200 and out["input_tokens"] > 4096, out
+                continue
+            assert status == 400 and _shape_ok(path, out), (path, status, out)
+            msg = out["error"] if isinstance(out["error"], str) else out["error"]["message"]
+            assert "encoding its 1 image of 4096 tokens" in msg and "--memory-limit" in msg, msg
+        assert _peak_kib(pid) - before < 100_000  # (encoding it would add ~2,000,000 KiB)
         small = image_data_url(16, 16)
         for path, body in _image_bodies(small, small.split(",", 1)[1]):
             status, out = s.request("POST", path, body)

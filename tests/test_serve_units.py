@@ -541,6 +541,51 @@ def test_images_are_decoded_only_where_the_guard_admits_their_decoding():
     assert out.get_nowait() == "ran"
 
 
+def test_an_image_s_encoding_is_measured_and_reserved_until_the_prefill_ends():
+    from queue import Queue
+
+    from mlx_lm.server import Response
+
+    from mlx_kvcache.serving.guards.memory import (AdmissionQueue, Footprint, MemoryGuard,
+                                                   MemoryNeverFits, _encoding)
+
+    # A stand-in image encoder whose attention holds an n x n float32 score matrix: the
+    # measured line grows with n² at 4 bytes (and a little per token: its output rows).
+    class Tower:
+        def embed_inputs(self, ids, pixel_values):
+            n = int(pixel_values.shape[0])
+            scores = mx.outer(pixel_values, pixel_values)
+            return mx.repeat(scores.sum(axis=1, keepdims=True), 8, axis=1)
+
+    def probe(n):
+        return [0] * (n + 2), mx.ones((n,)), n
+    linear, square = _encoding(Tower(), probe)
+    assert 3.9 <= square <= 4.5 and linear <= 200, (linear, square)
+    assert _encoding(Tower(), lambda n: None) == (0.0, 0.0)  # no image the processor makes
+    # A processor that gives every image the same tokens: one size, linear only.
+    linear, square = _encoding(Tower(), lambda n: ([0] * 66, mx.ones((64,)), 64))
+    assert square == 0.0 and linear >= 4 * 64
+
+    # The guard: an image of 100 tokens takes 10 x 100 + 1 x 100² = 11,000 B to encode.
+    fp = Footprint(weights=1000, kv_fixed=0, kv_per_token=1.0, act_per_token=0.0, step=8,
+                   image_linear=10.0, image_square=1.0)
+    assert fp.encoding([100, 100]) == 22_000 and fp.encoding([]) == 0
+    g = MemoryGuard(limit=20_000, wait=3600.0, active_memory=lambda: 0)
+    g.footprint = fp
+    sizes = {"one": (200, 10, (100,)), "two": (200, 10, (100, 100))}
+    q = AdmissionQueue(g, lambda item: sizes[item[1]], lambda item: False)
+    two: Queue = Queue()
+    q.put((two, "two", None))
+    q.put((Queue(), "one", None))
+    admitted = q.get(timeout=0)
+    refused = two.get_nowait()  # 22,000 B of encoding beside 1,000 B of weights: never
+    assert isinstance(refused, MemoryNeverFits) and "2 images of 100+100 tokens" in str(refused)
+    assert "send fewer or smaller images" in str(refused)
+    assert admitted[1] == "one" and g.reserved() == 2 * 256 + 11_000
+    admitted[0].put(Response("a", 1, 0.0, None, ()))
+    assert g.reserved() == 2 * 256  # prefilled: the encoding is gone
+
+
 def test_the_reservation_follows_the_decoded_tokens():
     from mlx_lm.server import Response
 

@@ -280,6 +280,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from .guards.sharding import sharding_problem
     from ..caches import make_prompt_cache
     from ..generation.sizing import memory_bytes
+    from .guards.images import image_probe
     from .guards.memory import MemoryGuard, measure
     from .seam import DraftLoadError
     from .guards.startup import StartCheck, first_line, kv_quant_problem
@@ -345,9 +346,12 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
                        else f"the model {args.model} does not load: {first_line(e)}")
         if not problem and args.memory_limit != 0 and model_provider.model is not None:
             try:
+                processor = model_provider.processor
                 log.info("mlx_kvcache: %s", memory.configure(
                     measure([model_provider.model, model_provider.draft_model],
-                            make_prompt_cache, args.prefill_step_size), memory_bytes()))
+                            make_prompt_cache, args.prefill_step_size,
+                            image_probe(processor, model_provider.tokenizer)
+                            if processor is not None else None), memory_bytes()))
             except Exception as e:  # noqa: BLE001 - the server runs, unguarded, and says so
                 log.warning("mlx_kvcache: no memory guard: this model could not be measured "
                             "(%s)", first_line(e))

@@ -36,8 +36,8 @@ from ...generation.prefill import Feed, on_stream
 from ...generation.prefill import prefill as run_prefill
 from ...prefix.stats import RequestStats
 
-__all__ = ["SequentialRequest", "current", "serving", "image_runs", "outside_images", "plan_stops",
-           "prefill"]
+__all__ = ["SequentialRequest", "current", "serving", "image_runs", "image_sizes", "outside_images",
+           "plan_stops", "prefill"]
 
 _local = threading.local()
 
@@ -98,6 +98,12 @@ def image_runs(key: Sequence[int]) -> List[Tuple[int, int]]:
     neg = np.asarray(key) < 0
     edges = np.flatnonzero(np.diff(neg.astype(np.int8), prepend=0, append=0))
     return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+
+
+def image_sizes(key: Sequence[int]) -> Tuple[int, ...]:
+    """The tokens of each image in a cache key (each image has its own negative id)."""
+    ids = np.asarray(key)
+    return tuple(np.unique(ids[ids < 0], return_counts=True)[1].tolist())
 
 
 def plan_stops(live, plan, key: Sequence[int], seq: SequentialRequest,

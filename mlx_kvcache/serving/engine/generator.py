@@ -257,9 +257,10 @@ class ServerResponseGenerator(ResponseGenerator):
     def requests(self, queue) -> None:
         pass  # mlx-lm's __init__ makes a plain queue: ours stands in its place
 
-    def _request_size(self, item) -> Optional[Tuple[int, int]]:
-        """``(prompt tokens, max tokens)`` of a queued request, tokenized as mlx-lm will
-        (kept for its `_tokenize`), or None when it cannot be told here."""
+    def _request_size(self, item) -> Optional[Tuple[int, int, Tuple[int, ...]]]:
+        """``(prompt tokens, max tokens, tokens of each image)`` of a queued request,
+        tokenized as mlx-lm will (kept for its `_tokenize`), or None when it cannot be told
+        here."""
         _, request, args = item
         tokenizer = self.model_provider.tokenizer
         if tokenizer is None:
@@ -272,7 +273,9 @@ class ServerResponseGenerator(ResponseGenerator):
         if len(self._sized) > 1024:  # requests that ended before mlx-lm tokenized them
             self._sized.clear()
         self._sized[id(request)] = (request, tokenizer, out)
-        return len(out[0]), int(getattr(args, "max_tokens", 0) or 0)
+        vision = out[4]
+        return (len(out[0]), int(getattr(args, "max_tokens", 0) or 0),
+                sequential.image_sizes(vision.cache_key) if vision is not None else ())
 
     def _image_bytes(self, item) -> int:
         """What decoding a queued request's images takes (`images.decode_bytes`): 0 for a

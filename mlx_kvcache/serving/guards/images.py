@@ -21,12 +21,12 @@ import base64
 import binascii
 import io
 import warnings
-from typing import Any, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 from urllib.request import urlopen
 
 __all__ = ["DEFAULT_MAX_PIXELS", "KEPT_BYTES_PER_PIXEL", "PEAK_BYTES_PER_PIXEL", "image_urls",
-           "url_problem", "pixel_problem", "image_problem", "decode_bytes", "inline",
-           "check_all", "ImagePolicy"]
+           "url_problem", "pixel_problem", "image_problem", "decode_bytes", "image_probe",
+           "inline", "check_all", "ImagePolicy"]
 
 #: ``--max-image-pixels`` by default: 40 megapixels (a 7,680 × 5,120 photo fits).
 DEFAULT_MAX_PIXELS = 40_000_000
@@ -109,6 +109,38 @@ def decode_bytes(urls: List[str]) -> int:
     decoding beside them (`PEAK_BYTES_PER_PIXEL`)."""
     pixels = [_pixels(u) for u in urls]
     return KEPT_BYTES_PER_PIXEL * sum(pixels) + PEAK_BYTES_PER_PIXEL * max(pixels, default=0)
+
+
+#: The largest side `image_probe` tries, in pixels.
+PROBE_SIDE = 4096
+
+
+def image_probe(processor: Any,
+                tokenizer: Any) -> Callable[[int], Optional[Tuple[List[int], Any, int]]]:
+    """For the memory guard's measurement at start (``memory.measure``): given about ``n``
+    tokens, one black square image the model's ``processor`` makes into at least that many
+    (its side doubled from 32 pixels, up to `PROBE_SIDE`) — ``(prompt ids, pixel values,
+    image tokens)`` as mlx-lm's chat route makes them — or None where the processor
+    cannot make one."""
+    import numpy as np
+
+    placeholder = processor.image_token
+    token = tokenizer.convert_tokens_to_ids(placeholder)
+
+    def probe(n: int) -> Optional[Tuple[List[int], Any, int]]:
+        side = 32
+        while True:
+            try:
+                text, pixels = processor(placeholder,
+                                         images=[np.zeros((side, side, 3), np.uint8)])
+            except Exception:  # noqa: BLE001 - a processor that takes no such image
+                return None
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            made = ids.count(token)
+            if made >= n or side >= PROBE_SIDE:
+                return ids, pixels, made
+            side *= 2
+    return probe
 
 
 def pixel_problem(data: bytes, max_pixels: Optional[int]) -> Optional[str]:

@@ -31,25 +31,27 @@ The rules, in the order a request meets them:
    ``finish_reason: "length"`` and a log line (older conversations keep going; what it
    generated so far is sent). A request whose ``max_tokens`` can never fit is so ended,
    not refused: it may well stop sooner.
-
 6. *Images*: mlx-lm decodes a request's images when it tokenizes it, which here is at
    admission (rule 2 needs its prompt's length; what it made is kept for mlx-lm). The
    decoding is admitted first, by rules 1-4 with its own need — the bytes it takes at its
    peak, from the images' headers (``images.decode_bytes``) — so no image is decoded where
    the limit cannot take it, and each once. ``count_tokens`` with images is a `DecodeJob`
    in the same line: decoded on the generation thread, never in an HTTP thread, where any
-   number of clients could decode at once.
+   number of clients could decode at once. Then the request's need includes encoding its
+   images (the model's vision tower, before its prefill), freed with its prefill.
 
 Commands (``DELETE /v1/cache``, the stop) pass at once. While requests run, every insert
 keeps the prompt cache within what the limit leaves beside them (`MemoryGuard.room`).
 
 A request's need is measured, not guessed: at start one forward pass of the model gives
-the bytes of its caches per token and of its prefill activations per prompt token
-(`Footprint`); a request needs the caches of its reserved tokens (as long as the longest
-running one: a batch pads its rows to one length) plus the activations of one prefill
-step. What is in use is the larger of MLX's active memory (less the prompt cache's
-snapshots, which can give way) and the weights plus every reservation (an admitted
-request has not allocated all of it yet).
+the bytes of its caches per token and of its prefill activations per prompt token, and
+for a model with an image processor two image encodings give what encoding an image of
+n tokens takes, which grows with n² (`Footprint`); a request needs the caches of its
+reserved tokens (as long as the longest running one: a batch pads its rows to one
+length) plus the activations of one prefill step and its images' encoding. What is in
+use is the larger of MLX's active memory (less the prompt cache's snapshots, which can
+give way) and the weights plus every reservation (an admitted request has not allocated
+all of it yet).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 from queue import Empty, Queue
-from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.server import GenerationContext, Response
@@ -119,13 +121,23 @@ class Footprint:
 
     ``weights``: bytes of the parameters; ``kv_fixed`` + ``kv_per_token`` × tokens: its
     caches; ``act_per_token``: prefill activations per prompt token of one step (logits
-    included); ``step``: the prefill step (``--prefill-step-size``)."""
+    included); ``step``: the prefill step (``--prefill-step-size``); ``image_linear`` × n +
+    ``image_square`` × n²: what the model's image encoder takes to encode one image of n
+    tokens (0 without one; a vision tower's attention makes it grow with n², measured at
+    two sizes: `measure`)."""
 
     weights: int
     kv_fixed: int
     kv_per_token: float
     act_per_token: float
     step: int
+    image_linear: float = 0.0
+    image_square: float = 0.0
+
+    def encoding(self, images: Sequence[int]) -> int:
+        """Bytes encoding images of ``images`` tokens each takes (all of them: mlx-lm
+        encodes a request's images in one graph)."""
+        return int(sum(self.image_linear * n + self.image_square * n * n for n in images))
 
     def need(self, prompt_tokens: int, max_tokens: int, longest: int = 0) -> int:
         """Bytes a request of ``prompt_tokens`` answering up to ``max_tokens`` needs, in a
@@ -138,9 +150,50 @@ class Footprint:
                    + self.act_per_token * min(int(prompt_tokens), self.step))
 
 
-def measure(models: List[Any], make_caches: Callable[[Any], List[Any]], step: int) -> Footprint:
+#: The image sizes (in tokens, about) whose encoding `measure` times: small enough to cost
+#: little at start, four times apart to tell a linear growth from a quadratic one.
+_IMAGE_PROBES = (64, 256)
+
+#: What `measure` is given to make an image: for about ``n`` tokens, the prompt ids of one
+#: image, its pixel values as the model's processor makes them, and its tokens (None:
+#: the processor cannot make one).
+ImageProbe = Callable[[int], Optional[Tuple[List[int], Any, int]]]
+
+
+def _encoding(model: Any, probe: ImageProbe) -> Tuple[float, float]:
+    """``(linear, square)`` bytes of encoding one image of n tokens with ``model``'s
+    ``embed_inputs`` (mlx-lm's image seam): the line b/n = linear + square × n through two
+    measured sizes, neither below 0 (1 size where the processor gives every image the same
+    tokens: linear only)."""
+    points: List[Tuple[int, int]] = []
+    for target in _IMAGE_PROBES:
+        made = probe(target)
+        if made is None:
+            break
+        ids, pixels, n = made
+        if n <= 0 or (points and n <= points[-1][0]):
+            break
+        mx.eval(pixels)
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        out = model.embed_inputs(mx.array(ids), pixel_values=pixels)
+        mx.eval(out)
+        points.append((n, max(mx.get_peak_memory() - base, 0)))
+        del out
+    if not points:
+        return 0.0, 0.0
+    if len(points) == 1:
+        return points[0][1] / points[0][0], 0.0
+    (n1, b1), (n2, b2) = points
+    square = max((b2 / n2 - b1 / n1) / (n2 - n1), 0.0)
+    return max(b1 / n1 - square * n1, 0.0), square
+
+
+def measure(models: List[Any], make_caches: Callable[[Any], List[Any]], step: int,
+            image: Optional[ImageProbe] = None) -> Footprint:
     """The `Footprint` of ``models`` (a target and maybe its draft, used together), from a
-    few forward passes; run on the models' MLX thread."""
+    few forward passes, and — given an ``image`` probe, where the target embeds images —
+    two image encodings; run on the models' MLX thread."""
     from ...generation.sizing import checkpoint_bytes, model_bytes
 
     models = [m for m in models if m is not None]
@@ -160,7 +213,10 @@ def measure(models: List[Any], make_caches: Callable[[Any], List[Any]], step: in
         mx.eval(out)
         act += max(mx.get_peak_memory() - base - per_token * n, 0) / n
         del out, caches
-    return Footprint(model_bytes(*models), int(fixed), per_token, act, step)
+    linear = square = 0.0
+    if image is not None and hasattr(models[0], "embed_inputs"):
+        linear, square = _encoding(models[0], image)
+    return Footprint(model_bytes(*models), int(fixed), per_token, act, step, linear, square)
 
 
 class Held(Protocol):
@@ -183,14 +239,15 @@ class Reservation:
     prompt and the answer tokens reserved so far), grown as its answer decodes
     (`decoded`); ``cut`` once the guard decided this request ends here (rule 5)."""
 
-    __slots__ = ("guard", "key", "prompt", "max_tokens", "tokens", "nbytes", "answered",
-                 "cut", "released")
+    __slots__ = ("guard", "key", "prompt", "max_tokens", "tokens", "nbytes", "encoding",
+                 "answered", "cut", "released")
 
     def __init__(self, guard: "MemoryGuard", key: int, prompt: int, max_tokens: int,
-                 tokens: int, nbytes: int) -> None:
+                 tokens: int, nbytes: int, encoding: int = 0) -> None:
         self.guard, self.key = guard, key
         self.prompt, self.max_tokens = int(prompt), max(int(max_tokens), 0)
         self.tokens, self.nbytes = int(tokens), int(nbytes)
+        self.encoding = int(encoding)  # (its images' encoding: gone once it is prefilled)
         self.answered = 0
         self.cut = False
         self.released = False
@@ -252,10 +309,13 @@ class MemoryGuard:
         mx.reset_peak_memory()
         if self.limit <= footprint.weights + footprint.need(1, 1):
             why += "; NOT ENOUGH for the model and one short request: every request gets 400"
+        images = (f", encoding an image of 1k tokens "
+                  f"{human_bytes(footprint.encoding([1024]))}" if footprint.image_linear
+                  or footprint.image_square else "")
         return (f"memory limit {human_bytes(self.limit)} ({why}): weights "
                 f"{human_bytes(footprint.weights)}, a request's caches "
-                f"{human_bytes(int(footprint.kv_per_token * 1024))} per 1k tokens; a prompt "
-                f"of more than {self.largest_prompt()} tokens can never fit (400); requests "
+                f"{human_bytes(int(footprint.kv_per_token * 1024))} per 1k tokens{images}; a "
+                f"prompt of more than {self.largest_prompt()} tokens can never fit (400); requests "
                 f"that would cross it wait up to {self.wait:g} s (--memory-wait), the prompt "
                 f"cache gives way first")
 
@@ -296,24 +356,27 @@ class MemoryGuard:
         """Answer tokens reserved at admission (rule 2)."""
         return min(max(int(max_tokens), 0), DECODE_HEADROOM)
 
-    def need(self, prompt_tokens: int, answer_tokens: int) -> int:
+    def need(self, prompt_tokens: int, answer_tokens: int, images: Sequence[int] = ()) -> int:
         """What admitting a request of ``prompt_tokens`` with ``answer_tokens`` reserved
         adds: its caches, padded to the batch's longest row (and the running rows padded
         to its length when it is the longest: a batch's cache is one tensor, every row as
-        long as the longest), and its prefill."""
+        long as the longest), and its prefill — the encoding of its images of ``images``
+        tokens each included."""
         fp = self.footprint
         with self._mu:
             lengths = [r.tokens for r in self._reserved.values()]
         tokens = int(prompt_tokens) + max(int(answer_tokens), 0)
         longest = max(lengths, default=0)
         grown = sum(max(tokens - t, 0) for t in lengths) if tokens > longest else 0
-        return fp.need(prompt_tokens, answer_tokens, longest) + int(fp.kv_per_token * grown)
+        return (fp.need(prompt_tokens, answer_tokens, longest) + int(fp.kv_per_token * grown)
+                + fp.encoding(images))
 
-    def never_fits(self, prompt_tokens: int, max_tokens: int) -> bool:
+    def never_fits(self, prompt_tokens: int, max_tokens: int, images: Sequence[int] = ()) -> bool:
         """Whether a request's admission need passes what the limit leaves beside the
         weights with an empty prompt cache and nothing running (rule 1)."""
         fp = self.footprint
-        return fp.weights + fp.need(prompt_tokens, self.first_answer(max_tokens)) > self.limit
+        return fp.weights + fp.need(prompt_tokens, self.first_answer(max_tokens)) \
+            + fp.encoding(images) > self.limit
 
     def decoding_never_fits(self, nbytes: int) -> bool:
         """Whether decoding that takes ``nbytes`` passes what the limit leaves beside the
@@ -350,28 +413,30 @@ class MemoryGuard:
         return True
 
     def reserve(self, need: int, prompt_tokens: int, answer_tokens: int,
-                max_tokens: Optional[int] = None) -> Reservation:
+                max_tokens: Optional[int] = None, images: Sequence[int] = ()) -> Reservation:
         """Hold ``need`` bytes for an admitted request of ``prompt_tokens`` with
-        ``answer_tokens`` reserved (of at most ``max_tokens``); `Reservation.release`
-        gives them back."""
+        ``answer_tokens`` reserved (of at most ``max_tokens``; its images of ``images``
+        tokens each); `Reservation.release` gives them back."""
+        encoding = self.footprint.encoding(images) if self.footprint is not None else 0
         with self._mu:
             self._ids += 1
             r = Reservation(self, self._ids, prompt_tokens,
                             answer_tokens if max_tokens is None else max_tokens,
-                            int(prompt_tokens) + int(answer_tokens), need)
+                            int(prompt_tokens) + int(answer_tokens), need, encoding)
             self._reserved[r.key] = r
             self.admitted += 1
         return r
 
     def prefilled(self, r: Reservation) -> None:
         """``r``'s prompt is prefilled (its first answer token came): the activations of
-        its prefill step are freed, and no longer reserved."""
+        its prefill step and its images' encoding are freed, and no longer reserved."""
         fp = self.footprint
         if fp is None:
             return
         with self._mu:
             if r.key in self._reserved:
-                r.nbytes = max(r.nbytes - int(fp.act_per_token * min(r.prompt, fp.step)), 0)
+                freed = int(fp.act_per_token * min(r.prompt, fp.step)) + r.encoding
+                r.nbytes = max(r.nbytes - freed, 0)
 
     def unreserve(self, key: int) -> None:
         """Drop the reservation ``key`` (`Reservation.release`; gone already: nothing)."""
@@ -440,15 +505,20 @@ class MemoryGuard:
         return self._not_now(f"take this request of {prompt_tokens} prompt tokens with the "
                              f"first {self.first_answer(max_tokens)} answer tokens", need, waited)
 
-    def too_large(self, prompt_tokens: int, max_tokens: int) -> str:
+    def too_large(self, prompt_tokens: int, max_tokens: int, images: Sequence[int] = ()) -> str:
         """The 400's message for a request that can never fit (rule 1)."""
         fp = self.footprint
-        need = fp.need(prompt_tokens, self.first_answer(max_tokens))
+        need = fp.need(prompt_tokens, self.first_answer(max_tokens)) + fp.encoding(images)
+        encoding = (f", and encoding its {len(images)} image{'s' if len(images) > 1 else ''} "
+                    f"of {'+'.join(str(n) for n in images)} tokens "
+                    f"{human_bytes(fp.encoding(images))}" if fp.encoding(images) else "")
+        longest = (f"the longest prompt it can take is about {self.largest_prompt()} tokens"
+                   + (" without images; send fewer or smaller images" if encoding else ""))
         return (f"this request can never fit in the server's memory limit: its "
                 f"{prompt_tokens} prompt tokens need about {human_bytes(need)} "
                 f"({human_bytes(int(fp.kv_per_token * 1024))} of caches per 1k tokens, "
-                f"twice, and its prefill), and {self._left_beside_weights()}; the longest "
-                f"prompt it can take is about {self.largest_prompt()} tokens")
+                f"twice, and its prefill{encoding}), and {self._left_beside_weights()}; "
+                f"{longest}")
 
     def images_too_large(self, nbytes: int) -> str:
         """The 400's message for images whose decoding can never fit (rule 6)."""
@@ -542,7 +612,7 @@ class _Waiting:
     item: Tuple[Any, Any, Any]
     since: float
     seq: int
-    size: Optional[Tuple[int, int]] = None  # (prompt tokens, max tokens)
+    size: Optional[tuple] = None  # (prompt tokens, max tokens[, tokens of each image])
     sized: bool = False
     images: Optional[int] = None  # bytes its images' decoding takes (rule 6)
     told: bool = False
@@ -557,8 +627,9 @@ class AdmissionQueue(Queue):
 
     Args:
         guard: the limit and its accounting.
-        size: a request's ``(prompt tokens, max tokens)``, or None when it cannot tell
-            (the request is then admitted unmeasured; mlx-lm reports its error).
+        size: a request's ``(prompt tokens, max tokens)`` or ``(prompt tokens, max tokens,
+            tokens of each of its images)``, or None when it cannot tell (the request is
+            then admitted unmeasured; mlx-lm reports its error).
         is_command: items that are not requests.
         forget: called for a request refused (what `size` kept of it can go).
         images: the bytes decoding a request's images takes (0: none; rule 6), read before
@@ -566,7 +637,7 @@ class AdmissionQueue(Queue):
     """
 
     def __init__(self, guard: MemoryGuard,
-                 size: Callable[[Tuple[Any, Any, Any]], Optional[Tuple[int, int]]],
+                 size: Callable[[Tuple[Any, Any, Any]], Optional[tuple]],
                  is_command: Callable[[Any], bool],
                  forget: Callable[[Tuple[Any, Any, Any]], None] = lambda item: None,
                  images: Callable[[Tuple[Any, Any, Any]], int] = lambda item: 0) -> None:
@@ -665,13 +736,15 @@ class AdmissionQueue(Queue):
                 if w.size is None:  # cannot tell: mlx-lm reports the request's problem
                     self._line.remove(w)
                     return w.item
-                prompt, max_tokens = w.size
-                if guard.never_fits(prompt, max_tokens):
+                prompt, max_tokens, *more = w.size
+                images = more[0] if more else ()
+                if guard.never_fits(prompt, max_tokens, images):
                     guard.never_fit += 1
-                    self._refuse(w, MemoryNeverFits(guard.too_large(prompt, max_tokens)))
+                    self._refuse(w, MemoryNeverFits(guard.too_large(prompt, max_tokens,
+                                                                    images)))
                     continue
                 answer = guard.first_answer(max_tokens)
-                need = guard.need(prompt, answer)
+                need = guard.need(prompt, answer, images)
                 if not held_back and guard.try_admit(need):
                     self._line.remove(w)
                     if w.seq <= self._blocked:
@@ -680,7 +753,7 @@ class AdmissionQueue(Queue):
                         a.passed += 1
                     guard.passed += bool(ahead)
                     rqueue, request, args = w.item
-                    res = guard.reserve(need, prompt, answer, max_tokens)
+                    res = guard.reserve(need, prompt, answer, max_tokens, images)
                     return (_Released(rqueue, res), request, args)
                 held_back = self._wait(
                     w, ahead, held_back,
