@@ -547,7 +547,7 @@ def test_an_image_s_encoding_is_measured_and_reserved_until_the_prefill_ends():
     from mlx_lm.server import Response
 
     from mlx_kvcache.serving.guards.memory import (AdmissionQueue, Footprint, MemoryGuard,
-                                                   MemoryNeverFits, _encoding)
+                                                   MemoryNeverFits, measure_encoding)
 
     # A stand-in image encoder whose attention holds an n x n float32 score matrix: the
     # measured line grows with n² at 4 bytes (and a little per token: its output rows).
@@ -559,11 +559,11 @@ def test_an_image_s_encoding_is_measured_and_reserved_until_the_prefill_ends():
 
     def probe(n):
         return [0] * (n + 2), mx.ones((n,)), n
-    linear, square = _encoding(Tower(), probe)
+    linear, square = measure_encoding(Tower(), probe)
     assert 3.9 <= square <= 4.5 and linear <= 200, (linear, square)
-    assert _encoding(Tower(), lambda n: None) == (0.0, 0.0)  # no image the processor makes
+    assert measure_encoding(Tower(), lambda n: None) == (0.0, 0.0)  # the processor made none
     # A processor that gives every image the same tokens: one size, linear only.
-    linear, square = _encoding(Tower(), lambda n: ([0] * 66, mx.ones((64,)), 64))
+    linear, square = measure_encoding(Tower(), lambda n: ([0] * 66, mx.ones((64,)), 64))
     assert square == 0.0 and linear >= 4 * 64
 
     # The guard: an image of 100 tokens takes 10 x 100 + 1 x 100² = 11,000 B to encode.

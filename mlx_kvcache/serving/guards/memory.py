@@ -69,8 +69,9 @@ from mlx_lm.server import GenerationContext, Response
 
 from ...prefix.stats import human_bytes
 
-__all__ = ["AdmissionQueue", "DecodeJob", "Footprint", "MemoryGuard", "MemoryNeverFits",
-           "MemoryRefused", "Reservation", "default_limit", "measure"]
+__all__ = ["AdmissionQueue", "DecodeJob", "Footprint", "ImageProbe", "MemoryGuard",
+           "MemoryNeverFits", "MemoryRefused", "Reservation", "default_limit", "measure",
+           "measure_encoding"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -160,7 +161,7 @@ _IMAGE_PROBES = (64, 256)
 ImageProbe = Callable[[int], Optional[Tuple[List[int], Any, int]]]
 
 
-def _encoding(model: Any, probe: ImageProbe) -> Tuple[float, float]:
+def measure_encoding(model: Any, probe: ImageProbe) -> Tuple[float, float]:
     """``(linear, square)`` bytes of encoding one image of n tokens with ``model``'s
     ``embed_inputs`` (mlx-lm's image seam): the line b/n = linear + square × n through two
     measured sizes, neither below 0 (1 size where the processor gives every image the same
@@ -215,7 +216,7 @@ def measure(models: List[Any], make_caches: Callable[[Any], List[Any]], step: in
         del out, caches
     linear = square = 0.0
     if image is not None and hasattr(models[0], "embed_inputs"):
-        linear, square = _encoding(models[0], image)
+        linear, square = measure_encoding(models[0], image)
     return Footprint(model_bytes(*models), int(fixed), per_token, act, step, linear, square)
 
 
