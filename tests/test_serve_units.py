@@ -553,7 +553,6 @@ def test_an_image_s_encoding_is_measured_and_reserved_until_the_prefill_ends():
     # measured line grows with n² at 4 bytes (and a little per token: its output rows).
     class Tower:
         def embed_inputs(self, ids, pixel_values):
-            n = int(pixel_values.shape[0])
             scores = mx.outer(pixel_values, pixel_values)
             return mx.repeat(scores.sum(axis=1, keepdims=True), 8, axis=1)
 
