@@ -4,6 +4,7 @@ segment splitting and the mlx-lm version guard."""
 from __future__ import annotations
 
 import inspect
+import threading
 import types
 
 import mlx.core as mx
@@ -695,6 +696,51 @@ def test_lifecycle_admits_until_stopping():
     assert not life.wait_idle(time.monotonic() + 60, interrupt=lambda: True)
     life.done()
     assert life.wait_idle(time.monotonic() + 0.05) and life.inflight == 0
+
+
+class _HeldProvider:
+    """A model provider with no model, for mlx-lm's generation loop alone: ``reset``, which
+    the loop calls on its thread once it has left (after the turn it took the stop in),
+    holds the thread until `leave` is set, as the rest of that turn would."""
+
+    def __init__(self, hold: bool) -> None:
+        self.cli_args = types.SimpleNamespace(prefill_step_size=64)
+        self.model = self.tokenizer = self.processor = self.model_key = None
+        self.leaving = threading.Event()
+        self.leave = threading.Event()
+        if not hold:
+            self.leave.set()
+
+    def load_default(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.leaving.set()
+        self.leave.wait(timeout=120)  # (a cap against a stuck test only)
+
+
+def test_a_stop_answers_once_the_generation_thread_has_ended():
+    """mlx-lm's loop finishes the turn it takes the stop in before it ends — on a sharded
+    model a round of the batch, the model's collectives, which every rank runs. Rank 0
+    exited at the stop's answer and left the other ranks inside one of them for good
+    (test_distributed's stop): the stop answers once the generation thread has ended, and
+    a thread that does not end in time is a `TimeoutError` (rank 0 exits 1)."""
+    from mlx_kvcache.serving.engine.generator import ServerResponseGenerator
+
+    held = _HeldProvider(hold=True)
+    gen = ServerResponseGenerator(held, TriePromptCache(held))
+    try:
+        with pytest.raises(TimeoutError):  # (the thread holds until `leave`)
+            gen.command("stop", timeout=1)
+        assert held.leaving.wait(timeout=120)  # the loop took the stop and left
+        assert gen.lifecycle.stopped.is_set() and gen.generation_available()
+    finally:
+        held.leave.set()
+    gen.join()
+    free = _HeldProvider(hold=False)
+    gen = ServerResponseGenerator(free, TriePromptCache(free))
+    assert gen.command("stop") is None
+    assert free.leaving.is_set() and not gen.generation_available()
 
 
 def test_tracked_arrays_cache_remembers_padded_rows():

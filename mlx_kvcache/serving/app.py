@@ -53,8 +53,8 @@ class QuietProgress(logging.Filter):
 
 
 def _gen_wait(grace: float) -> float:
-    """Seconds the generation thread gets to take the stop command after the cut (a
-    sequential prefill, or a sharded sequential request, runs to its end)."""
+    """Seconds the generation thread gets to take the stop command after the cut and end
+    (a sequential prefill, or a sharded sequential request, runs to its end)."""
     return max(10.0, grace)
 
 

@@ -457,7 +457,9 @@ class ServerResponseGenerator(ResponseGenerator):
     def command(self, kind: str, timeout: Optional[float] = None) -> Any:
         """Run a `Control` on every rank's generation thread and return rank 0's result;
         waits while the generation thread lives (requests ahead of it run first), at most
-        ``timeout`` seconds (then `TimeoutError`)."""
+        ``timeout`` seconds (then `TimeoutError`). ``stop`` returns None once the
+        generation thread has ended, not when its loop takes the command: mlx-lm's loop
+        finishes the turn it took the stop in first."""
         q: Queue = Queue()
         if not self.generation_available():
             raise RuntimeError("the generation thread is not running")
@@ -465,14 +467,22 @@ class ServerResponseGenerator(ResponseGenerator):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                return q.get(timeout=0.1)
+                result = q.get(timeout=0.1)
+                if kind != "stop":
+                    return result
+                # The rest of that turn can be a round of the batch (an answer the stop
+                # cut whose removal the loop had not seen yet): on a sharded model, the
+                # model's collectives, which every other rank runs too. Rank 0 exiting
+                # before its loop ends would leave them waiting inside one forever.
             except Empty:
-                if not self.generation_available():
-                    if kind == "stop" and self.lifecycle.stopped.is_set():
-                        return None
-                    raise RuntimeError("the generation thread ended first") from None
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"the generation thread did not take {kind!r} in time")
+                pass
+            if not self.generation_available():
+                if kind == "stop" and self.lifecycle.stopped.is_set():
+                    return None
+                raise RuntimeError("the generation thread ended first")
+            if deadline is not None and time.monotonic() > deadline:
+                what = "end after" if kind == "stop" and self.lifecycle.stopped.is_set() else "take"
+                raise TimeoutError(f"the generation thread did not {what} {kind!r} in time")
 
     # -- answers end properly on a stop -------------------------------------------------------
     def generate(self, request, generation_args, progress_callback=None):
