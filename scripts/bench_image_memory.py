@@ -17,38 +17,14 @@ To compare with another checkout, run it with that checkout first on ``PYTHONPAT
 from __future__ import annotations
 
 import base64
-import struct
 import tempfile
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import mlx_kvcache
-from mlx_kvcache.testing.servers import Server
-from mlx_kvcache.testing.vision_dir import write_vision_dir
-
-
-def black_png(width: int, height: int) -> bytes:
-    """A black RGB PNG of ``width`` x ``height``: small on the wire, large decoded."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
-    co = zlib.compressobj(1)
-    row = bytes(width * 3 + 1)
-    idat = b"".join(co.compress(row) for _ in range(height)) + co.flush()
-    return (b"\x89PNG\r\n\x1a\n"
-            + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
-
-
-def peak_kib(pid: int, reset: bool = False) -> int:
-    if reset:
-        Path(f"/proc/{pid}/clear_refs").write_text("5")
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmHWM")
+from mlx_kvcache.testing.servers import Server, peak_rss_kib
+from mlx_kvcache.testing.vision_dir import black_png, write_vision_dir
 
 
 def bodies(png: bytes) -> List[Tuple[str, Dict[str, Any]]]:
@@ -75,18 +51,18 @@ def main() -> None:
                      "--memory-limit", "300M") as s:
         for side in (6_000, 512):
             for path, body in bodies(black_png(side, side)):
-                before = peak_kib(s.proc.pid, reset=True)
+                before = peak_rss_kib(s.proc.pid, reset=True)
                 status, out = s.request("POST", path, body)
-                grown = (peak_kib(s.proc.pid) - before) / 1024
+                grown = (peak_rss_kib(s.proc.pid) - before) / 1024
                 print(f"--memory-limit 300M, {side}²: {path}: {status}, peak RSS +{grown:.0f} MiB")
     with Server.ours(model, tmp / "b.log", tmp, "--no-persist", "--trust-remote-code") as s:
         body = dict(bodies(black_png(3_000, 3_000)))["/v1/messages/count_tokens"]
         for n in (1, 4, 8):
-            before = peak_kib(s.proc.pid, reset=True)
+            before = peak_rss_kib(s.proc.pid, reset=True)
             with ThreadPoolExecutor(n) as pool:
                 got = list(pool.map(lambda _: s.request("POST", "/v1/messages/count_tokens",
                                                         body), range(n)))
-            grown = (peak_kib(s.proc.pid) - before) / 1024
+            grown = (peak_rss_kib(s.proc.pid) - before) / 1024
             statuses = sorted({status for status, _ in got})
             print(f"{n} clients counting a 3000² image at once: {statuses}, "
                   f"peak RSS +{grown:.0f} MiB")

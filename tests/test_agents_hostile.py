@@ -11,9 +11,7 @@ import base64
 import json
 import re
 import socket
-import struct
 import time
-import zlib
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,8 @@ from mlx_kvcache.testing import write_model_dir  # noqa: E402
 from mlx_kvcache.testing.agent_dirs import (  # noqa: E402
     write_char_tokenizer, write_tool_template_dir)
 from mlx_kvcache.testing.dirs import CHAT_TEMPLATE, DIR_VOCAB  # noqa: E402
-from mlx_kvcache.testing.servers import Server  # noqa: E402
+from mlx_kvcache.testing.servers import Server, peak_rss_kib  # noqa: E402
+from mlx_kvcache.testing.vision_dir import black_png  # noqa: E402
 from mlx_kvcache.testing.waits import CAP  # noqa: E402
 
 pytestmark = pytest.mark.timeout(CAP)
@@ -364,20 +363,6 @@ def test_unique_tool_types_are_not_remembered_or_logged_each(server):
     assert len(responses.SKIPPED) <= SkippedTools.KEPT
 
 
-def _png_header_only(width: int, height: int) -> bytes:
-    """A PNG whose header says ``width`` x ``height`` (black, zlib-compressed whole:
-    ~0.5 MB for 13,000²; decoding it would take ~500 MB)."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
-    co = zlib.compressobj(1)
-    row = bytes(width * 3 + 1)
-    idat = b"".join(co.compress(row) for _ in range(height)) + co.flush()
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2,
-                                                              0, 0, 0))
-            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
-
-
 def _image_bodies(url: str, b64: str = ""):
     """The same image to every route, in each route's form."""
     anth_src = ({"type": "base64", "media_type": "image/png", "data": b64} if b64
@@ -395,7 +380,7 @@ def _image_bodies(url: str, b64: str = ""):
 
 def test_an_image_over_the_pixel_cap_is_refused_from_its_header(vision):
     server = vision
-    png = _png_header_only(13_000, 13_000)
+    png = black_png(13_000, 13_000)
     b64 = base64.b64encode(png).decode()
     before = _rss_kib(server.proc.pid)
     for _ in range(2):
@@ -408,17 +393,6 @@ def test_an_image_over_the_pixel_cap_is_refused_from_its_header(vision):
     assert _rss_kib(server.proc.pid) - before < 60_000
 
 
-def _peak_kib(pid: int, reset: bool = False) -> int:
-    """The process's peak resident memory (``VmHWM``), first set back to what it holds now
-    with ``reset``."""
-    if reset:
-        Path(f"/proc/{pid}/clear_refs").write_text("5")
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmHWM")
-
-
 def test_images_the_limit_can_never_take_are_refused_before_decoding_or_encoding(vision_dir,
                                                                                     tmp_path):
     from mlx_kvcache.testing.vision_dir import image_data_url
@@ -429,21 +403,21 @@ def test_images_the_limit_can_never_take_are_refused_before_decoding_or_encoding
         pid = s.proc.pid
         # 6,000 x 6,000 pixels (under the pixel cap) take ~500 MB to decode: every route
         # refuses them with its 400, before anything decodes them.
-        b64 = base64.b64encode(_png_header_only(6_000, 6_000)).decode()
-        before = _peak_kib(pid, reset=True)
+        b64 = base64.b64encode(black_png(6_000, 6_000)).decode()
+        before = peak_rss_kib(pid, reset=True)
         for path, body in _image_bodies(f"data:image/png;base64,{b64}", b64):
             status, out = s.request("POST", path, body)
             assert status == 400 and _shape_ok(path, out), (path, status, out)
             msg = out["error"] if isinstance(out["error"], str) else out["error"]["message"]
             assert "never be decoded" in msg and "--memory-limit" in msg, msg
-        assert _peak_kib(pid) - before < 100_000  # (decoding one would add ~500,000 KiB)
+        assert peak_rss_kib(pid) - before < 100_000  # (decoding one would add ~500,000 KiB)
         assert s.cache()["memory"]["never_fit"] == 4
         # 512 x 512 pixels decode in 4 MB, but the processor makes them 4,096 tokens, and
         # this vision tower's attention takes ~2 GB to encode them (measured at start from
         # two small images): refused before the encoding — counted, as count_tokens only
         # decodes.
-        b64 = base64.b64encode(_png_header_only(512, 512)).decode()
-        before = _peak_kib(pid, reset=True)
+        b64 = base64.b64encode(black_png(512, 512)).decode()
+        before = peak_rss_kib(pid, reset=True)
         for path, body in _image_bodies(f"data:image/png;base64,{b64}", b64):
             status, out = s.request("POST", path, body)
             if path == "/v1/messages/count_tokens":
@@ -452,7 +426,7 @@ def test_images_the_limit_can_never_take_are_refused_before_decoding_or_encoding
             assert status == 400 and _shape_ok(path, out), (path, status, out)
             msg = out["error"] if isinstance(out["error"], str) else out["error"]["message"]
             assert "encoding its 1 image of 4096 tokens" in msg and "--memory-limit" in msg, msg
-        assert _peak_kib(pid) - before < 100_000  # (encoding it would add ~2,000,000 KiB)
+        assert peak_rss_kib(pid) - before < 100_000  # (encoding it would add ~2,000,000 KiB)
         small = image_data_url(16, 16)
         for path, body in _image_bodies(small, small.split(",", 1)[1]):
             status, out = s.request("POST", path, body)
@@ -466,16 +440,16 @@ def test_count_tokens_decodes_on_the_generation_thread_one_at_a_time(vision):
     # their HTTP threads they would hold up to four decodings together; decoded where the
     # message route decodes them (the generation thread, admitted by the memory guard),
     # one at a time.
-    b64 = base64.b64encode(_png_header_only(3_000, 3_000)).decode()
+    b64 = base64.b64encode(black_png(3_000, 3_000)).decode()
     body = dict(_image_bodies("", b64))["/v1/messages/count_tokens"]
     pid = vision.proc.pid
-    before = _peak_kib(pid, reset=True)
+    before = peak_rss_kib(pid, reset=True)
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda _: vision.request("POST", "/v1/messages/count_tokens",
                                                      body), range(4)))
     assert all(status == 200 for status, _ in got), got
     assert len({out["input_tokens"] for _, out in got}) == 1
-    grown = _peak_kib(pid) - before
+    grown = peak_rss_kib(pid) - before
     # One decoding at a time: ~90 MiB measured (a 3,000² image held at 4 B a pixel is
     # 36 MB, past glibc's largest mmap threshold: always mapped afresh, so at least that is
     # seen); four at once in HTTP threads grew it by 328 MiB.
@@ -549,7 +523,7 @@ def test_with_the_flag_every_route_serves_image_urls_count_tokens_too(vision_dir
             n["input_tokens"]
         assert len(host.hits) == 2
         # the pixel cap holds for fetched images too
-        with _ImageHost(_png_header_only(13_000, 13_000)) as big:
+        with _ImageHost(black_png(13_000, 13_000)) as big:
             for path, body in _image_bodies(big.url):
                 status, out = s.request("POST", path, body)
                 assert status == 400 and _shape_ok(path, out), (path, status, out)

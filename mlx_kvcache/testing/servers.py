@@ -23,6 +23,17 @@ ROOT = Path(__file__).resolve().parents[2]
 BLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 
 
+def peak_rss_kib(pid: int, reset: bool = False) -> int:
+    """The peak resident memory (``VmHWM``, KiB) of process ``pid``, first set back to what
+    it holds now with ``reset`` (Linux: ``/proc/PID/clear_refs``)."""
+    if reset:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -30,7 +30,7 @@ from mlx import nn
 from mlx_lm.models import muse_spark
 
 __all__ = ["IMAGE_TEMPLATE", "IMAGE_TOKENS", "TEXT_CONFIG", "VISION_CONFIG", "CPU_KERNELS",
-           "Model", "ModelArgs", "png_bytes", "image_data_url", "write_vision_dir"]
+           "Model", "ModelArgs", "png_bytes", "black_png", "image_data_url", "write_vision_dir"]
 
 ModelArgs = muse_spark.ModelArgs
 
@@ -209,24 +209,35 @@ class Model(muse_spark.Model):
 
 
 # -- images ----------------------------------------------------------------------------------
-def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
-    """A ``width`` x ``height`` RGB PNG of random pixels (a different image per ``seed``),
-    written by hand (zlib, no Pillow)."""
+def _png(width: int, height: int, rows) -> bytes:
+    """An 8-bit RGB PNG of ``rows`` (each row's bytes), written by hand (zlib, no Pillow)."""
     import struct
     import zlib
-
-    import numpy as np
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    raw = b"".join(b"\x00" + row.tobytes() for row in pixels)  # filter 0 on each row
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return (struct.pack(">I", len(data)) + kind + data
                 + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
 
+    co = zlib.compressobj(1)
+    idat = b"".join(co.compress(b"\x00" + row) for row in rows) + co.flush()  # filter 0
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat)
             + chunk(b"IEND", b""))
+
+
+def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
+    """A ``width`` x ``height`` RGB PNG of random pixels (a different image per ``seed``)."""
+    import numpy as np
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return _png(width, height, (row.tobytes() for row in pixels))
+
+
+def black_png(width: int, height: int) -> bytes:
+    """A black ``width`` x ``height`` RGB PNG: small on the wire (~0.5 MB for 13,000²),
+    large once decoded (~500 MB) — what the server's image checks are about."""
+    row = bytes(width * 3)
+    return _png(width, height, (row for _ in range(height)))
 
 
 def image_data_url(width: int = 16, height: int = 16, seed: int = 0) -> str:
