@@ -698,6 +698,46 @@ def test_lifecycle_admits_until_stopping():
     assert life.wait_idle(time.monotonic() + 0.05) and life.inflight == 0
 
 
+def test_a_stream_whose_client_left_while_it_waited_ends_once_it_starts():
+    from queue import Queue
+
+    from mlx_kvcache.serving.engine.generator import ServerResponseGenerator
+    from mlx_kvcache.serving.guards.lifecycle import (Lifecycle, Ticket, set_client_watch,
+                                                      set_stream_waiting, set_ticket)
+
+    # Its stream opened while it waited to be taken; the next keep-alive finds the client
+    # gone. The wait goes on (the request is in the line: raising would leave it to run
+    # unwatched), and once it starts, its answer ends at once, as for a client that
+    # leaves later.
+    g = ServerResponseGenerator.__new__(ServerResponseGenerator)
+    g.lifecycle = Lifecycle()
+    g.generation_available = lambda: True
+    left, writes = threading.Event(), []
+
+    def gone():
+        writes.append(1)
+        raise BrokenPipeError("the client left")
+    set_client_watch(left)
+    set_stream_waiting(gone)
+    try:
+        ticket = Ticket()
+    finally:
+        set_client_watch(None)
+        set_stream_waiting(None)
+    q: Queue = Queue()
+    set_ticket(ticket)
+    try:
+        timer = threading.Timer(0.5, q.put, ("ctx",))  # taken after some 0.1 s waits
+        timer.start()
+        assert g._await_response(q) == "ctx"
+        assert writes == [1] and left.is_set() and ticket.keepalive is None
+        ticket.started = True
+        q.put("a token")
+        assert g._await_response(q) is None  # its answer ends here
+    finally:
+        set_ticket(None)
+
+
 class _HeldProvider:
     """A model provider with no model, for mlx-lm's generation loop alone: ``reset``, which
     the loop calls on its thread once it has left (after the turn it took the stop in),

@@ -533,5 +533,13 @@ class ServerResponseGenerator(ResponseGenerator):
                 if not self.generation_available():
                     raise RuntimeError("generation thread died") from None
                 if ticket is not None and ticket.keepalive is not None:
-                    ticket.keepalive()  # a streamed answer silent for an interval
+                    try:
+                        ticket.keepalive()  # a streamed answer silent for an interval
+                    except (BrokenPipeError, ConnectionResetError):
+                        if ticket.started or ticket.left is None:
+                            raise
+                        # Its client left while it waited to be taken: it ends as soon as
+                        # it starts (above), as a client that leaves later ends it.
+                        ticket.left.set()
+                        ticket.keepalive = None
 

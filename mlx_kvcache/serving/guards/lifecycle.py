@@ -58,8 +58,9 @@ class Ticket:
         self.last_tokens: tuple = ()
         self.answered = 0
         self.left: Optional[threading.Event] = client_watch()
-        #: Called while the answer waits for its next token (its stream's keep-alive).
-        self.keepalive: Optional[Callable[[], None]] = None
+        #: Called while the request waits — to be taken, then for each next token — where
+        #: its answer is streamed (its stream's keep-alive: `set_stream_waiting`).
+        self.keepalive: Optional[Callable[[], None]] = stream_waiting()
 
     def refuse(self, status: int, error: Optional[dict] = None) -> None:
         """Mark the request refused before its answer started: the handler answers
@@ -90,6 +91,18 @@ def set_client_watch(left: Optional[threading.Event]) -> None:
 def client_watch() -> Optional[threading.Event]:
     """This thread's `set_client_watch` event, if any."""
     return getattr(_local, "client_left", None)
+
+
+def set_stream_waiting(keepalive: Optional[Callable[[], None]]) -> None:
+    """What keeps the stream of the answer this (handler) thread serves alive while it
+    waits (or None): the next `Ticket` made on this thread calls it, from before mlx-lm
+    takes the request (the memory guard's line, a sequential request ahead of it)."""
+    _local.stream_waiting = keepalive
+
+
+def stream_waiting() -> Optional[Callable[[], None]]:
+    """This thread's `set_stream_waiting` keep-alive, if any."""
+    return getattr(_local, "stream_waiting", None)
 
 
 class Lifecycle:

@@ -10,11 +10,14 @@ shape where mlx-lm would answer 404 (a prompt over the model's context: 400
 request that arrives while the server stops gets a 503; an answer the stop cuts short ends
 with ``finish_reason: "length"``.
 
-Streams are never silent for longer than `keepalive_interval`: once a chat stream's
-headers are out, a ``: keepalive`` comment goes out whenever nothing was written for an
-interval while the answer waits (a slow token rate; a tool call, which mlx-lm writes only
-once it closes) — the generator calls the request's `Ticket.keepalive` as it waits for the
-next token. The agent routes keep their own streams alive (`agents.wire`).
+Streams are never silent for longer than `keepalive_interval`, from the moment the request
+is accepted: a ``: keepalive`` comment goes out whenever nothing was written for an
+interval while the answer waits — to be taken (the memory guard's line, a sequential
+request ahead of it: the stream's headers go out with the first comment, and a refusal
+after that is an ``error`` event in the stream), for its next token (a slow token rate; a
+tool call, which mlx-lm writes only once it closes). The generator calls the request's
+`Ticket.keepalive` as it waits. The agent routes keep their own streams alive
+(`agents.wire`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from ..engine.generator import MarkedRequest
 from ..guards.admin import AdminPolicy
 from ..guards.context import served_context
 from ..guards.images import ImagePolicy, image_urls, url_problem
-from ..guards.lifecycle import current_ticket, set_client_watch, set_ticket
+from ..guards.lifecycle import current_ticket, set_client_watch, set_stream_waiting, set_ticket
 from ..guards.validation import body_problem
 from . import body
 from .model_names import DEFAULT, model_entry, models_listing, resolve
@@ -135,6 +138,31 @@ class _ErrorBody:
             return self._wfile.write(data)
         self._handler.wfile = self._wfile
         self._wfile.write(json.dumps({"error": self._error}).encode())
+        return len(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._wfile, name)
+
+
+class _StreamError:
+    """The ``wfile`` of a streamed answer refused after its stream opened (`keep_waiting`):
+    mlx-lm's one error write, ``{"error": text}``, becomes an SSE ``data:`` line holding
+    OpenAI's error object (``error``, where the refusal has one; else built from the
+    text), as OpenAI's API sends an error inside a stream."""
+
+    def __init__(self, handler, wfile, error: Optional[Dict[str, Any]]) -> None:
+        self._handler, self._wfile, self._error = handler, wfile, error
+
+    def write(self, data) -> int:
+        try:
+            text = json.loads(bytes(data)).get("error")
+        except (ValueError, AttributeError):
+            text = bytes(data).decode(errors="replace")
+        error = self._error or {"message": str(text), "type": "server_error", "param": None,
+                                "code": None}
+        self._handler.wfile = self._wfile
+        self._wfile.write(f"data: {json.dumps({'error': error})}\n\n".encode())
+        self._wfile.flush()
         return len(data)
 
     def __getattr__(self, name: str):
@@ -361,6 +389,11 @@ class CacheAPIHandler(APIHandler):
 
     def _set_completion_headers(self, status_code: int = 200):
         ticket = current_ticket()
+        if self.opened_early:  # refused after its stream opened: an error event in it
+            self.wfile = _StreamError(self, self.wfile, ticket.error if ticket is not None
+                                      and ticket.refused else None)
+            self.close_connection = True
+            return
         if status_code == 404 and ticket is not None and ticket.refused:
             # mlx-lm answers 404 to any error before the answer starts
             status_code = ticket.status
@@ -371,14 +404,52 @@ class CacheAPIHandler(APIHandler):
     #: Whether a streamed chat answer gets keep-alive comments (the agent routes' captured
     #: chat runs do not: their front end keeps its own stream alive).
     stream_keepalive = True
+    #: Whether this request's stream was opened while it waited to be taken (`keep_waiting`).
+    opened_early = False
+
+    def handle_completion(self, request, stop_words):
+        # A streamed answer that waits before mlx-lm takes its request is kept alive too
+        # (`keep_waiting`), from the moment it is accepted.
+        self.opened_early = False
+        self.accepted_at = time.monotonic()
+        set_stream_waiting(self.keep_waiting if self.stream and self.stream_keepalive
+                           else None)
+        try:
+            return super().handle_completion(request, stop_words)
+        finally:
+            set_stream_waiting(None)
+
+    def keep_waiting(self) -> None:
+        """Called while a streamed answer waits: before mlx-lm takes its request (the
+        memory guard's line, a sequential request ahead of it), once it has waited a
+        keep-alive interval its stream's headers go out with a ``: keepalive`` comment —
+        as the agent routes do; a refusal after that is an ``error`` event in the stream,
+        not a status (`_set_completion_headers`) — and then, as for every stream, a
+        comment whenever an interval passes in silence (`keep_alive`)."""
+        ticket = current_ticket()
+        if self.opened_early or (ticket is not None and ticket.started):
+            return self.keep_alive()
+        if time.monotonic() - self.accepted_at < keepalive_interval():
+            return
+        super()._set_stream_headers(200)
+        self.end_headers()
+        self.opened_early = True
+        self.wfile = _TimedWriter(self.wfile)
+        self.wfile.write(b": keepalive\n\n")
+        self.wfile.flush()
 
     def _set_stream_headers(self, status_code: int = 200):
-        super()._set_stream_headers(status_code)
+        if not self.opened_early:  # (else they went out while the request waited)
+            super()._set_stream_headers(status_code)
         ticket = current_ticket()
         if status_code == 200 and ticket is not None and self.stream_keepalive:
             if not isinstance(self.wfile, _TimedWriter):
                 self.wfile = _TimedWriter(self.wfile)
             ticket.keepalive = self.keep_alive
+
+    def end_headers(self):
+        if not self.opened_early:  # (else they went out while the request waited)
+            super().end_headers()
 
     def keep_alive(self) -> None:
         """A ``: keepalive`` comment on this stream when nothing was written to it for
