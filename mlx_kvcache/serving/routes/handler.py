@@ -426,9 +426,11 @@ class CacheAPIHandler(APIHandler):
         as the agent routes do; a refusal after that is an ``error`` event in the stream,
         not a status (`_set_completion_headers`) — and then, as for every stream, a
         comment whenever an interval passes in silence (`keep_alive`)."""
-        ticket = current_ticket()
-        if self.opened_early or (ticket is not None and ticket.started):
+        if self.opened_early:
             return self.keep_alive()
+        ticket = current_ticket()
+        if ticket is not None and ticket.started:
+            return  # mlx-lm sends its headers now, and hands the stream to `keep_alive`
         if time.monotonic() - self.accepted_at < keepalive_interval():
             return
         super()._set_stream_headers(200)
