@@ -74,6 +74,9 @@ class MarkedRequest(CompletionRequest):
     namespace: Optional[str] = None
     #: The ``model_key`` of the model whose tokenizer made `tokens`, `cuts` and `marks`.
     model_key: Any = None
+    #: What decoding its images takes (`images.decode_bytes`), read by the HTTP thread as
+    #: it checked them; None: not read there (the generation thread reads it).
+    image_bytes: Optional[int] = None
 
     def encoded_for(self, model_key: Any) -> bool:
         """Whether `tokens`, `cuts` and `marks` are in the vocabulary of the model
@@ -278,13 +281,15 @@ class ServerResponseGenerator(ResponseGenerator):
                 sequential.image_sizes(vision.cache_key) if vision is not None else ())
 
     def _image_bytes(self, item) -> int:
-        """What decoding a queued request's images takes (`images.decode_bytes`): 0 for a
-        text request, or where the model has no image processor (mlx-lm drops the images)."""
+        """What decoding a queued request's images takes (`images.decode_bytes`: read as
+        the handler checked them, where it did): 0 for a text request, or where the model
+        has no image processor (mlx-lm drops the images)."""
         request = item[1]
         if getattr(request, "request_type", None) != "chat" \
                 or self.model_provider.processor is None:
             return 0
-        return ImagePolicy.decode_bytes(request.messages)
+        known = request.image_bytes if isinstance(request, MarkedRequest) else None
+        return ImagePolicy.decode_bytes(request.messages) if known is None else known
 
     def decode(self, run: Callable[[], Any], nbytes: int) -> Any:
         """``run()`` on the generation thread once the memory guard admits decoding images

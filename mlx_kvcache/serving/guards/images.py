@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 from urllib.request import urlopen
 
 __all__ = ["DEFAULT_MAX_PIXELS", "KEPT_BYTES_PER_PIXEL", "PEAK_BYTES_PER_PIXEL", "image_urls",
-           "url_problem", "pixel_problem", "image_problem", "decode_bytes", "image_probe",
-           "inline", "check_all", "ImagePolicy"]
+           "url_problem", "pixel_problem", "image_problem", "decode_bytes", "decoding",
+           "image_probe", "inline", "check_all", "ImagePolicy"]
 
 #: ``--max-image-pixels`` by default: 40 megapixels (a 7,680 × 5,120 photo fits).
 DEFAULT_MAX_PIXELS = 40_000_000
@@ -86,28 +86,16 @@ def _data(url: str) -> bytes:
         raise ValueError(f"the image's base64 data cannot be decoded ({e})") from None
 
 
-def _pixels(url: str) -> int:
-    """The pixels of the ``data:`` URL image ``url`` by its header (0: unreadable, or not
-    a data: URL; such a request fails before decoding anything)."""
-    from PIL import Image
-
-    if not url.startswith("data:"):
-        return 0
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(_data(url))) as im:
-                width, height = im.size
-    except Exception:  # noqa: BLE001 - unreadable: refused by `image_problem`, or mlx-lm's error
-        return 0
-    return int(width) * int(height)
-
-
 def decode_bytes(urls: List[str]) -> int:
     """The memory decoding the ``data:`` URL images ``urls`` takes at its peak, from their
-    headers: every decoded image kept (`KEPT_BYTES_PER_PIXEL`) and the largest one's
-    decoding beside them (`PEAK_BYTES_PER_PIXEL`)."""
-    pixels = [_pixels(u) for u in urls]
+    headers (`decoding`; an unreadable one counts nothing: its request fails first)."""
+    return decoding([_inspected(u, True, None)[1] for u in urls])
+
+
+def decoding(pixels: List[int]) -> int:
+    """The memory decoding images of ``pixels`` pixels each takes at its peak: every
+    decoded image kept (`KEPT_BYTES_PER_PIXEL`) and the largest one's decoding beside them
+    (`PEAK_BYTES_PER_PIXEL`)."""
     return KEPT_BYTES_PER_PIXEL * sum(pixels) + PEAK_BYTES_PER_PIXEL * max(pixels, default=0)
 
 
@@ -143,9 +131,10 @@ def image_probe(processor: Any,
     return probe
 
 
-def pixel_problem(data: bytes, max_pixels: Optional[int]) -> Optional[str]:
-    """Why the encoded image ``data`` is refused — unreadable, or more than ``max_pixels``
-    pixels (0 or None: no cap) — read from its header only, never decoded; or None."""
+def _read(data: bytes, max_pixels: Optional[int]) -> Tuple[Optional[str], int]:
+    """``(problem, pixels)`` of the encoded image ``data``, read from its header only,
+    never decoded: why it is refused — unreadable, or more than ``max_pixels`` pixels (0 or
+    None: no cap) — or None, and its pixels (0 where unreadable)."""
     from PIL import Image
 
     try:
@@ -156,27 +145,40 @@ def pixel_problem(data: bytes, max_pixels: Optional[int]) -> Optional[str]:
     except Image.DecompressionBombError:  # over twice PIL's own cap (it decodes none)
         ours = (f"this server takes at most {max_pixels:,} (--max-image-pixels)" if max_pixels
                 else "more than the image library reads")
-        return f"the image is over {2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels; {ours}"
+        return f"the image is over {2 * (Image.MAX_IMAGE_PIXELS or 0):,} pixels; {ours}", 0
     except Image.UnidentifiedImageError:
-        return "the image cannot be read: its data is not an image format the server reads"
+        return "the image cannot be read: its data is not an image format the server reads", 0
     except Exception as e:  # noqa: BLE001 - any image PIL cannot read
-        return f"the image cannot be read ({type(e).__name__}: {e})"
-    if max_pixels and width * height > max_pixels:
-        return (f"the image is {width} x {height} = {width * height:,} pixels; this server "
-                f"takes at most {max_pixels:,} (--max-image-pixels)")
-    return None
+        return f"the image cannot be read ({type(e).__name__}: {e})", 0
+    pixels = int(width) * int(height)
+    if max_pixels and pixels > max_pixels:
+        return (f"the image is {width} x {height} = {pixels:,} pixels; this server takes "
+                f"at most {max_pixels:,} (--max-image-pixels)"), pixels
+    return None, pixels
+
+
+def pixel_problem(data: bytes, max_pixels: Optional[int]) -> Optional[str]:
+    """Why the encoded image ``data`` is refused — unreadable, or more than ``max_pixels``
+    pixels (0 or None: no cap) — read from its header only, never decoded; or None."""
+    return _read(data, max_pixels)[0]
+
+
+def _inspected(url: str, allow_urls: bool,
+               max_pixels: Optional[int]) -> Tuple[Optional[str], int]:
+    """``(image_problem, pixels)`` of ``url`` (pixels 0 but for a readable ``data:`` URL)."""
+    problem = url_problem(url, allow_urls)
+    if problem is not None or not url.startswith("data:"):
+        return problem, 0
+    try:
+        return _read(_data(url), max_pixels)
+    except ValueError as e:
+        return str(e), 0
 
 
 def image_problem(url: str, allow_urls: bool, max_pixels: Optional[int]) -> Optional[str]:
     """`url_problem`, then for a ``data:`` URL `pixel_problem` (a fetched URL is checked
     once fetched: `inline`)."""
-    problem = url_problem(url, allow_urls)
-    if problem is not None or not url.startswith("data:"):
-        return problem
-    try:
-        return pixel_problem(_data(url), max_pixels)
-    except ValueError as e:
-        return str(e)
+    return _inspected(url, allow_urls, max_pixels)[0]
 
 
 def inline(url: str, max_pixels: Optional[int]) -> str:
@@ -205,11 +207,20 @@ def inline(url: str, max_pixels: Optional[int]) -> str:
 def check_all(urls: List[str], allow_urls: bool, max_pixels: Optional[int],
               what: str = "an image") -> Optional[str]:
     """The first `image_problem` among ``urls``, said as ``<what> <i>: <problem>``."""
+    return _checked(urls, allow_urls, max_pixels, what)[0]
+
+
+def _checked(urls: List[str], allow_urls: bool, max_pixels: Optional[int],
+             what: str = "an image") -> Tuple[Optional[str], int]:
+    """``(check_all, decoding)`` of ``urls``, each header read once (the decoding: 0 where
+    one is refused)."""
+    pixels = []
     for i, url in enumerate(urls):
-        problem = image_problem(url, allow_urls, max_pixels)
+        problem, n = _inspected(url, allow_urls, max_pixels)
         if problem is not None:
-            return f"{what} {i + 1}: {problem}" if len(urls) > 1 else problem
-    return None
+            return (f"{what} {i + 1}: {problem}" if len(urls) > 1 else problem), 0
+        pixels.append(n)
+    return None, decoding(pixels)
 
 
 class ImagePolicy:
@@ -232,4 +243,10 @@ class ImagePolicy:
 
     def problem(self, messages: Any) -> Optional[str]:
         """The first reason an image of chat-format ``messages`` is refused, or None."""
-        return check_all(list(image_urls(messages)), self.allow_urls, self.max_pixels)
+        return self.check(messages)[0]
+
+    def check(self, messages: Any) -> Tuple[Optional[str], int]:
+        """``(problem, decode_bytes)`` of the images of chat-format ``messages``, each
+        header read once: the first reason one is refused, or None, and what decoding them
+        all takes (0 where one is refused)."""
+        return _checked(list(image_urls(messages)), self.allow_urls, self.max_pixels)

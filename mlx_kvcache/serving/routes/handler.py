@@ -333,16 +333,18 @@ class CacheAPIHandler(APIHandler):
         args = self.response_generator.cli_args
         return getattr(args, "cache_namespace_by", None) == "api-key"
 
-    # mlx-lm's two request kinds, with the request's cache namespace (`namespace`).
+    # mlx-lm's two request kinds, with the request's cache namespace (`namespace`) and what
+    # decoding its images takes.
     def handle_text_completions(self):
-        return self._namespaced(super().handle_text_completions())
+        return self._marked(super().handle_text_completions())
 
-    def _namespaced(self, request):
+    def _marked(self, request, image_bytes: Optional[int] = None):
         namespace = getattr(self, "cache_namespace", None)
-        if namespace is None:
+        if namespace is None and image_bytes is None:
             return request
         return MarkedRequest(request.request_type, request.prompt, request.messages,
-                             request.tools, request.role_mapping, namespace=namespace)
+                             request.tools, request.role_mapping, namespace=namespace,
+                             image_bytes=image_bytes)
 
     def handle_chat_completions(self):
         # Images: no URL fetched unless the server allows it, none decoded over the pixel
@@ -354,10 +356,10 @@ class CacheAPIHandler(APIHandler):
             if problem is not None:
                 raise ValueError(problem)
         request = super().handle_chat_completions()
-        problem = policy.problem(request.messages)
+        problem, decoding = policy.check(request.messages)  # (each header read once)
         if problem is not None:
             raise ValueError(problem)
-        return self._namespaced(request)
+        return self._marked(request, decoding if decoding else None)
 
     def _vocab(self) -> Optional[int]:
         provider = self.response_generator.model_provider

@@ -343,7 +343,8 @@ class _ChatRun(CacheAPIHandler):
                              tokens=lay.ids, template_kwargs=dict(self.prep.template_args),
                              reasoning_budget=self.call.reasoning_budget,
                              namespace=self.call.namespace,
-                             model_key=self.prep.model.key)
+                             model_key=self.prep.model.key,
+                             image_bytes=getattr(request, "image_bytes", None))
 
     def send_response(self, code, message=None) -> None:
         self.status = code
