@@ -402,6 +402,16 @@ def _guard_and_queue(limit, sizes, kv_per_token=1.0, wait=3600.0, active=lambda:
     return g, q, req
 
 
+def _answered_in_line(q, out):
+    """What the admission line ``q`` put on the answer queue ``out`` while it handed the
+    generation thread nothing (a refusal, or a `DecodeJob`'s result)."""
+    from queue import Empty
+
+    with pytest.raises(Empty):
+        q.get_nowait()
+    return out.get_nowait()
+
+
 def test_admission_passes_a_waiting_request_lets_commands_pass_and_refuses_clearly():
     from queue import Empty, Queue
 
@@ -429,10 +439,7 @@ def test_admission_passes_a_waiting_request_lets_commands_pass_and_refuses_clear
     m = g.report()
     assert m["admitted_past_waiting"] == 1 and m["waiting_requests"] == 1, m
     # Never fits: refused at once with 400 while others run, never queued.
-    h = req("huge")
-    with pytest.raises(Empty):
-        q.get_nowait()
-    refused = h.get_nowait()
+    refused = _answered_in_line(q, req("huge"))
     assert isinstance(refused, MemoryNeverFits) and refused.status == 400
     assert "100000 prompt tokens" in str(refused) and "--memory-limit" in str(refused)
     m = g.report()
@@ -470,7 +477,7 @@ def test_admission_fairness_is_bounded():
 
 
 def test_images_are_decoded_only_where_the_guard_admits_their_decoding():
-    from queue import Empty, Queue
+    from queue import Queue
 
     from mlx_kvcache.serving.guards.memory import (AdmissionQueue, DecodeJob, Footprint,
                                                    MemoryGuard, MemoryNeverFits, MemoryRefused)
@@ -493,10 +500,7 @@ def test_images_are_decoded_only_where_the_guard_admits_their_decoding():
         q.put((out, kind, None))
         return out
     # Decoding that can never fit beside the weights: 400 at once, nothing decoded.
-    mural = put("mural")
-    with pytest.raises(Empty):
-        q.get_nowait()
-    refused = mural.get_nowait()
+    refused = _answered_in_line(q, put("mural"))
     assert isinstance(refused, MemoryNeverFits) and refused.status == 400
     assert "never be decoded" in str(refused) and "--memory-limit" in str(refused)
     assert decoded == [] and g.report()["never_fit"] == 1
@@ -512,14 +516,11 @@ def test_images_are_decoded_only_where_the_guard_admits_their_decoding():
     assert q.get_nowait()[1] == "text" and decoded == ["photo", "text"]
     counted = Queue()
     q.put((counted, DecodeJob(lambda: 42, 1_000), None))
-    with pytest.raises(Empty):
-        q.get_nowait()
-    assert counted.get_nowait() == 42 and poster.qsize() == 0
+    assert _answered_in_line(q, counted) == 42 and poster.qsize() == 0
     failing = Queue()
     q.put((failing, DecodeJob(lambda: 1 / 0, 100), None))
-    with pytest.raises(Empty):
-        q.get_nowait()
-    assert isinstance(failing.get_nowait(), ZeroDivisionError)  # the asker's, not the loop's
+    # the asker's error, not the loop's
+    assert isinstance(_answered_in_line(q, failing), ZeroDivisionError)
     g.idle()  # the answers ended
     assert q.get_nowait()[1] == "poster" and decoded[-1] == "poster"
     # Waited too long (here: nothing runs that could free what is in use): 503, undecoded.
@@ -528,18 +529,14 @@ def test_images_are_decoded_only_where_the_guard_admits_their_decoding():
     q2 = AdmissionQueue(g2, size, lambda item: False, images=lambda item: images[item[1]])
     out = Queue()
     q2.put((out, "photo", None))
-    with pytest.raises(Empty):
-        q2.get_nowait()
-    refused = out.get_nowait()
+    refused = _answered_in_line(q2, out)
     assert type(refused) is MemoryRefused and "cannot decode this request's images" in str(refused)
     assert decoded[-1] == "poster"
     # No limit: a job runs as it comes.
     free = AdmissionQueue(MemoryGuard(limit=None), size, lambda item: False)
     out = Queue()
     free.put((out, DecodeJob(lambda: "ran", 10**12), None))
-    with pytest.raises(Empty):
-        free.get_nowait()
-    assert out.get_nowait() == "ran"
+    assert _answered_in_line(free, out) == "ran"
 
 
 def test_an_image_s_encoding_is_measured_and_reserved_until_the_prefill_ends():
