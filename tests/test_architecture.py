@@ -52,7 +52,7 @@ ALLOWED = {
 #: Private names of the standard library and of mlx-lm, read on purpose (this test cannot
 #: tell whose attribute ``obj._name`` is, so each is named here with its owner).
 FOREIGN_PRIVATE = {
-    "_exit",  # os._exit: leave without running atexit hooks
+    "_exit",  # os._exit: leave without running atexit hooks (guards/lifecycle.exit_now)
     "_option_string_actions",  # argparse: no public lookup of an option's action
     "_load",  # mlx_lm.server.ModelProvider._load: its source is probed (serving/seam.py)
     "_rank",  # mlx_lm.server.ResponseGenerator._rank (serving/app.py)

@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Optional
 
+from .guards.lifecycle import exit_now
+
 log = logging.getLogger("mlx_kvcache")
 
 #: Default checkpoint interval: one per default prefill chunk (2048 tokens) — a recurrent
@@ -305,7 +307,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
             # Every rank found the same problem: meet once before exiting, or the first
             # rank to exit has mlx.launch stop the others before they have said why.
             agree.all_min([1])
-            _exit(1)
+            exit_now(1)
     sharding = (f"{'pipeline' if args.pipeline else 'tensor'}-{agree.size}-rank{agree.rank}"
                 if agree.size > 1 else "")
     httpd = None
@@ -314,7 +316,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
             httpd = listener.bind(host, port, server_class or ThreadingHTTPServer, BACKLOG)
         except listener.ListenError as e:
             sys.stderr.write(f"error: mlx-kvcache serve: {e}\n")
-            _exit(1)
+            exit_now(1)
     memory = MemoryGuard(None if args.memory_limit == 0 else args.memory_limit,
                          args.memory_wait)
     cache = TriePromptCache(model_provider, max_bytes=args.prompt_cache_bytes,
@@ -373,7 +375,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
         started.fail("the generation thread ended while loading the model (see the log)")
     if started.problem is not None:
         sys.stderr.write(f"error: mlx-kvcache serve: {started.problem}\n")
-        _exit(1)
+        exit_now(1)
     for sig in (signal.SIGTERM, signal.SIGINT):  # from here on, a stop (see the module doc)
         signal.signal(sig, lambda signum, frame: life.on_signal())
     try:
@@ -387,10 +389,10 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
             _serve(host, port, httpd, generator, cache, handler, life)
         except listener.ListenError as e:
             sys.stderr.write(f"error: mlx-kvcache serve: {e}\n")
-            _exit(1)
+            exit_now(1)
     except Exception:  # noqa: BLE001 - mlx-lm's generation thread would keep us alive
         log.exception("mlx_kvcache: the server failed")
-        _exit(1)
+        exit_now(1)
 
 
 def _log_context(args, model_provider, generator) -> None:
@@ -401,14 +403,6 @@ def _log_context(args, model_provider, generator) -> None:
     n = context_length(args, key[0] if key else None, model_provider.model)
     for what, settings in client_settings(served_context(generator), args, n):
         log.info("mlx_kvcache: %s: %s", what, settings)
-
-
-def _exit(code: int) -> None:
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # MLX's per-thread state can abort a normal interpreter exit here; all is written.
-    os._exit(code)
 
 
 def _follow(generator, cache, life) -> None:
@@ -427,7 +421,7 @@ def _follow(generator, cache, life) -> None:
     cache.close(timeout=60)
     code = 0 if life.stopped.is_set() else 1
     log.info("mlx_kvcache: rank %d stopped (exit %d)", generator._rank, code)
-    _exit(code)
+    exit_now(code)
 
 
 def _serve(host, port, httpd, generator, cache, handler_class, life) -> None:
@@ -444,7 +438,7 @@ def _serve(host, port, httpd, generator, cache, handler_class, life) -> None:
         time.sleep(0.1)
     code = _stop(httpd, generator, cache, life)
     log.info("mlx_kvcache: %sstopped (exit %d)", "rank 0 " if generator._is_distributed else "", code)
-    _exit(code)
+    exit_now(code)
 
 
 def _stop(httpd, generator, cache, life) -> int:

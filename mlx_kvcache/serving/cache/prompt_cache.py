@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import struct
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -53,6 +52,7 @@ import numpy as np
 from ...prefix.agreement import SOLO, Agreement
 from ...prefix.explain import Explainer, Reuse
 from ...prefix.tokens import as_tokens
+from ..guards.lifecycle import exit_now
 from ..guards.memory import MemoryGuard
 from . import sequential
 from .namespace import namespace_of, salted, unsalted
@@ -185,8 +185,7 @@ class TriePromptCache:
         except Exception:
             log.exception("mlx_kvcache: %s failed", what)
             if self.agree.size > 1:
-                logging.shutdown()
-                os._exit(70)
+                exit_now(70)
             return fallback
 
     def fetch_nearest_cache(self, model_key, tokens: Sequence[int]) -> Tuple[Optional[List[Any]], List[int]]:

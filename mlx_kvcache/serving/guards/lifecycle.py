@@ -16,6 +16,9 @@ A stop (SIGTERM / SIGINT) goes through three moments, all driven by rank 0:
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -166,3 +169,13 @@ class Lifecycle:
                     return False
                 self._cv.wait(min(max(until - time.monotonic(), 0.0), 0.1))
             return True
+
+
+def exit_now(code: int) -> None:
+    """End this process with ``code`` at once, its log and output written: no interpreter
+    exit (MLX's per-thread state can abort one, and a rank out of step with the others
+    must not wait on them)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
