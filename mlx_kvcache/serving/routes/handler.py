@@ -122,12 +122,16 @@ def send_json(handler, status: int, body: Dict[str, Any],
 
 class _ErrorBody:
     """A handler's ``wfile`` for one refusal: mlx-lm writes its error body as
-    ``{"error": text}``; that one write becomes ``{"error": error}`` (OpenAI's shape,
-    ``error`` naming the message, type and code), and the handler's own ``wfile`` is
-    back."""
+    ``{"error": text}``; that one write becomes ``{"error": error}`` (OpenAI's shape:
+    ``error`` names the message, type and code; where the refusal has none, it is made
+    from the text) — the reply's body, or, ``streamed`` (the stream went out while the
+    request waited: `CacheAPIHandler.keep_waiting`), an SSE ``data:`` line, as OpenAI's API
+    sends an error inside a stream — and the handler's own ``wfile`` is back."""
 
-    def __init__(self, handler, wfile, error: Dict[str, Any]) -> None:
+    def __init__(self, handler, wfile, error: Optional[Dict[str, Any]],
+                 streamed: bool = False) -> None:
         self._handler, self._wfile, self._error = handler, wfile, error
+        self._streamed = streamed
 
     def write(self, data) -> int:
         try:
@@ -137,32 +141,13 @@ class _ErrorBody:
         if not (isinstance(body, dict) and isinstance(body.get("error"), str)):
             return self._wfile.write(data)
         self._handler.wfile = self._wfile
-        self._wfile.write(json.dumps({"error": self._error}).encode())
-        return len(data)
-
-    def __getattr__(self, name: str):
-        return getattr(self._wfile, name)
-
-
-class _StreamError:
-    """The ``wfile`` of a streamed answer refused after its stream opened (`keep_waiting`):
-    mlx-lm's one error write, ``{"error": text}``, becomes an SSE ``data:`` line holding
-    OpenAI's error object (``error``, where the refusal has one; else built from the
-    text), as OpenAI's API sends an error inside a stream."""
-
-    def __init__(self, handler, wfile, error: Optional[Dict[str, Any]]) -> None:
-        self._handler, self._wfile, self._error = handler, wfile, error
-
-    def write(self, data) -> int:
-        try:
-            text = json.loads(bytes(data)).get("error")
-        except (ValueError, AttributeError):
-            text = bytes(data).decode(errors="replace")
-        error = self._error or {"message": str(text), "type": "server_error", "param": None,
-                                "code": None}
-        self._handler.wfile = self._wfile
-        self._wfile.write(f"data: {json.dumps({'error': error})}\n\n".encode())
-        self._wfile.flush()
+        error = json.dumps({"error": self._error or {
+            "message": body["error"], "type": "server_error", "param": None, "code": None}})
+        if not self._streamed:
+            self._wfile.write(error.encode())
+        else:
+            self._wfile.write(f"data: {error}\n\n".encode())
+            self._wfile.flush()
         return len(data)
 
     def __getattr__(self, name: str):
@@ -392,8 +377,8 @@ class CacheAPIHandler(APIHandler):
     def _set_completion_headers(self, status_code: int = 200):
         ticket = current_ticket()
         if self.opened_early:  # refused after its stream opened: an error event in it
-            self.wfile = _StreamError(self, self.wfile, ticket.error if ticket is not None
-                                      and ticket.refused else None)
+            self.wfile = _ErrorBody(self, self.wfile, ticket.error if ticket is not None
+                                    and ticket.refused else None, streamed=True)
             self.close_connection = True
             return
         if status_code == 404 and ticket is not None and ticket.refused:
@@ -426,7 +411,7 @@ class CacheAPIHandler(APIHandler):
         memory guard's line, a sequential request ahead of it), once it has waited a
         keep-alive interval its stream's headers go out with a ``: keepalive`` comment —
         as the agent routes do; a refusal after that is an ``error`` event in the stream,
-        not a status (`_set_completion_headers`) — and then, as for every stream, a
+        not a status (`_set_completion_headers`, `_ErrorBody`) — and then, as for every stream, a
         comment whenever an interval passes in silence (`keep_alive`)."""
         if self.opened_early:
             return self.keep_alive()
