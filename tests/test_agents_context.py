@@ -247,45 +247,53 @@ def test_a_prompt_over_the_context_is_refused_before_any_work(server, claude, co
     assert _prompt(r.usage) == CTX - 1
 
 
-def test_a_chat_stream_waiting_to_be_taken_is_kept_alive_and_refused_in_it(model, tmp_path):
+def test_a_chat_stream_waiting_to_be_taken_is_kept_alive_and_refused_in_it(tmp_path):
     import threading
 
     from mlx_kvcache.serving.routes.handler import KEEPALIVE_ENV
 
-    # A request with a seed is served alone (mlx-lm's sequential path): while its 400
-    # tokens are generated, streamed requests behind it wait in the queue. Their streams
-    # open with a keep-alive comment once they waited an interval; one refused when it is
-    # finally taken (a prompt over the context) gets OpenAI's error inside its stream.
+    # A request with a seed is served alone (mlx-lm's sequential path): while it runs,
+    # streamed requests behind it wait in the queue. Their streams open with a keep-alive
+    # comment once they waited an interval; one refused when it is finally taken (a prompt
+    # over the context) gets OpenAI's error inside its stream. The one ahead would run for
+    # thousands of tokens: its client leaves once both waiting streams opened.
+    ctx = 4096
+    model = write_long_dir(tmp_path / "long", ctx)
     with Server.ours(model, tmp_path / "log.txt", tmp_path / "home", "--no-persist",
                      env={KEEPALIVE_ENV: "0.002"}) as s:
         codex = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="local",
                               max_retries=0)
-        ahead = codex.chat.completions.create(model="m", messages=ASK, max_tokens=400,
+        ahead = codex.chat.completions.create(model="m", messages=ASK, max_tokens=ctx - 100,
                                               seed=1, stream=True, **GREEDY)
         next(iter(ahead))  # it runs
-        got = {}
+        got, opened = {}, {"ok": threading.Event(), "over": threading.Event()}
 
         def waiting_ok():
             conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=CAP)
             conn.request("POST", "/v1/chat/completions", body=json.dumps(
                 {"model": "m", "messages": ASK, "max_tokens": 5, "stream": True, **GREEDY}))
             r = conn.getresponse()
+            opened["ok"].set()
             got["ok"] = (r.status, r.read())
 
         def waiting_over():
             try:
-                for _ in codex.chat.completions.create(model="m", messages=_sized(CTX),
-                                                       max_tokens=4, stream=True):
+                stream = codex.chat.completions.create(model="m", messages=_sized(ctx),
+                                                       max_tokens=4, stream=True)
+                opened["over"].set()
+                for _ in stream:
                     pass
             except openai.APIError as e:
                 got["over"] = e
+                opened["over"].set()
         threads = [threading.Thread(target=f) for f in (waiting_ok, waiting_over)]
         for t in threads:
             t.start()
-        rest = list(ahead)
+        s.watch.wait("the waiting streams to open").until(
+            lambda: all(e.is_set() for e in opened.values()), poll=0.05)
+        ahead.close()  # its client leaves: it stops, and the waiting ones are taken
         for t in threads:
             t.join(CAP)
-        assert rest[-1].choices[0].finish_reason == "length"
         status, raw = got["ok"]
         assert status == 200 and raw.startswith(b": keepalive\n\n"), raw[:200]
         assert raw.rstrip().endswith(b"data: [DONE]")
@@ -297,7 +305,7 @@ def test_a_chat_stream_waiting_to_be_taken_is_kept_alive_and_refused_in_it(model
         assert text == alone.choices[0].message.content
         e = got["over"]
         assert not isinstance(e, openai.BadRequestError)  # (a status, had it not waited)
-        assert f"{CTX} tokens > {CTX - 1} maximum" in e.message, e.message
+        assert f"{ctx} tokens > {ctx - 1} maximum" in e.message, e.message
         assert e.body["code"] == "context_length_exceeded", e.body
 
 
