@@ -15,7 +15,7 @@
 * ``importlib.import_module("…")`` (or ``__import__``) with a literal naming one of our
   modules — absolute, or relative with ``package=__package__`` — is an import like any
   other: it counts for cycles and layers.
-* Inside ``serving/`` the parts import one way: ``guards`` < ``cache`` < ``engine`` <
+* Inside ``serving/`` the parts import one way: ``parsers`` < ``guards`` < ``cache`` < ``engine`` <
   ``routes`` < (``app``, ``seam``, the package itself); a module imports its own part and
   the parts below it.
 * ``isinstance`` / ``issubclass`` (or ``type(c) is …``) against a cache kind (our cache
@@ -233,7 +233,7 @@ def test_layers_import_one_way():
 #: ``serving/``'s parts, lowest first (docs/design.md, "Layers"): a module may import its
 #: own part and the parts below it. The package itself (its ``__init__``), ``app`` and
 #: ``seam`` sit on top: they put the parts together.
-SERVING_PARTS = ["guards", "cache", "engine", "routes"]
+SERVING_PARTS = ["parsers", "guards", "cache", "engine", "routes"]
 _SERVING_TOP = len(SERVING_PARTS)
 
 
@@ -264,7 +264,7 @@ def _serving_violations(graph: Dict[str, Set[str]]) -> List[str]:
 
 def test_serving_parts_import_one_way():
     bad = _serving_violations(_graph())
-    assert not bad, ("serving/'s parts import one way (guards < cache < engine < routes < "
+    assert not bad, ("serving/'s parts import one way (parsers < guards < cache < engine < routes < "
                      "app, seam):\n" + "\n".join(bad))
 
 

@@ -1,0 +1,110 @@
+"""What every output parser is: fed an answer's tokens (and their text) as they are
+generated, it says what they are — the answer's text, its reasoning, tool calls — as typed
+`Output` events, and at the end what is left.
+
+One parser object per answer (`ParserFactory` makes them): parsers keep state (the channel
+the model writes in, a call's arguments so far) and are never shared between answers.
+
+The contract every entry keeps:
+
+* **Nothing is lost.** Every character the model wrote that is not markup comes out as
+  `Text`, `Reasoning` or inside a `Call`. A call the parser cannot read comes out as
+  `UnreadCall` with its raw markup (the front door turns it into text and logs it).
+* **A call streams where it can.** A parser that knows a call's name before its
+  arguments are complete may say `CallBegin` and then `CallArguments` deltas; the
+  concatenated deltas are a prefix of the final `Call.arguments` when the call completes.
+  A begun call always ends with `Call` (complete) or `CallCut` (the answer stopped inside
+  it: the token limit). A parser that cannot stream gives the whole `Call` at once.
+* **Stop reasons follow what came out**: `made_calls` is true once a `Call` was given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Protocol, Union
+
+__all__ = ["Text", "Reasoning", "CallBegin", "CallArguments", "Call", "CallCut", "UnreadCall",
+           "Output", "OutputParser", "ParserFactory"]
+
+
+@dataclass(frozen=True)
+class Text:
+    """Answer text for the client (a delta)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """Reasoning text (a delta): Qwen3's ``<think>``, harmony's ``analysis`` channel, …"""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class CallBegin:
+    """A tool call's name is known; its arguments follow as `CallArguments`.
+    ``index``: the call's number in this answer, from 0."""
+
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    """The next piece of call ``index``'s arguments (JSON text)."""
+
+    index: int
+    delta: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """One complete tool call: ``name`` and ``arguments`` (a JSON object, as text).
+    ``index`` as in `CallBegin` (a call that streamed keeps its index)."""
+
+    index: int
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class CallCut:
+    """Call ``index`` began but the answer stopped inside it (the token limit):
+    ``arguments`` is what was written of them (not complete JSON)."""
+
+    index: int
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class UnreadCall:
+    """Markup of a tool call the parser cannot read (``raw``: as generated, start and end
+    markers included where they were written); ``problem`` says why."""
+
+    raw: str
+    problem: str
+
+
+Output = Union[Text, Reasoning, CallBegin, CallArguments, Call, CallCut, UnreadCall]
+
+
+class OutputParser(Protocol):
+    """One answer's parser."""
+
+    def feed(self, token: int, text: str, finish_reason: Optional[str] = None) -> List[Output]:
+        """The next generated ``token`` and its ``text`` (the detokenizer's segment: may be
+        empty while a character is incomplete). ``finish_reason`` (``"stop"``, ``"length"``)
+        on the answer's last token: the parser gives everything that is left (a stop
+        token's text is markup and dropped; a token limit flushes what was held back)."""
+
+    @property
+    def made_calls(self) -> bool:
+        """Whether a complete `Call` came out."""
+
+
+#: Makes the parser of one answer: given the tools the request offered (OpenAI function
+#: tools, or None) and the state the prompt leaves the model in (``"normal"``,
+#: ``"reasoning"``: the prompt opened a reasoning block).
+ParserFactory = Callable[[Optional[List[Any]], str], OutputParser]
