@@ -26,8 +26,11 @@ openai = pytest.importorskip("openai")
 from mlx_kvcache.serving.routes.agents import anthropic as messages_route  # noqa: E402
 from mlx_kvcache.serving.routes.agents import responses as responses_route  # noqa: E402
 from mlx_kvcache.serving.routes.agents import wire  # noqa: E402
-from mlx_kvcache.serving.routes.agents.bridge import NOTHING  # noqa: E402
-from mlx_kvcache.serving.routes.agents.call import AgentRequestError, Event, Usage  # noqa: E402
+from mlx_kvcache.serving.engine.answer import Progress  # noqa: E402
+from mlx_kvcache.serving.parsers.base import Text  # noqa: E402
+from mlx_kvcache.serving.routes.agents.call import AgentRequestError  # noqa: E402
+from mlx_kvcache.serving.routes.agents.generation import Accounting  # noqa: E402
+from fake_answers import FakeGenerator, ScriptedAnswer, finished  # noqa: E402
 from mlx_kvcache.testing.agent_dirs import (  # noqa: E402
     BAD_CALL, PATCH, PATCH_CALL, SCRIPT_TEXT, write_script_dir, write_tool_dir)
 from mlx_kvcache.testing.servers import Server  # noqa: E402
@@ -68,43 +71,18 @@ class _Handler:
         return False
 
 
-class _Silent:
-    """Scripted events: `NOTHING` (an interval passed in silence) where the script says
-    ``None``, else the event."""
-
-    prompt_tokens, cached_tokens = 5, 0
-
-    def __init__(self, script) -> None:
-        self._script = list(script)
-
-    def start_usage(self) -> Usage:  # (ChatEvents': the prompt's, before the answer)
-        return Usage(self.prompt_tokens, self.cached_tokens, 0, 0)
-
-    def next_event(self, timeout):
-        if not self._script:
-            return None
-        ev = self._script.pop(0)
-        return NOTHING if ev is None else ev
-
-    def close(self):
-        pass
-
-
 def _script(waits: int, refuse: bool = False):
     """A ``run`` for `wire.serve`: the request waits ``waits`` intervals for the generation
     thread (each a ``waiting()`` call), then answers "a", silence, "b", silence, done —
     or is refused."""
-    usage = Usage(5, 0, 5, 2)
-
-    def run(handler, call, waiting=None, every=None):
+    def run(generator, call, waiting=None, every=None):
         for _ in range(waits):
             if waiting is not None:
                 waiting()
         if refuse:
             raise AgentRequestError("no memory for this request", 503, "overloaded_error")
-        return _Silent([Event("progress", text="1/5"), None, Event("text", text="a"), None,
-                        None, Event("text", text="b"), None,
-                        Event("done", finish_reason="stop", usage=usage)])
+        return ScriptedAnswer([Progress(1, 5), None, Text("a"), None, None, Text("b"), None,
+                               finished("stop", 5, 0, 2)]), Accounting(5, True)
     return run
 
 
@@ -388,13 +366,10 @@ def test_a_thinking_models_prefill_gets_no_think_injected(tmp_path):
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlx_kvcache.serving.routes.agents.bridge import count_tokens
+    from mlx_kvcache.serving.routes.agents.generation import count_tokens
     from mlx_kvcache.testing.agent_dirs import write_thinking_dir
     model = write_thinking_dir(tmp_path / "think", switch=True)
-    provider = SimpleNamespace(tokenizer=load_tokenizer(model), processor=None, model_key=None,
-                               cli_args=SimpleNamespace(chat_template_args={}))
-    handler = SimpleNamespace(response_generator=SimpleNamespace(
-        model_provider=provider, generation_available=lambda: True))
+    handler = FakeGenerator(load_tokenizer(model))
     user = {"role": "user", "content": "Go."}
     body = {"model": "m", "thinking": {"type": "disabled"},
             "messages": [user, {"role": "assistant", "content": "Sure"}]}

@@ -10,7 +10,11 @@ import json
 import pytest
 from pydantic import TypeAdapter
 
-from mlx_kvcache.serving.routes.agents.call import AgentRequestError, Event, Usage
+from mlx_kvcache.serving.engine.answer import Failed, Progress  # noqa: E402
+from mlx_kvcache.serving.parsers.base import Call, Reasoning, Text  # noqa: E402
+from mlx_kvcache.serving.routes.agents.call import AgentRequestError  # noqa: E402
+from mlx_kvcache.serving.routes.agents.generation import Accounting  # noqa: E402
+from fake_answers import EndlessAnswer, ScriptedAnswer, finished, runs  # noqa: E402
 from mlx_kvcache.serving.routes.agents.responses import ResponseBuilder, parse_request, render
 
 openai = pytest.importorskip("openai")
@@ -195,18 +199,14 @@ def test_bad_requests_name_the_field(body, param):
 
 
 # -- Events -> the answer -----------------------------------------------------------------------
-USAGE = Usage(prompt_tokens=120, cached_tokens=100, created_tokens=20, output_tokens=9)
-
-
 def events_of(*kinds, finish="stop"):
     out = []
-    for k in kinds:
+    for i, k in enumerate(kinds):
         if k == "call":
-            out.append(Event("tool_call", tool_call={"id": "call_7", "name": "shell",
-                                                     "arguments": "{\"cmd\": \"ls\"}"}))
+            out.append(Call(i, "shell", "{\"cmd\": \"ls\"}"))
         else:
-            out.append(Event(k, text=f"{k} piece "))
-    out.append(Event("done", finish_reason=finish, usage=USAGE))
+            out.append((Text if k == "text" else Reasoning)(f"{k} piece "))
+    out.append(finished(finish, prompt=120, cached=100, output=9))
     return out
 
 
@@ -239,8 +239,8 @@ def test_stream_parses_with_the_sdk(kinds):
     calls = [o for o in final["output"] if o["type"] == "function_call"]
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == \
         [("shell", {"cmd": "ls"})] * kinds.count("call")
-    # the parser's id, unless it repeats (clients match outputs by call_id)
-    assert [c["call_id"] for c in calls][:1] == ["call_7"][:len(calls)]
+    # each call its own id (clients match outputs by call_id)
+    assert all(c["call_id"].startswith("call_") for c in calls)
     assert len({c["call_id"] for c in calls}) == len(calls)
     assert final["usage"]["input_tokens"] == 120
     assert final["usage"]["input_tokens_details"]["cached_tokens"] == 100
@@ -275,7 +275,7 @@ def test_cut_short_is_incomplete():
 
 def test_failure_mid_stream_is_response_failed():
     b = ResponseBuilder({"input": "x"}, "m")
-    stream = b.start() + b.feed(Event("text", text="partial")) + b.fail("the model broke")
+    stream = b.start() + b.feed(Text("partial")) + b.fail("the model broke")
     assert stream[-1][0] == "response.failed"
     final = stream[-1][1]["response"]
     assert final["status"] == "failed" and final["error"]["message"] == "the model broke"
@@ -292,14 +292,15 @@ def test_output_fed_back_extends_the_conversation():
     body = {"instructions": "base", "input": [{"role": "user", "content": "go"}]}
     first = parse_request(body)
     final = list(render(body, "m", events_of("reasoning", "text", "call")))[-1][1]["response"]
+    call_id = final["output"][-1]["call_id"]
     nxt = {**body, "input": body["input"] + final["output"] + [
-        {"type": "function_call_output", "call_id": "call_7", "output": "done"},
+        {"type": "function_call_output", "call_id": call_id, "output": "done"},
         {"role": "user", "content": "next"}]}
     second = parse_request(nxt)
     assert second.messages[:len(first.messages)] == first.messages
     turn = second.messages[len(first.messages)]
     assert turn == {"role": "assistant", "content": "text piece ", "reasoning": "reasoning piece ",
-                    "tool_calls": [{"id": "call_7", "type": "function", "function": {
+                    "tool_calls": [{"id": call_id, "type": "function", "function": {
                         "name": "shell", "arguments": "{\"cmd\": \"ls\"}"}}]}
     assert second.labels[:len(first.labels)] == first.labels
 
@@ -496,6 +497,7 @@ class FakeHandler:
         self.headers = {"Content-Length": str(len(data))}
         self.rfile, self.wfile = io.BytesIO(data), io.BytesIO()
         self.status, self.sent = None, {}
+        self.response_generator = None  # (the scripted run needs none)
 
     def send_response(self, code, message=None):
         self.status = code
@@ -519,28 +521,22 @@ class FakeHandler:
 
 
 def serve_with(monkeypatch, body, events=None, refusal=None, raw=None):
-    from mlx_kvcache.serving.routes.agents import responses
+    from mlx_kvcache.serving.routes.agents import responses, wire
     closed = []
 
-    def fake_run_chat(handler, call, **kw):
+    def fake_run(generator, call, **kw):
         if refusal is not None:
             raise refusal
-
-        def gen():
-            try:
-                yield from events
-            finally:
-                closed.append(True)
-        return gen()
-    monkeypatch.setattr(responses, "run_chat", fake_run_chat)
+        return ScriptedAnswer(list(events), on_close=lambda: closed.append(True)), \
+            Accounting(0, False)
+    monkeypatch.setattr(wire, "run_call", fake_run)
     h = FakeHandler(body, raw)
     responses.serve_responses(h)
     return h, closed
 
 
 def test_glue_streams_keepalives_and_a_failure(monkeypatch):
-    evs = [Event("progress", text="10/20"), Event("text", text="par"),
-           Event("error", text="the answer failed: boom"), Event("text", text="never")]
+    evs = [Progress(10, 20), Text("par"), Failed("the answer failed: boom"), Text("never")]
     h, closed = serve_with(monkeypatch, {"model": "m", "input": "x", "stream": True}, evs)
     assert h.status == 200 and h.sent["Content-Type"] == "text/event-stream"
     assert b"keepalive" not in h.wfile.getvalue()  # a progress report alone writes nothing
@@ -557,9 +553,9 @@ def test_glue_whole_answer_and_errors(monkeypatch):
     r = json.loads(h.wfile.getvalue())
     RESPONSE.validate_python(r)
     assert r["model"] == "m" and r["output"][0]["content"][0]["text"] == "text piece "
-    h, _ = serve_with(monkeypatch, {"model": "m", "input": "x"}, [Event("error", text="boom")])
+    h, _ = serve_with(monkeypatch, {"model": "m", "input": "x"}, [Failed("boom")])
     assert h.status == 500 and json.loads(h.wfile.getvalue())["error"]["message"] == "boom"
-    # the bridge's refusal, before any event, keeps its status and kind
+    # the front door's refusal, before any event, keeps its status and kind
     h, _ = serve_with(monkeypatch, {"model": "m", "input": "x"},
                       refusal=AgentRequestError("the server is stopping", 503, "overloaded_error"))
     assert h.status == 503
@@ -587,17 +583,9 @@ def test_glue_client_gone_ends_the_generation(monkeypatch):
                 def flush(_):
                     pass
             self.wfile = W()
-    from mlx_kvcache.serving.routes.agents import responses
+    from mlx_kvcache.serving.routes.agents import responses, wire
     closed = []
-
-    def fake_run_chat(handler, call, **kw):
-        def gen():
-            try:
-                while True:
-                    yield Event("text", text="more")
-            finally:
-                closed.append(True)
-        return gen()
-    monkeypatch.setattr(responses, "run_chat", fake_run_chat)
+    monkeypatch.setattr(wire, "run_call", runs(EndlessAnswer(
+        Text("more"), on_close=lambda: closed.append(True))))
     responses.serve_responses(Gone({"model": "m", "input": "x", "stream": True}))
     assert closed == [True]

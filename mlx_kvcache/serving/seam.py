@@ -75,7 +75,6 @@ def check() -> Optional[str]:
             (S.APIHandler, "handle_models_request", ["self"]),
             (S.APIHandler, "_set_completion_headers", ["self", "status_code"]),
             (S.APIHandler, "handle_completion", ["self", "request", "stop_words"]),
-            # The agent routes run mlx-lm's chat route on a request of theirs (`agents.bridge`).
             (S.APIHandler, "do_POST", ["self"]),
             (S.APIHandler, "handle_chat_completions", ["self"])):
         fn = getattr(owner, name, None)
@@ -84,6 +83,27 @@ def check() -> Optional[str]:
     gen = getattr(S.APIHandler, "generate_response", None)
     if gen is None or list(inspect.signature(gen).parameters)[:3] != ["self", "text", "finish_reason"]:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: APIHandler.generate_response changed")
+    # The front door (`engine.answer`) builds mlx-lm's generation arguments itself and reads
+    # each request's context and responses from its queue.
+    import dataclasses
+    for cls_name, names in (
+            ("GenerationArguments", {"model", "sampling", "logits", "stop_words", "max_tokens",
+                                     "num_draft_tokens", "logprobs", "top_logprobs", "seed",
+                                     "chat_template_kwargs"}),
+            ("SamplingArguments", {"temperature", "top_p", "top_k", "min_p",
+                                   "xtc_probability", "xtc_threshold"}),
+            ("LogitsProcessorArguments", {"logit_bias", "repetition_penalty",
+                                          "repetition_context_size", "presence_penalty",
+                                          "presence_context_size", "frequency_penalty",
+                                          "frequency_context_size"}),
+            ("ModelDescription", {"model", "draft", "adapter"}),
+            ("GenerationContext", {"prompt", "prompt_cache_count", "initial_state"}),
+            ("Response", {"text", "token", "finish_reason"})):
+        cls = getattr(S, cls_name, None)
+        have = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        if not names <= have:
+            raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server.{cls_name} has no "
+                            f"{', '.join(sorted(names - have))}")
     if not callable(getattr(getattr(S, "GenerationContext", None), "stop", None)):
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server has no GenerationContext.stop")
     G = importlib.import_module("mlx_lm.generate")  # ``mlx_lm.generate`` is also a function
@@ -96,10 +116,6 @@ def check() -> Optional[str]:
     if "load(draft_model_path)" not in inspect.getsource(S.ModelProvider._load):
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: ModelProvider._load no longer loads "
                         f"the draft model with load(draft_model_path)")
-    chunks = inspect.getsource(S.APIHandler.handle_completion)
-    if 'f"data: {json.dumps(resp)}\\n\\n"' not in chunks or "include_usage" not in chunks:
-        raise SeamError(f"mlx_lm {mlx_lm.__version__}: APIHandler.handle_completion no longer "
-                        f"streams OpenAI chunks (data: ...) with usage, as the agent routes read")
     batched = inspect.getsource(S.ResponseGenerator._generate)
     if not callable(getattr(S, "_make_logits_processors", None)) or any(
             "_make_logits_processors(args)" not in body for body in (single, batched)):

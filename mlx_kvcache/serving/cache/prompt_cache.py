@@ -266,11 +266,15 @@ class TriePromptCache:
         seq = sequential.current()
         ids = self._key(tokens)
         if ids is None:  # a namespaced prompt that starts with an image: not cached
+            if seq is not None:
+                seq.restoring(0)
             return None, list(tokens)
         if st.why_not is not None or not len(tokens):  # mlx-lm computes the whole prompt
             why = st.why_not or "the prompt cache is off"
             self._log.fetched(tokens, 0, 0, "sequential" if seq else "batch",
                               Reuse("off", 0, len(tokens), None, "", "", "", f"caching is off: {why}"))
+            if seq is not None:
+                seq.restoring(0)
             return None, list(tokens)
         mgr = st.manager
         # The batch path's merge copies the rows into mlx-lm's batch cache: no room to grow.
@@ -326,7 +330,7 @@ class TriePromptCache:
         mgr = st.manager
         start, stops = sequential.plan_stops(live, plan, key, seq, mgr.kv_quant)
         self._fetched(st, key, plan, start, "sequential")
-        seq.restored = seq.handed = start
+        seq.restoring(start)
         prompt = seq.prompt if seq.prompt is not None and len(seq.prompt) == len(key) else key
         pair = st.pair
         # With --kv-bits the prompt but its last token is prefilled here, not by mlx-lm:

@@ -74,6 +74,14 @@ class SequentialRequest:
     stats: RequestStats = field(default_factory=RequestStats)
     #: Each round's draft length (``--draft-policy``; None: ``--num-draft-tokens`` each).
     draft_lengths: Optional[DraftLengths] = None
+    #: Told what the fetch restores, once it knows (before it computes the rest).
+    on_restored: Optional[Callable[[int], None]] = None
+
+    def restoring(self, n: int) -> None:
+        """The fetch restores ``n`` tokens of the prompt (0: it computes it all)."""
+        self.restored = self.handed = n
+        if self.on_restored is not None:
+            self.on_restored(n)
 
 
 def current() -> Optional[SequentialRequest]:

@@ -40,6 +40,8 @@ from ..guards.images import ImagePolicy
 from ..guards.memory import (AdmissionQueue, DecodeJob, MemoryGuard, MemoryNeverFits,
                              MemoryRefused)
 from ..guards.validation import generation_problem
+from ..parsers.base import ParserFactory
+from ..parsers.registry import parser_for
 from .templates import answer_extends_prompt
 from .reasoning_budget import ReasoningBudget
 
@@ -77,6 +79,18 @@ class MarkedRequest(CompletionRequest):
     #: What decoding its images takes (`images.decode_bytes`), read by the HTTP thread as
     #: it checked them; None: not read there (the generation thread reads it).
     image_bytes: Optional[int] = None
+    #: A request of the typed front door (`answer`): its queue also gets `Fetched`, the
+    #: sequential fetch's restore, before the prompt is computed.
+    announce_fetch: bool = False
+    #: True once its client left before the generation thread took it (`abandon`): a
+    #: plain flag, as the request is pickled to the other ranks of a sharded model.
+    abandoned: bool = False
+
+    def abandon(self) -> None:
+        """Its client left (any thread): the generation thread drops the request when it
+        reaches it (a refusal no one reads) instead of computing an answer — on one
+        process; the ranks of a sharded model run it (they must stay in step)."""
+        self.abandoned = True
 
     def encoded_for(self, model_key: Any) -> bool:
         """Whether `tokens`, `cuts` and `marks` are in the vocabulary of the model
@@ -138,6 +152,22 @@ class ServedModel:
     key: Any
     tokenizer: Any
     processor: Any = None
+    #: Makes the output parser of one answer on this model (`parsers.registry`).
+    parser: Optional[ParserFactory] = None
+
+    @classmethod
+    def of(cls, key: Any, tokenizer: Any, processor: Any = None) -> "ServedModel":
+        """The model ``key`` with its tokenizer and processor, its parser chosen from the
+        registry."""
+        return cls(key, tokenizer, processor, parser_for(tokenizer))
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What a front-door request's sequential fetch restored (``restored`` tokens), put on
+    its response queue before its prompt is computed (`MarkedRequest.announce_fetch`)."""
+
+    restored: int
 
 
 def split_segments(segments: List[List[int]], types: List[str],
@@ -215,13 +245,15 @@ class ServerResponseGenerator(ResponseGenerator):
         # Set before mlx-lm's __init__, which starts the generation thread.
         self.lifecycle = lifecycle or Lifecycle()
         self._served: Optional[ServedModel] = None
+        self._current: Optional[ServedModel] = None  # without --model: the provider's
         load_default = model_provider.load_default
 
         def load_default_kept() -> None:
             load_default()
             if model_provider.tokenizer is not None:
-                self._served = ServedModel(model_provider.model_key, model_provider.tokenizer,
-                                           model_provider.processor)
+                self._served = ServedModel.of(model_provider.model_key,
+                                              model_provider.tokenizer,
+                                              model_provider.processor)
         model_provider.load_default = load_default_kept
         self._same_model = same_model or (lambda args: args)
         self._agree = agree
@@ -244,6 +276,40 @@ class ServerResponseGenerator(ResponseGenerator):
         """The served model (`ServedModel`) once the generation thread loaded it, else
         None (no ``--model``, or not loaded yet)."""
         return self._served
+
+    def served_model(self) -> ServedModel:
+        """The model a request naming no other runs on — the served one — once the
+        generation thread has loaded it (waits for the load; `RuntimeError` when the
+        generation thread ended first). Not the model mlx-lm's provider holds now: a chat
+        request naming another local model makes it hold that one, and a prompt encoded
+        with its tokenizer would run on the served model as ids of another vocabulary.
+        Without ``--model`` (no served model recorded) it is the one the provider holds."""
+        provider = self.model_provider
+        while self._served is None and provider.tokenizer is None:
+            if not self.generation_available():
+                raise RuntimeError("the model could not be loaded")
+            time.sleep(0.05)
+        if self._served is not None:
+            return self._served
+        key = provider.model_key
+        if self._current is None or self._current.key != key:
+            self._current = ServedModel.of(key, provider.tokenizer, provider.processor)
+        return self._current
+
+    def submit(self, request: MarkedRequest, args) -> Queue:
+        """Put ``request`` (with mlx-lm's ``GenerationArguments`` ``args``) in line for the
+        generation thread, as mlx-lm's ``generate`` does, and return its response queue:
+        the request's ``GenerationContext`` (or the exception that refused it), then
+        (front-door requests) `Fetched`, progress tuples, mlx-lm's ``Response`` per token
+        and None at the end. `ServerStopping` while the server stops, `RuntimeError` when
+        the generation thread is gone."""
+        if self.lifecycle.cut.is_set() or self.lifecycle.stopped.is_set():
+            raise ServerStopping("the server is stopping; this request was not started")
+        if not self.generation_available():
+            raise RuntimeError("the generation thread is not running")
+        queue: Queue = Queue()
+        self.requests.put((queue, request, self._same_model(args)))
+        return queue
 
     def _log_cache_stats(self) -> None:
         """Nothing: mlx-lm's "Prompt Cache: N sequences, X GB" lines count its own LRU
@@ -313,6 +379,9 @@ class ServerResponseGenerator(ResponseGenerator):
 
     # -- prompts ------------------------------------------------------------------------------
     def _tokenize(self, tokenizer, request, args):
+        if isinstance(request, MarkedRequest) and request.abandoned and not self._is_distributed:
+            self._sized.pop(id(request), None)
+            raise ValueError("its client left before it started")  # (no one reads this)
         kept = self._sized.pop(id(request), None)
         if kept is not None and kept[0] is request and kept[1] is tokenizer:
             prompt, segments, types, state, vision = kept[2]  # tokenized at admission
@@ -392,10 +461,12 @@ class ServerResponseGenerator(ResponseGenerator):
         # The fetch inside is sequential: it prefills through the planned stops, storing
         # the caches at each, reporting progress on the request's queue (`sequential`).
         rqueue, req, args = request
+        announce = isinstance(req, MarkedRequest) and req.announce_fetch
         seq = sequential.SequentialRequest(
             progress=lambda done, total: rqueue.put((done, total)), stream=stream,
             prefill_step=self._prefill_step(),
-            draft_lengths=self._draft_lengths)
+            draft_lengths=self._draft_lengths,
+            on_restored=(lambda n: rqueue.put(Fetched(n))) if announce else None)
         with sequential.serving(seq):
             super()._serve_single((_SequentialQueue(rqueue, seq, self._is_distributed), req, args),
                                   stream)

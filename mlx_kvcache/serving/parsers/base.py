@@ -21,10 +21,10 @@ The contract every entry keeps:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Protocol, Union
+from typing import Any, Callable, List, Optional, Protocol, Tuple, Union
 
 __all__ = ["Text", "Reasoning", "CallBegin", "CallArguments", "Call", "CallCut", "UnreadCall",
-           "Output", "OutputParser", "ParserFactory"]
+           "Output", "OutputParser", "ParserFactory", "partial_arguments"]
 
 
 @dataclass(frozen=True)
@@ -108,3 +108,48 @@ class OutputParser(Protocol):
 #: tools, or None) and the state the prompt leaves the model in (``"normal"``,
 #: ``"reasoning"``: the prompt opened a reasoning block).
 ParserFactory = Callable[[Optional[List[Any]], str], OutputParser]
+
+
+def partial_arguments(text: str) -> dict:
+    """What a call's arguments cut off mid-way (`CallCut`) say so far, as an object: the
+    JSON prefix ``text`` closed where it stopped (an open string, array or object closed; a
+    dangling key, colon or comma dropped) — as the Anthropic API gives the input of a
+    ``tool_use`` block the token limit cut. ``{}`` where nothing can be read."""
+    import json
+
+    _, in_string, escaped = _scan(text)
+    body = (text[:-1] if escaped else text) + ('"' if in_string else "")
+    # the shortest tail dropped that leaves valid JSON (bounded: a value is rarely longer)
+    for cut in range(len(body), max(0, len(body) - 256), -1):
+        head = body[:cut].rstrip()
+        if head.endswith((",", ":")):
+            continue
+        stack, open_string, _ = _scan(head)
+        try:
+            value = json.loads(head + ('"' if open_string else "") + "".join(reversed(stack)))
+        except ValueError:
+            continue
+        return value if isinstance(value, dict) else {}
+    return {}
+
+
+def _scan(text: str) -> Tuple[List[str], bool, bool]:
+    """The closers JSON ``text`` still needs (innermost last), whether it ends inside a
+    string, and whether that string ends on a lone backslash."""
+    stack: List[str] = []
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]" and stack:
+            stack.pop()
+    return stack, in_string, escaped

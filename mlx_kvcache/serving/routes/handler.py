@@ -388,9 +388,6 @@ class CacheAPIHandler(APIHandler):
                 self.wfile = _ErrorBody(self, self.wfile, ticket.error)
         super()._set_completion_headers(status_code)
 
-    #: Whether a streamed chat answer gets keep-alive comments (the agent routes' captured
-    #: chat runs do not: their front end keeps its own stream alive).
-    stream_keepalive = True
     #: Whether this request's stream was opened while it waited to be taken (`keep_waiting`).
     opened_early = False
 
@@ -399,8 +396,7 @@ class CacheAPIHandler(APIHandler):
         # (`keep_waiting`), from the moment it is accepted.
         self.opened_early = False
         self.accepted_at = time.monotonic()
-        set_stream_waiting(self.keep_waiting if self.stream and self.stream_keepalive
-                           else None)
+        set_stream_waiting(self.keep_waiting if self.stream else None)
         try:
             return super().handle_completion(request, stop_words)
         finally:
@@ -431,7 +427,7 @@ class CacheAPIHandler(APIHandler):
         if not self.opened_early:  # (else they went out while the request waited)
             super()._set_stream_headers(status_code)
         ticket = current_ticket()
-        if status_code == 200 and ticket is not None and self.stream_keepalive:
+        if status_code == 200 and ticket is not None:
             if not isinstance(self.wfile, _TimedWriter):
                 self.wfile = _TimedWriter(self.wfile)
             ticket.keepalive = self.keep_alive

@@ -1,8 +1,9 @@
 """The agent routes: Anthropic Messages (`anthropic`: ``/v1/messages``,
 ``/v1/messages/count_tokens``) and OpenAI Responses (`responses`: ``/v1/responses``),
-adapters at the server's HTTP handler onto one generation path (`bridge`: mlx-lm's chat
-machinery and our prompt cache) over a conversation rendered so its prefix never breaks
-(`conversation`). The data they share is `call`; the HTTP and server-sent-events side,
+adapters at the server's HTTP handler onto the engine's typed front door (`generation`:
+the call rendered with the model's chat template, then `engine.answer`: the same admission,
+batching and prompt cache as mlx-lm's routes, the model's output parser) over a
+conversation rendered so its prefix never breaks (`conversation`). The data they share is `call`; the HTTP and server-sent-events side,
 `wire`. `post_routes` is the table the app hands the handler.
 """
 

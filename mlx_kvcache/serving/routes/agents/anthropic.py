@@ -56,9 +56,12 @@ import re
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .call import (AgentRequestError, ChatCall, Event, SkippedTools, Usage, keep_reasoning_of,
+from ...engine.answer import Failed, Finished
+from ...parsers.base import (Call, CallArguments, CallBegin, CallCut, Reasoning, Text,
+                             partial_arguments)
+from .call import (AgentRequestError, ChatCall, SkippedTools, Usage, keep_reasoning_of,
                    restrict_tools)
-from .bridge import ChatEvents, count_tokens, run_chat, served_model
+from .generation import Accounting, count_tokens, served_name
 from .wire import Route, read_body, send_json, serve
 
 __all__ = ["parse_request", "MessageBuilder", "serve_messages", "serve_count_tokens",
@@ -447,15 +450,22 @@ def _tool_input(arguments: str) -> Any:
 
 
 class MessageBuilder:
-    """An answer as Anthropic content blocks and stream events, fed `Event`s."""
+    """An answer as Anthropic content blocks and stream events, fed the engine's events.
 
-    def __init__(self, model: str, start_usage: Optional[Callable[[], Usage]] = None) -> None:
+    ``start_usage``: the prompt's usage before the answer (``message_start``'s); ``accounting``
+    splits the usage at the end (`generation.Accounting`)."""
+
+    def __init__(self, model: str, start_usage: Optional[Callable[[], Usage]] = None,
+                 accounting: Optional[Accounting] = None) -> None:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.model = model
         self._start_usage = start_usage or (lambda: Usage(0, 0, 0, 0))
+        self._accounting = accounting or Accounting(0, False)
         self.blocks: List[Dict[str, Any]] = []
         self._open: Optional[str] = None  # the kind of the block being streamed
-        self.done: Optional[Event] = None
+        self._args: Dict[int, str] = {}  # a streaming call's arguments so far, by call index
+        self.done: Optional[Finished] = None
+        self.usage: Optional[Usage] = None
         self.failed: Optional[str] = None  # why the answer failed after it started
 
     def start(self) -> List[Tuple[str, Dict[str, Any]]]:
@@ -481,54 +491,82 @@ class MessageBuilder:
         return out + [("content_block_stop", {"type": "content_block_stop",
                                               "index": len(self.blocks) - 1})]
 
-    def feed(self, ev: Event) -> List[Tuple[str, Dict[str, Any]]]:
+    def _text(self, kind: str, text: str) -> List[Tuple[str, Dict[str, Any]]]:
+        out: List[Tuple[str, Dict[str, Any]]] = []
+        if self._open != kind:
+            out += self._close()
+            block = ({"type": "text", "text": ""} if kind == "text"
+                     else {"type": "thinking", "thinking": "", "signature": ""})
+            self.blocks.append(dict(block))
+            self._open = kind
+            out.append(("content_block_start", {"type": "content_block_start",
+                                                "index": len(self.blocks) - 1,
+                                                "content_block": block}))
+        self.blocks[-1][kind] += text
+        delta = ({"type": "text_delta", "text": text} if kind == "text"
+                 else {"type": "thinking_delta", "thinking": text})
+        out.append(("content_block_delta", {"type": "content_block_delta",
+                                            "index": len(self.blocks) - 1, "delta": delta}))
+        return out
+
+    def _begin(self, name: str) -> List[Tuple[str, Dict[str, Any]]]:
+        out = self._close()
+        tid = f"toolu_{uuid.uuid4().hex[:24]}"
+        self.blocks.append({"type": "tool_use", "id": tid, "name": name, "input": {}})
+        self._open = "tool_use"
+        return out + [("content_block_start", {
+            "type": "content_block_start", "index": len(self.blocks) - 1,
+            "content_block": {"type": "tool_use", "id": tid, "name": name, "input": {}}})]
+
+    def _arguments(self, delta: str) -> List[Tuple[str, Dict[str, Any]]]:
+        if not delta:
+            return []
+        return [("content_block_delta", {"type": "content_block_delta",
+                                         "index": len(self.blocks) - 1,
+                                         "delta": {"type": "input_json_delta",
+                                                   "partial_json": delta}})]
+
+    def feed(self, ev: Any) -> List[Tuple[str, Dict[str, Any]]]:
         """The stream events ``ev`` makes (and the whole answer's blocks grow)."""
         out: List[Tuple[str, Dict[str, Any]]] = []
-        if ev.kind in ("text", "reasoning") and ev.text:
-            kind = "text" if ev.kind == "text" else "thinking"
-            if self._open != kind:
-                out += self._close()
-                block = ({"type": "text", "text": ""} if kind == "text"
-                         else {"type": "thinking", "thinking": "", "signature": ""})
-                self.blocks.append(dict(block))
-                self._open = kind
-                out.append(("content_block_start", {"type": "content_block_start",
-                                                    "index": len(self.blocks) - 1,
-                                                    "content_block": block}))
-            self.blocks[-1][kind] += ev.text
-            delta = ({"type": "text_delta", "text": ev.text} if kind == "text"
-                     else {"type": "thinking_delta", "thinking": ev.text})
-            out.append(("content_block_delta", {"type": "content_block_delta",
-                                                "index": len(self.blocks) - 1, "delta": delta}))
-        elif ev.kind == "tool_call" and ev.tool_call is not None:
+        if isinstance(ev, (Text, Reasoning)):
+            if ev.text:
+                out += self._text("text" if isinstance(ev, Text) else "thinking", ev.text)
+        elif isinstance(ev, CallBegin):
+            out += self._begin(ev.name)
+            self._args[ev.index] = ""
+        elif isinstance(ev, CallArguments):
+            if ev.index in self._args:
+                self._args[ev.index] += ev.delta
+                out += self._arguments(ev.delta)
+        elif isinstance(ev, Call):
+            streamed = self._args.pop(ev.index, None)
+            if streamed is None:  # the call came whole: its arguments in one delta
+                out += self._begin(ev.name)
+                self.blocks[-1]["input"] = _tool_input(ev.arguments)
+                out += self._arguments(json.dumps(self.blocks[-1]["input"]))
+            else:
+                self.blocks[-1]["input"] = _tool_input(ev.arguments)
+                rest = ev.arguments[len(streamed):] if ev.arguments.startswith(streamed) \
+                    else ""
+                out += self._arguments(rest)
             out += self._close()
-            tc = ev.tool_call
-            tid = tc.get("id") or ""
-            if not tid.startswith("toolu_"):
-                tid = f"toolu_{(tid or uuid.uuid4().hex).replace('-', '')[:24]}"
-            args = tc.get("arguments") or "{}"
-            self.blocks.append({"type": "tool_use", "id": tid, "name": tc.get("name") or "",
-                                "input": _tool_input(args)})
-            i = len(self.blocks) - 1
-            out += [("content_block_start", {"type": "content_block_start", "index": i,
-                                             "content_block": {"type": "tool_use", "id": tid,
-                                                               "name": tc.get("name") or "",
-                                                               "input": {}}}),
-                    ("content_block_delta", {"type": "content_block_delta", "index": i,
-                                             "delta": {"type": "input_json_delta",
-                                                       "partial_json": json.dumps(
-                                                           self.blocks[-1]["input"])}}),
-                    ("content_block_stop", {"type": "content_block_stop", "index": i})]
-        elif ev.kind == "done":
+        elif isinstance(ev, CallCut):
+            if self._args.pop(ev.index, None) is not None:  # (only a begun call is cut)
+                self.blocks[-1]["input"] = partial_arguments(ev.arguments)
+                out += self._close()
+        elif isinstance(ev, Finished):
             self.done = ev
+            self.usage = self._accounting.usage(ev.prompt_tokens, ev.cached_tokens,
+                                                ev.output_tokens)
             out += self._close()
             out += [("message_delta", {"type": "message_delta",
                                        "delta": {"stop_reason": self.stop_reason,
                                                  "stop_sequence": ev.stop_sequence},
-                                       "usage": _usage(ev.usage)}),
+                                       "usage": _usage(self.usage)}),
                     ("message_stop", {"type": "message_stop"})]
-        elif ev.kind == "error":
-            self.failed = ev.text or "the answer failed"
+        elif isinstance(ev, Failed):
+            self.failed = ev.message or "the answer failed"
             out.append(("error", error_body(self.failed, "api_error")))
         return out
 
@@ -542,14 +580,14 @@ class MessageBuilder:
     def stop_reason(self) -> Optional[str]:
         if self.done is None:
             return None
-        return _STOP_REASONS.get(self.done.finish_reason or "stop", "end_turn")
+        return _STOP_REASONS.get(self.done.reason, "end_turn")
 
     def message(self) -> Dict[str, Any]:
-        """The whole answer (after its ``done`` event)."""
+        """The whole answer (after its `Finished` event)."""
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": self.blocks, "stop_reason": self.stop_reason,
                 "stop_sequence": self.done.stop_sequence if self.done else None,
-                "usage": _usage(self.done.usage if self.done else None)}
+                "usage": _usage(self.usage)}
 
 
 # -- HTTP ------------------------------------------------------------------------------------
@@ -567,8 +605,10 @@ def _request_id() -> Dict[str, str]:
     return {"request-id": f"req_{uuid.uuid4().hex[:24]}"}
 
 
-def _answer(handler, body: Dict[str, Any], events: ChatEvents) -> MessageBuilder:
-    return MessageBuilder(body.get("model") or served_model(handler), events.start_usage)
+def _answer(handler, body: Dict[str, Any], start_usage: Callable[[], Usage],
+            accounting: Accounting) -> MessageBuilder:
+    return MessageBuilder(body.get("model") or served_name(handler.response_generator),
+                          start_usage, accounting)
 
 
 def follow_up(body: Dict[str, Any], message: Dict[str, Any],
@@ -602,7 +642,7 @@ def serve_count_tokens(handler) -> None:
     the prompt `serve_messages` would give the model."""
     try:
         call = parse_request(read_body(handler), count_only=True)
-        n = count_tokens(handler, call)
+        n = count_tokens(handler.response_generator, call)
     except AgentRequestError as e:
         return send_json(handler, e.status, _error(e), _request_id())
     send_json(handler, 200, {"input_tokens": n}, _request_id())
@@ -610,4 +650,4 @@ def serve_count_tokens(handler) -> None:
 
 def serve_messages(handler) -> None:
     """Answer one ``POST /v1/messages`` on ``handler`` (see the module doc)."""
-    serve(handler, ROUTE, run_chat)
+    serve(handler, ROUTE)

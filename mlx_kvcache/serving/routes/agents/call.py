@@ -1,6 +1,6 @@
-"""One agent request as both agent APIs hand it to the bridge (`ChatCall`), what comes
-back (`Event`, `Usage`), and the refusal before anything runs (`AgentRequestError`): the
-data the routes, the bridge and the wire share, knowing nothing of HTTP or mlx-lm.
+"""One agent request as both agent APIs hand it to the front door (`ChatCall`), its usage
+as the APIs split it (`Usage`), and the refusal before anything runs (`AgentRequestError`):
+the data the routes, `generation` and the wire share, knowing nothing of HTTP or mlx-lm.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["ChatCall", "Usage", "Event", "AgentRequestError", "restrict_tools",
+__all__ = ["ChatCall", "Usage", "AgentRequestError", "restrict_tools",
            "keep_reasoning_of", "SkippedTools"]
 
 log = logging.getLogger("mlx_kvcache")
@@ -18,7 +18,7 @@ log = logging.getLogger("mlx_kvcache")
 
 @dataclass
 class ChatCall:
-    """One chat request, as both agent front ends hand it to the bridge.
+    """One chat request, as both agent front ends hand it to the front door.
 
     ``messages``: OpenAI chat-format messages, roles ``system`` / ``user`` / ``assistant`` /
     ``tool``; ``content`` a string or a list of ``{"type": "text", "text": ...}`` parts
@@ -31,7 +31,7 @@ class ChatCall:
     ``"<label>.content[j]"``). ``tools``: OpenAI function tools (``[{"type": "function",
     "function": {"name", "description", "parameters"}}]``), given to the chat template.
     ``tool_choice``: the client's, as sent (`restrict_tools` enforces what can be).
-    ``max_tokens``: the client's limit, None for none (the bridge then lets the answer run
+    ``max_tokens``: the client's limit, None for none (`generation` then lets the answer run
     to what the context leaves, or the user's ``--max-tokens``: `context.answer_tokens`).
     ``sampling``: only what the client sent (``temperature``, ``top_p``, ``top_k``); the
     rest are the server's defaults. ``stop``: stop strings. ``breakpoints``: ``(message
@@ -137,32 +137,8 @@ class Usage:
         return self.prompt_tokens - self.cached_tokens - self.created_tokens
 
 
-@dataclass
-class Event:
-    """One step of an answer.
-
-    ``kind``: ``"text"`` / ``"reasoning"`` (``text`` is the delta), ``"tool_call"``
-    (``tool_call``: ``{"id", "name", "arguments"}``, arguments a JSON string, one whole
-    call, as mlx-lm's parser yields them), ``"progress"`` (prompt processing:
-    ``text`` is ``"done/total"``; front ends write nothing for it: `wire` keeps a silent
-    stream alive by the clock),
-    ``"error"`` (the answer failed after it started: ``text`` says why; the last event), or
-    ``"done"`` (the last event of a complete answer). On ``"done"``: ``finish_reason``
-    (``"stop"``, ``"length"`` — also when the server's stop cut the answer —,
-    ``"tool_calls"`` or ``"stop_sequence"``), ``stop_sequence`` (which one), ``usage``.
-    Front ends ignore kinds they do not know.
-    """
-
-    kind: str
-    text: str = ""
-    tool_call: Optional[Dict[str, Any]] = None
-    finish_reason: Optional[str] = None
-    stop_sequence: Optional[str] = None
-    usage: Optional[Usage] = None
-
-
 class AgentRequestError(Exception):
-    """A request the bridge will not run, raised before any event: ``status`` (HTTP),
+    """A request the front door will not run, raised before any event: ``status`` (HTTP),
     ``message`` (for the client), ``kind`` (``"invalid_request_error"``, ``"overloaded_error"``
     while the server stops, ``"api_error"``), ``param`` (the request field at fault, where
     one is; OpenAI's error names it) and ``code`` (a machine-readable reason, where the API

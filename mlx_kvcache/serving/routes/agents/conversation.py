@@ -19,7 +19,7 @@ that in three ways, each avoided here:
   it), and whole lines matching a user's ``--drop-lines`` regular expression. Only lines
   that *start* with the header name are dropped, so text quoting it stays.
 * Re-rendering: tool calls, tool results and earlier turns are passed to the template as
-  the same values every time (the bridge copies, never rewrites them per request).
+  the same values every time (copied, never rewritten per request).
 
 `layout` renders the prompt once in the HTTP thread (the same call mlx-lm makes, so its
 length is ``count_tokens``) and, where the tokenizer reports character offsets, finds where
@@ -262,7 +262,7 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"unsupported message content: {e}") from None
     kw = dict(template_args or {})
-    kw["add_generation_prompt"] = not kw.get("continue_final_message")  # (see `bridge`)
+    kw["add_generation_prompt"] = not kw.get("continue_final_message")  # (see `generation`)
     try:
         text = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, **kw)
     except Exception as e:  # the template's own refusal (jinja raise_exception) and the like

@@ -5,8 +5,8 @@ The client comes back with the same request extended: this answer as its API ret
 API's clients send it back), then a tool result for each call (the loop goes on) or, after
 a text answer, a new user message. Its content is the one unknown. So the route builds
 that next request body (`wire.Route.follow`) with a sentinel in place of the unknown
-content, parses it with its own parser and renders it as the bridge renders every request
-(the same conversation rules, template arguments and chat template): every token before
+content, parses it with its own parser and renders it as every request is rendered
+(`generation.prepare`: the same conversation rules, template arguments and chat template): every token before
 the sentinel's rendering is the next prompt's. Where the sentinel starts is found by
 rendering with three sentinels that share no first character class and keeping the
 tokens all three renderings share, so no token that could merge with the real content
@@ -29,7 +29,7 @@ import threading
 from typing import Any, Dict, List, Optional, Sequence
 
 from ...cache.namespace import Namespaced
-from .bridge import prompt_ids, served_key
+from .generation import prompt_ids, served_key
 from .call import AgentRequestError, ChatCall
 
 __all__ = ["SENTINELS", "expecting", "follow", "common_prefix", "session_of"]
@@ -108,14 +108,14 @@ def _render(handler, cache, fs, route, body, answer, namespace: Optional[str]) -
                 return
             call = route.parse(nxt)
             session = session or session_of(call)
-            ids: Optional[List[int]] = prompt_ids(handler, call)
+            ids: Optional[List[int]] = prompt_ids(handler.response_generator, call)
             if not ids:
                 return
             renders.append(ids)
         known = common_prefix(renders)
         if known:
             cache.foresee(session, Namespaced(known, namespace) if namespace else known,
-                          model_key=served_key(handler))
+                          model_key=served_key(handler.response_generator))
             offered = True
     except AgentRequestError as e:  # the route would refuse its own follow-up: say why once
         log.debug("mlx_kvcache: no foresight for this answer: %s", e.message)

@@ -1,4 +1,4 @@
-"""The OpenAI Responses API — ``POST /v1/responses`` — as an adapter onto the agents bridge.
+"""The OpenAI Responses API — ``POST /v1/responses`` — as an adapter onto the front door.
 
 Entry point for the route table: ``serve_responses(handler) -> None``. ``handler`` is the
 live `CacheAPIHandler`, already admitted, its body not yet read. It reads the JSON body,
@@ -25,7 +25,7 @@ the context is a 400 with ``code: "context_length_exceeded"`` before any work.
 The translation is two pure steps, tested without a server:
   * `parse_request`: a request body -> a `ChatCall` (OpenAI chat-format messages in the
     client's order: ``instructions`` first, then every input item where it stands);
-  * `ResponseBuilder`: `Event`s -> the stream's events (each with ``sequence_number``) and
+  * `ResponseBuilder`: the engine's events -> the stream's events (each with ``sequence_number``) and
     the final ``response`` object; the non-streamed answer is the streamed one's last
     snapshot, so the two cannot disagree.
 """
@@ -36,11 +36,13 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from .call import (AgentRequestError, ChatCall, Event, SkippedTools, keep_reasoning_of,
+from ...engine.answer import Failed, Finished
+from ...parsers.base import Call, CallArguments, CallBegin, CallCut, Reasoning, Text
+from .call import (AgentRequestError, ChatCall, SkippedTools, keep_reasoning_of,
                    restrict_tools)
-from .bridge import run_chat, served_model
+from .generation import Accounting, served_name
 from .wire import Route, serve
 
 __all__ = ["serve_responses", "parse_request", "ResponseBuilder", "error_body", "refusal", "ROUTE",
@@ -402,7 +404,8 @@ def parse_request(body: Any) -> ChatCall:
     last = msgs.messages[-1]
     # The client comes back with this prompt extended: mark the end of the instructions
     # (shared by every session) and of the input so far, as Claude Code's cache_control
-    # does (the bridge drops the latter where the next request goes on past the answer).
+    # does (`generation.prepare` drops the latter where the next request goes on past the
+    # answer).
     marks = [(0, 0)] if instructions is not None else []
     end_mark = None if last["role"] == "assistant" or (0, 0) in marks and n == 1 else (n - 1, 0)
     choice, allowed = _tool_choice(body.get("tool_choice"))
@@ -423,14 +426,17 @@ def _new_id(prefix: str) -> str:
 
 
 class ResponseBuilder:
-    """The Responses answer built from the bridge's `Event`s.
+    """The Responses answer built from the engine's events (`engine.answer`).
 
     `start` gives the opening stream events (``response.created``, ``response.in_progress``);
-    `feed` one `Event`'s stream events; `fail` the closing ``response.failed``. `response`
+    `feed` one event's stream events; `fail` the closing ``response.failed``. `response`
     is the ``response`` object as of now (the final one once ``done`` was fed)."""
 
-    def __init__(self, body: Dict[str, Any], model: str) -> None:
+    def __init__(self, body: Dict[str, Any], model: str,
+                 accounting: Optional[Accounting] = None) -> None:
         self.id = _new_id("resp")
+        self._accounting = accounting or Accounting(0, False)
+        self._streaming: Dict[int, int] = {}  # a streaming call's output index, by call index
         self.created_at = int(time.time())
         self.body, self.model = body, model
         self.output: List[Dict[str, Any]] = []
@@ -527,12 +533,12 @@ class ResponseBuilder:
         self._open, self._open_kind = item, kind
         return out
 
-    def feed(self, event: Event) -> List[Tuple[str, Dict[str, Any]]]:
-        """The stream events ``event`` makes (none for an empty delta)."""
-        if event.kind in ("text", "reasoning"):
+    def feed(self, event: Any) -> List[Tuple[str, Dict[str, Any]]]:
+        """The stream events ``event`` (an engine event) makes (none for an empty delta)."""
+        if isinstance(event, (Text, Reasoning)):
             if not event.text:
                 return []
-            kind = "message" if event.kind == "text" else "reasoning"
+            kind = "message" if isinstance(event, Text) else "reasoning"
             out = self._open_item(kind)
             item = self._open
             item["content"][0]["text"] += event.text
@@ -543,60 +549,94 @@ class ResponseBuilder:
             out.append(self._ev(name, item_id=item["id"], output_index=idx, content_index=0,
                                 delta=event.text, **extra))
             return out
-        if event.kind == "tool_call":
+        if isinstance(event, CallBegin):
+            if event.name in self._custom:  # a custom tool's input is sent whole (`Call`)
+                return []
             out = self._close()
-            tc = event.tool_call or {}
-            args = tc.get("arguments")
-            if not isinstance(args, str):
-                args = json.dumps(args if args is not None else {})
-            call_id = tc.get("id")
-            if not call_id or call_id in self._call_ids:  # clients match outputs by call_id
-                call_id = _new_id("call")
+            call_id = _new_id("call")
             self._call_ids.add(call_id)
-            if tc.get("name") in self._custom:
-                return out + self._custom_call(call_id, tc["name"], args)
             item = {"id": _new_id("fc"), "type": "function_call", "status": "in_progress",
-                    "call_id": call_id, "name": tc.get("name", ""),
-                    "arguments": ""}
+                    "call_id": call_id, "name": event.name, "arguments": ""}
             self.output.append(item)
-            idx = len(self.output) - 1
-            out.append(self._ev("response.output_item.added", output_index=idx,
+            self._streaming[event.index] = len(self.output) - 1
+            out.append(self._ev("response.output_item.added", output_index=len(self.output) - 1,
                                 item=dict(item)))
-            item["arguments"] = args
-            out.append(self._ev("response.function_call_arguments.delta", item_id=item["id"],
-                                output_index=idx, delta=args))
+            return out
+        if isinstance(event, CallArguments):
+            idx = self._streaming.get(event.index)
+            if idx is None or not event.delta:
+                return []
+            item = self.output[idx]
+            item["arguments"] += event.delta
+            return [self._ev("response.function_call_arguments.delta", item_id=item["id"],
+                             output_index=idx, delta=event.delta)]
+        if isinstance(event, (Call, CallCut)):
+            idx = self._streaming.pop(event.index, None)
+            if idx is None and isinstance(event, CallCut):
+                return []
+            if idx is None:
+                return self._whole_call(event.name, event.arguments)
+            item = self.output[idx]
+            out = []
+            rest = event.arguments[len(item["arguments"]):] \
+                if event.arguments.startswith(item["arguments"]) else ""
+            if rest:
+                item["arguments"] += rest
+                out.append(self._ev("response.function_call_arguments.delta",
+                                    item_id=item["id"], output_index=idx, delta=rest))
             out.append(self._ev("response.function_call_arguments.done", item_id=item["id"],
-                                output_index=idx, arguments=args))
-            item["status"] = "completed"
+                                output_index=idx, arguments=item["arguments"]))
+            item["status"] = "completed" if isinstance(event, Call) else "incomplete"
             out.append(self._ev("response.output_item.done", output_index=idx,
                                 item=dict(item)))
             return out
-        if event.kind == "done":
-            cut = event.finish_reason == "length"
+        if isinstance(event, Finished):
+            cut = event.reason == "length"
             out = self._close("incomplete" if cut else "completed")
             if cut:
                 self.status = "incomplete"
                 self.incomplete = {"reason": "max_output_tokens"}
             else:
                 self.status = "completed"
-            u = event.usage
-            if u is not None:
-                self.usage = {
-                    "input_tokens": u.prompt_tokens,
-                    # OpenAI's input_tokens is the whole prompt, cached ones included;
-                    # cache writes are a client breakpoint's, which Responses has not.
-                    "input_tokens_details": {"cached_tokens": u.cached_tokens,
-                                             "cache_write_tokens": u.created_tokens},
-                    "output_tokens": u.output_tokens,
-                    # not counted apart from the answer by the bridge
-                    "output_tokens_details": {"reasoning_tokens": 0},
-                    "total_tokens": u.prompt_tokens + u.output_tokens,
-                }
+            u = self._accounting.usage(event.prompt_tokens, event.cached_tokens,
+                                       event.output_tokens)
+            self.usage = {
+                "input_tokens": u.prompt_tokens,
+                # OpenAI's input_tokens is the whole prompt, cached ones included;
+                # cache writes are a client breakpoint's, which Responses has not.
+                "input_tokens_details": {"cached_tokens": u.cached_tokens,
+                                         "cache_write_tokens": u.created_tokens},
+                "output_tokens": u.output_tokens,
+                # not counted apart from the answer by the engine
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u.prompt_tokens + u.output_tokens,
+            }
             out.append(self._snapshot("response.incomplete" if cut else "response.completed"))
             return out
-        if event.kind == "error":
-            return self.fail(event.text or "the answer failed")
-        return []  # kinds this front end does not render (progress)
+        if isinstance(event, Failed):
+            return self.fail(event.message or "the answer failed")
+        return []  # events this front end does not render
+
+    def _whole_call(self, name: str, args: str) -> List[Tuple[str, Dict[str, Any]]]:
+        """A call that came whole: its item, its arguments in one delta."""
+        out = self._close()
+        call_id = _new_id("call")
+        self._call_ids.add(call_id)
+        if name in self._custom:
+            return out + self._custom_call(call_id, name, args)
+        item = {"id": _new_id("fc"), "type": "function_call", "status": "in_progress",
+                "call_id": call_id, "name": name, "arguments": ""}
+        self.output.append(item)
+        idx = len(self.output) - 1
+        out.append(self._ev("response.output_item.added", output_index=idx, item=dict(item)))
+        item["arguments"] = args
+        out.append(self._ev("response.function_call_arguments.delta", item_id=item["id"],
+                            output_index=idx, delta=args))
+        out.append(self._ev("response.function_call_arguments.done", item_id=item["id"],
+                            output_index=idx, arguments=args))
+        item["status"] = "completed"
+        out.append(self._ev("response.output_item.done", output_index=idx, item=dict(item)))
+        return out
 
     def _custom_call(self, call_id: str, name: str, args: str) -> List[Tuple[str, Dict[str, Any]]]:
         """A call of a custom tool: a ``custom_tool_call`` item whose ``input`` is the
@@ -636,7 +676,7 @@ class ResponseBuilder:
         return out
 
 
-def render(body: Dict[str, Any], model: str, events: Iterable[Event]
+def render(body: Dict[str, Any], model: str, events: Iterable[Any]
            ) -> Iterator[Tuple[str, Dict[str, Any]]]:
     """Every stream event of an answer made of ``events`` (without failure handling)."""
     b = ResponseBuilder(body, model)
@@ -655,10 +695,12 @@ def refusal(message: str) -> Dict[str, Any]:
     return _error(AgentRequestError(message, 503, "server_error", code="server_stopping"))
 
 
-def _answer(handler, body: Dict[str, Any], events) -> "ResponseBuilder":
+def _answer(handler, body: Dict[str, Any], start_usage: Callable[[], Any],
+            accounting: Accounting) -> "ResponseBuilder":
     # The served model answers whatever name the client sent; the name is echoed back.
     name = body.get("model")
-    return ResponseBuilder(body, name if isinstance(name, str) and name else served_model(handler))
+    return ResponseBuilder(body, name if isinstance(name, str) and name
+                           else served_name(handler.response_generator), accounting)
 
 
 def follow_up(body: Dict[str, Any], response: Dict[str, Any],
@@ -695,4 +737,4 @@ ROUTE = Route(parse=parse_request, answer=_answer, error=_error, follow=follow_u
 
 def serve_responses(handler) -> None:
     """Answer one ``POST /v1/responses`` on ``handler`` (see the module's docstring)."""
-    serve(handler, ROUTE, run_chat)
+    serve(handler, ROUTE)

@@ -1,6 +1,6 @@
 """The HTTP side of both agent routes: a request body read, a `Route` (the API's parser,
-answer builder and error shape) run over the bridge, and the answer sent whole or as
-server-sent events.
+answer builder and error shape) run through the front door (`generation.run`: the engine's
+typed events), and the answer sent whole or as server-sent events.
 
 A streamed answer is never silent for longer than `handler.keepalive_interval`
 (`KEEPALIVE_S`) from the moment the request is accepted — while it waits for the
@@ -12,40 +12,48 @@ keep-alive
 ignores). The stream's headers go out with the first keep-alive, so a request that waits
 longer than one interval before mlx-lm takes it is refused, if it then is, in the
 stream (the route's ``stream_error``), not with an HTTP status.
+
+The events an answer builder is fed are the engine's (`engine.answer`): `Text`,
+`Reasoning`, `CallBegin` / `CallArguments` (a call streaming), `Call`, `CallCut`, and at the
+end `Finished` or `Failed`; `Progress` and `Started` are the wire's own business.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
+from ...engine.answer import NOTHING as _NOTHING, Failed, Finished, Progress, Started
 from .. import body as body_reader
 from ..handler import (KEEPALIVE_ENV, KEEPALIVE_S, keepalive_interval, send_json,
                        watch_client)
 from ..namespace import request_namespace
 from . import foresight
-from .bridge import NOTHING as _NOTHING, run_chat
-from .call import AgentRequestError, ChatCall, Event
+from .call import AgentRequestError, ChatCall
+from .generation import Accounting, run as run_call
 
 __all__ = ["SSE", "Answer", "Route", "read_body", "serve", "send_json", "KEEPALIVE_S",
            "KEEPALIVE_ENV", "keepalive_interval"]
 
+
+log = logging.getLogger("mlx_kvcache")
 
 #: A stream event: its name and its JSON data.
 SSE = Tuple[str, Dict[str, Any]]
 
 
 class Answer(Protocol):
-    """One answer in an API's shape, fed the bridge's events (a route's builder)."""
+    """One answer in an API's shape, fed the engine's events (a route's builder)."""
 
     def start(self) -> List[SSE]:
         """The stream's opening events."""
 
-    def feed(self, ev: Event) -> List[SSE]:
-        """The stream events ``ev`` makes; an ``"error"`` event is the API's closing
+    def feed(self, ev: Any) -> List[SSE]:
+        """The stream events ``ev`` makes; a `Failed` event is the API's closing
         failure."""
 
     def whole(self) -> Tuple[int, Dict[str, Any]]:
@@ -54,9 +62,9 @@ class Answer(Protocol):
 
 @dataclass(frozen=True)
 class Route:
-    """What one agent API puts around the bridge: ``parse`` (a request body to a
+    """What one agent API puts around the front door: ``parse`` (a request body to a
     `ChatCall`, `AgentRequestError` naming the problem), ``answer`` (the builder of one
-    answer, from the handler, the body and the events), ``error`` (an `AgentRequestError` in the
+    answer), ``error`` (an `AgentRequestError` in the
     API's error shape), ``headers`` (extra headers on every reply), ``follow`` (the
     request body the client sends after an answer — the body, the answer's whole body,
     and a stand-in text for what the client adds: each tool call's result, or the next
@@ -65,7 +73,9 @@ class Route:
     stream events, for a request refused after its stream's headers went out)."""
 
     parse: Callable[[Any], ChatCall]
-    answer: Callable[[Any, Any, Any], Answer]
+    #: The builder of one answer: from the handler, the body, the prompt's usage before the
+    #: answer (a callable: it may wait for the prompt cache's fetch) and the `Accounting`.
+    answer: Callable[[Any, Any, Callable[[], Any], Accounting], Answer]
     error: Callable[[AgentRequestError], Dict[str, Any]]
     headers: Callable[[], Dict[str, str]] = dict
     follow: Optional[Callable[[Dict[str, Any], Dict[str, Any], str],
@@ -96,15 +106,17 @@ def _sse(batch: Iterable[SSE]) -> bytes:
 
 def serve(handler, route: Route, run: Optional[Callable[..., Any]] = None) -> None:
     """Answer one agent request on ``handler`` (the live `CacheAPIHandler`, admitted, its
-    body unread): read the body, ``route.parse`` it, run it (``run``: `run_chat`, given
-    ``waiting``, called every interval until mlx-lm takes the request), and send the
-    answer whole or streamed (``"stream": true``); the call's cache namespace is the
-    request's (`namespace`: ``cache_salt``, the header, or the API key). Bad input is a
-    reply in the route's error shape, never an exception; a client gone mid-answer ends
-    the generation."""
+    body unread): read the body, ``route.parse`` it, run it (``run``: `generation.run`,
+    given the generator, the call and ``waiting``, called every interval until the
+    generation thread takes the request; it returns the answer's events and its
+    `Accounting`), and send the answer whole or streamed (``"stream": true``); the call's
+    cache namespace is the request's (`namespace`: ``cache_salt``, the header, or the API
+    key). Bad input is a reply in the route's error shape, never an exception; a client
+    gone mid-answer ends the generation."""
     headers = route.headers()
     every = keepalive_interval()
     stream = _Stream(handler, headers, route.keepalive)
+    generator = handler.response_generator
     try:
         body = read_body(handler)
         call = route.parse(body)
@@ -113,7 +125,7 @@ def serve(handler, route: Route, run: Optional[Callable[..., Any]] = None) -> No
         except ValueError as e:
             raise AgentRequestError(str(e), param="cache_salt") from None
         waiting = stream.keepalive if isinstance(body, dict) and body.get("stream") else None
-        events = (run or run_chat)(handler, call, waiting=waiting, every=every)
+        events, acct = (run or run_call)(generator, call, waiting=waiting, every=every)
     except AgentRequestError as e:
         if not stream.opened:
             return send_json(handler, e.status, route.error(e), headers)
@@ -123,85 +135,107 @@ def serve(handler, route: Route, run: Optional[Callable[..., Any]] = None) -> No
         return  # the client left while the request waited
     ended = []  # the answer's end, once seen: the session's next prompt is foreseen
 
-    def on_done(ev: Event) -> None:
-        if route.follow is not None and ev.finish_reason != "length" and \
+    def on_done(ev: Finished) -> None:
+        if route.follow is not None and ev.reason != "length" and \
                 foresight.expecting(handler):
             ended.append(ev)
+
+    def start_usage():
+        started = events.started()  # waits for the prompt cache's fetch (no keep-alive
+        # is due: the stream writes its opening first, `_Stream.run` waits with a timeout)
+        return acct.usage(started.prompt_tokens, started.cached_tokens) if started \
+            else acct.usage(events.prompt_tokens, 0)
     answer = None
     try:
-        answer = route.answer(handler, body, events)
+        answer = route.answer(handler, body, start_usage, acct)
         watched = _Ending(events, on_done)
         if body.get("stream"):
-            stream.run(answer, watched, every)
+            left = not stream.run(answer, watched, every, events)
         else:
-            _whole(answer, watched, handler, headers, getattr(events, "abandon", None))
+            left = not _whole(answer, watched, handler, headers, events.close)
+        if left:
+            log.info("mlx_kvcache: %s: its client left; the answer stopped after %d tokens",
+                     handler.path.split("?", 1)[0], events.output_tokens)
     finally:
         events.close()  # a client gone mid-answer ends the generation
         if ended:  # (counted by `foresight.expecting`: `follow` always ends it)
             foresight.follow(handler, route, body, answer, call.namespace)
 
 
-class _Ending:
-    """``events`` (a `ChatEvents` or any iterator), calling ``on_done`` with the ``done``
-    event before it is passed on; waits with a timeout as ``events`` does (`_next`)."""
+class Events(Protocol):
+    """An answer's events as the wire reads them (`engine.answer.Answer`)."""
 
-    def __init__(self, events, on_done: Callable[[Event], None]) -> None:
-        self._events = events if hasattr(events, "next_event") else iter(events)
+    prompt_tokens: int
+    output_tokens: int
+    ended: bool
+
+    def started(self, timeout: Optional[float] = None) -> Optional[Started]:
+        """The prompt's usage once known (None: not within ``timeout``, or it ended)."""
+
+    def next_event(self, timeout: Optional[float]) -> Any:
+        """The next event, `_NOTHING` when none came within ``timeout`` seconds (None:
+        as long as it takes), None at the end."""
+
+    def close(self) -> None:
+        """Stop the answer (any thread)."""
+
+
+class _Ending:
+    """``events``, calling ``on_done`` with the `Finished` event before it is passed on."""
+
+    def __init__(self, events: Events, on_done: Callable[[Finished], None]) -> None:
+        self._events = events
         self._on_done = on_done
 
     def next_event(self, timeout: Optional[float]) -> Any:
-        ev = _next(self._events, timeout)
-        if ev is not None and ev is not _NOTHING and ev.kind == "done":
+        ev = self._events.next_event(timeout)
+        if isinstance(ev, Finished):
             self._on_done(ev)
         return ev
 
 
-def _next(events, timeout: Optional[float]) -> Any:
-    """The next event, `_NOTHING` when none came within ``timeout`` seconds (None: wait
-    as long as it takes), or None at the end. ``events``: a `ChatEvents` (it waits with
-    a timeout) or any iterator."""
-    wait = getattr(events, "next_event", None)
-    if wait is not None:
-        return wait(timeout)
-    return next(events, None)
-
-
-def _answer_events(events, timeout: Callable[[], Optional[float]] = lambda: None
+def _answer_events(events: Events, timeout: Callable[[], Optional[float]] = lambda: None
                    ) -> Iterator[Any]:
-    """``events`` up to the first ``done`` or ``error`` (`_NOTHING` each time
-    ``timeout()`` seconds pass without one); an ``error`` when they end without either."""
-    events = events if hasattr(events, "next_event") else iter(events)
+    """``events`` up to the first `Finished` or `Failed` (`_NOTHING` each time
+    ``timeout()`` seconds pass without one); a `Failed` when they end without either."""
     while True:
-        ev = _next(events, timeout())
+        ev = events.next_event(timeout())
         if ev is None:
             break
         yield ev
-        if ev is not _NOTHING and ev.kind in ("done", "error"):
+        if isinstance(ev, (Finished, Failed)):
             return
-    yield Event("error", text="the answer ended early")
+    yield Failed("the answer ended early")
 
 
-def _whole(answer: Answer, events, handler, headers: Dict[str, str],
-           abandon: Optional[Callable[[], None]] = None) -> None:
+def _silent(ev: Any) -> bool:
+    """Whether ``ev`` writes nothing to the client (the wire's own business)."""
+    return isinstance(ev, (Progress, Started))
+
+
+def _whole(answer: Answer, events: Events, handler, headers: Dict[str, str],
+           abandon: Optional[Callable[[], None]] = None) -> bool:
     """The answer sent whole once ``events`` end; meanwhile the connection is watched, and
-    a client that leaves has ``abandon`` called (`ChatEvents.abandon`: the generation
-    stops) and gets nothing."""
+    a client that leaves has ``abandon`` called (`engine.answer.Answer.close`: the
+    generation stops) and gets nothing. False when the client left."""
     done, left = threading.Event(), threading.Event()
     watch_client(handler, done, left, abandon)
     try:
         for ev in _answer_events(events):
-            if ev is not _NOTHING and ev.kind != "progress":
+            if ev is not _NOTHING and not _silent(ev):
                 answer.feed(ev)
     finally:
         done.set()
     if left.is_set():  # no one to answer
         handler.close_connection = True
-        return
+        return False
     status, body = answer.whole()
     try:
         send_json(handler, status, body, headers)
     except (BrokenPipeError, ConnectionResetError):
         handler.close_connection = True  # the client left first
+        return False
+    return True
 
 
 class _Stream:
@@ -236,18 +270,24 @@ class _Stream:
         """The route's keep-alive (headers first, if not sent yet)."""
         self.write(self._keepalive)
 
-    def run(self, answer: Answer, events, every: float) -> None:
+    def run(self, answer: Answer, events: Events, every: float, source) -> bool:
+        """Stream ``answer`` fed ``events``; ``source`` (the engine's `Answer`) is asked for
+        the prompt's usage first, with keep-alives while its fetch is not known. False when
+        the client left."""
         def left() -> float:  # until the next keep-alive is due: silence, not events, counts
             return max(0.0, self._written + every - time.monotonic())
 
         try:
+            while source.started(max(left(), 0.01)) is None and not source.ended:
+                self.keepalive()  # the prompt's usage opens the stream: wait for it, alive
             self.write(_sse(answer.start()))
             for ev in _answer_events(events, left):
                 if ev is _NOTHING:
                     self.keepalive()  # nothing written for a whole interval
-                elif ev.kind != "progress":
+                elif not _silent(ev):
                     self.write(_sse(answer.feed(ev)))
                 if left() == 0.0:  # progress reports and empty deltas write nothing
                     self.keepalive()
         except (BrokenPipeError, ConnectionResetError):
-            return  # the client left; closing the events ends the generation
+            return False  # the client left; closing the events ends the generation
+        return True
