@@ -424,3 +424,37 @@ def test_any_tokenization_gives_the_same_outputs(toks, thought, answer, args, cu
                         ("m", "<｜tool▁call▁end｜>"), END], state="reasoning", cuts=cuts)
     assert out == [Reasoning(thought), Text(answer), CallBegin(0, "read_file"),
                    CallArguments(0, args), Call(0, "read_file", args)]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from mlx_lm.tokenizer_utils import load
+    return load(write_scripted_dir(tmp_path_factory.mktemp("qwen3"), "qwen3"))
+
+
+_PIECE = st.one_of(
+    st.text(alphabet=st.sampled_from(list("ab <>/\n{}é東")), min_size=1, max_size=12),
+    st.sampled_from(["<think>", "</think>", "<tool_call>", "</tool_call>", "STOP", "ST"]),
+    _ARGS.map(lambda a: '{"name": "read_file", "arguments": ' + a + "}"))
+
+
+@_SETTINGS
+@given(pieces=st.lists(_PIECE, max_size=10), cuts=_CUTS, finish=st.sampled_from(["stop",
+                                                                                  "length"]))
+def test_mlx_lms_entry_gives_the_same_outputs_for_any_cut_of_its_text(qwen, pieces, cuts,
+                                                                      finish):
+    """mlx-lm's entry reads text segments (its state machine matches markup in text):
+    however the text arrives, the same outputs (the last segment: the stop token's, dropped)."""
+    text = "".join(pieces)
+    points = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
+    chunks = [text[a:b] for a, b in zip(points, points[1:])] or [""]
+
+    def outputs(parts):
+        p = parser_for(qwen)(TOOLS, "normal", ("STOP",))
+        out = []
+        for i, part in enumerate([*parts, ""] if finish == "stop" else parts):
+            last = i == len(parts) - (0 if finish == "stop" else 1)
+            out += p.feed(0, part, finish if last else None)
+        return merged(out), p.made_calls
+
+    assert outputs(chunks) == outputs([text])

@@ -22,7 +22,8 @@ The contract every entry keeps:
   the stop token — an end-of-sequence token or a stop word's last token — and only read
   where it is the family's own markup (harmony's ``<|call|>``); text held back because it
   might begin a stop word is dropped, as mlx-lm drops it. With ``"length"`` everything held
-  back comes out, and a call still open is cut.
+  back comes out, and a call still open is cut: `CallCut` once it began streaming, else
+  `UnreadCall` (mlx-lm's entry reads it as mlx-lm does: a `Call` if its parser can).
 """
 
 from __future__ import annotations
