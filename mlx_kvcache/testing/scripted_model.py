@@ -18,6 +18,10 @@ So a cache that holds a wrong token (a bad restore) changes the answer, and a co
 shaped as an agent loop (several tool steps per user turn) comes out of any template that
 renders the cue, the results and the generation prompt. Everything decided is plain token
 ids in the config (`Script`).
+
+A second kind of script (`plan_answers`) spells out each step's whole answer in a family's
+own markup (gpt-oss's harmony, Llama 3.x's JSON calls, DeepSeek's call tokens), where
+the turn opens and what a tool result looks like: `family_dirs` writes those.
 """
 
 # (no ``from __future__ import annotations``: mlx-lm execs this file outside sys.modules,
@@ -64,8 +68,45 @@ def _find_last(hay: np.ndarray, needle: List[int]) -> int:
     return -1
 
 
+def _ends(hay: np.ndarray, needle: List[int]) -> List[int]:
+    """The indices just past each occurrence of ``needle`` in ``hay``, in order."""
+    n = len(needle)
+    if not n or len(hay) < n:
+        return []
+    cand = np.flatnonzero(hay[: len(hay) - n + 1] == needle[0])
+    return [int(c + n) for c in cand if list(hay[c: c + n]) == needle]
+
+
+def plan_answers(script: Dict[str, Any], history: np.ndarray) -> int:
+    """The token that follows ``history`` under a script of whole answers (a family's
+    markup spelled out, `family_dirs`): ``k`` = tool results (any ``results`` sequence)
+    after the last ``cue``; the turn starts just past the first ``opens`` sequence after
+    the last of those (where the template hands the turn to the model: a generation
+    prompt, or the end of a tool result); the answer is the first of ``answers[k]`` (the
+    last entry for every later step) that the turn so far begins, which the template may
+    have begun itself (an empty reasoning block)."""
+    eos = script["eos"]
+    cues = np.flatnonzero(history == script["cue"])
+    if not len(cues):
+        return eos
+    anchor = int(cues[-1]) + 1
+    ends = sorted(e for r in script["results"] for e in _ends(history[anchor:], r))
+    k = len(ends)
+    anchor += ends[-1] if ends else 0
+    opens = [e for o in script["opens"] for e in _ends(history[anchor:], o)]
+    if not opens:
+        return eos
+    turn = list(history[anchor + min(opens):])
+    for answer in script["answers"][min(k, len(script["answers"]) - 1)]:
+        if len(turn) < len(answer) and answer[: len(turn)] == turn:
+            return answer[len(turn)]
+    return eos
+
+
 def plan(script: Dict[str, Any], history: np.ndarray) -> int:
     """The token that follows ``history`` (ids) under ``script``."""
+    if "answers" in script:
+        return plan_answers(script, history)
     eos = script["eos"]
     start = _find_last(history, script["open"])
     if start < 0:

@@ -20,7 +20,9 @@ events:
 * `Failed` — the answer failed after it started (the last event).
 
 A call the parser cannot read comes back as `Text` (its markup, never lost) with a warning
-in the log; the stop reason then follows what came back. Closing the answer (`Answer.close`,
+in the log — or, where it had begun streaming, as `UnreadCall` with its index, for the route
+to close the call it opened before the markup follows as text; the stop reason then follows
+what came back (no complete call: not ``"tool_calls"``). Closing the answer (`Answer.close`,
 safe from any thread: a client that left) stops it — a request not yet taken is dropped when
 the generation thread reaches it, a running one stops at its next step. The server's stop
 cuts an answer short (``"length"``) or refuses one not started (`Refused`, 503).
@@ -122,7 +124,7 @@ class Failed:
 
 
 AnswerEvent = Union[Started, Progress, Text, Reasoning, CallBegin, CallArguments, Call,
-                    CallCut, Finished, Failed]
+                    CallCut, UnreadCall, Finished, Failed]
 
 
 class Refused(Exception):
@@ -348,7 +350,9 @@ class Answer:
         if isinstance(out, UnreadCall):
             log.warning("mlx_kvcache: a tool call the model's parser cannot read (%s) is "
                         "returned as text: %.200r", out.problem, out.raw)
-            return Text(out.raw)
+            # A call that began streaming is closed by the route, then its markup follows
+            # as text; one that never began is text only.
+            return Text(out.raw) if out.index is None else out
         return out
 
     def _finish(self, reason: str) -> Finished:

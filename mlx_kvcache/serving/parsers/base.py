@@ -13,15 +13,23 @@ The contract every entry keeps:
 * **A call streams where it can.** A parser that knows a call's name before its
   arguments are complete may say `CallBegin` and then `CallArguments` deltas; the
   concatenated deltas are a prefix of the final `Call.arguments` when the call completes.
-  A begun call always ends with `Call` (complete) or `CallCut` (the answer stopped inside
-  it: the token limit). A parser that cannot stream gives the whole `Call` at once.
+  A begun call always ends with `Call` (complete), `CallCut` (the answer stopped inside
+  it: the token limit) or `UnreadCall` with the begun call's ``index`` (its markup closed
+  but what was written cannot be read: arguments that are not a JSON object). A parser
+  that cannot stream gives the whole `Call` at once.
 * **Stop reasons follow what came out**: `made_calls` is true once a `Call` was given.
+* **The last token ends the answer**: it carries ``finish_reason``. With ``"stop"`` it is
+  the stop token — an end-of-sequence token or a stop word's last token — and only read
+  where it is the family's own markup (harmony's ``<|call|>``); text held back because it
+  might begin a stop word is dropped, as mlx-lm drops it. With ``"length"`` everything held
+  back comes out, and a call still open is cut: `CallCut` once it began streaming, else
+  `UnreadCall` (mlx-lm's entry reads it as mlx-lm does: a `Call` if its parser can).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Protocol, Tuple, Union
+from typing import Any, List, Optional, Protocol, Sequence, Tuple, Union
 
 __all__ = ["Text", "Reasoning", "CallBegin", "CallArguments", "Call", "CallCut", "UnreadCall",
            "Output", "OutputParser", "ParserFactory", "partial_arguments"]
@@ -61,11 +69,14 @@ class CallArguments:
 @dataclass(frozen=True)
 class Call:
     """One complete tool call: ``name`` and ``arguments`` (a JSON object, as text).
-    ``index`` as in `CallBegin` (a call that streamed keeps its index)."""
+    ``index`` as in `CallBegin` (a call that streamed keeps its index). ``id``: the call's
+    id where the model's markup names one (mlx-lm's ``mistral`` parser reads it), else
+    None (the front door makes one)."""
 
     index: int
     name: str
     arguments: str
+    id: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -81,10 +92,13 @@ class CallCut:
 @dataclass(frozen=True)
 class UnreadCall:
     """Markup of a tool call the parser cannot read (``raw``: as generated, start and end
-    markers included where they were written); ``problem`` says why."""
+    markers included where they were written); ``problem`` says why. ``index``: the call
+    it ends when `CallBegin` was given for it (the name was read, the arguments were not),
+    else None."""
 
     raw: str
     problem: str
+    index: Optional[int] = None
 
 
 Output = Union[Text, Reasoning, CallBegin, CallArguments, Call, CallCut, UnreadCall]
@@ -94,20 +108,29 @@ class OutputParser(Protocol):
     """One answer's parser."""
 
     def feed(self, token: int, text: str, finish_reason: Optional[str] = None) -> List[Output]:
-        """The next generated ``token`` and its ``text`` (the detokenizer's segment: may be
-        empty while a character is incomplete). ``finish_reason`` (``"stop"``, ``"length"``)
-        on the answer's last token: the parser gives everything that is left (a stop
-        token's text is markup and dropped; a token limit flushes what was held back)."""
+        """The next generated ``token`` and its ``text`` (mlx-lm's detokenizer segment, as
+        its server makes them: may be empty while a character is incomplete, may carry an
+        earlier token's held-back text; on a ``"stop"`` token, whatever mlx-lm gives — it is
+        dropped). mlx-lm's own entry reads the text; the token-level entries read the token
+        and decode their content with the model's tokenizer themselves. ``finish_reason``
+        (``"stop"``, ``"length"``) on the answer's last token: the parser gives everything
+        that is left (see the module doc)."""
 
     @property
     def made_calls(self) -> bool:
         """Whether a complete `Call` came out."""
 
 
-#: Makes the parser of one answer: given the tools the request offered (OpenAI function
-#: tools, or None) and the state the prompt leaves the model in (``"normal"``,
-#: ``"reasoning"``: the prompt opened a reasoning block).
-ParserFactory = Callable[[Optional[List[Any]], str], OutputParser]
+class ParserFactory(Protocol):
+    """Makes the parser of one answer."""
+
+    def __call__(self, tools: Optional[List[Any]] = None, initial_state: str = "normal",
+                 stop_words: Sequence[str] = ()) -> OutputParser:
+        """``tools``: the tools the request offered (OpenAI function tools, or None);
+        ``initial_state``: the state the prompt leaves the model in (``"normal"``,
+        ``"reasoning"``: the prompt opened a reasoning block; mlx-lm's rule,
+        `registry.prompt_state`); ``stop_words``: the request's stop strings (their text
+        is held back until it cannot be one, and never comes out)."""
 
 
 def partial_arguments(text: str) -> dict:

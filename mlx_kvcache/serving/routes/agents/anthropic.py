@@ -58,7 +58,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ...engine.answer import Failed, Finished
 from ...parsers.base import (Call, CallArguments, CallBegin, CallCut, Reasoning, Text,
-                             partial_arguments)
+                             UnreadCall, partial_arguments)
 from .call import (AgentRequestError, ChatCall, SkippedTools, Usage, keep_reasoning_of,
                    restrict_tools)
 from .generation import Accounting, count_tokens, served_name
@@ -555,6 +555,12 @@ class MessageBuilder:
             if self._args.pop(ev.index, None) is not None:  # (only a begun call is cut)
                 self.blocks[-1]["input"] = partial_arguments(ev.arguments)
                 out += self._close()
+        elif isinstance(ev, UnreadCall):  # a begun call that did not read: closed, then text
+            streamed = self._args.pop(ev.index, None) if ev.index is not None else None
+            if streamed is not None:
+                self.blocks[-1]["input"] = partial_arguments(streamed)
+                out += self._close()
+            out += self._text("text", ev.raw)
         elif isinstance(ev, Finished):
             self.done = ev
             self.usage = self._accounting.usage(ev.prompt_tokens, ev.cached_tokens,

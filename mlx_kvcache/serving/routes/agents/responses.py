@@ -39,7 +39,7 @@ import uuid
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from ...engine.answer import Failed, Finished
-from ...parsers.base import Call, CallArguments, CallBegin, CallCut, Reasoning, Text
+from ...parsers.base import Call, CallArguments, CallBegin, CallCut, Reasoning, Text, UnreadCall
 from .call import (AgentRequestError, ChatCall, SkippedTools, keep_reasoning_of,
                    restrict_tools)
 from .generation import Accounting, served_name
@@ -570,6 +570,11 @@ class ResponseBuilder:
             item["arguments"] += event.delta
             return [self._ev("response.function_call_arguments.delta", item_id=item["id"],
                              output_index=idx, delta=event.delta)]
+        if isinstance(event, UnreadCall):  # a begun call that did not read: closed, then text
+            idx = self._streaming.get(event.index) if event.index is not None else None
+            out = self.feed(CallCut(event.index, "", self.output[idx]["arguments"])) \
+                if idx is not None else []
+            return out + self.feed(Text(event.raw))
         if isinstance(event, (Call, CallCut)):
             idx = self._streaming.pop(event.index, None)
             if idx is None and isinstance(event, CallCut):
