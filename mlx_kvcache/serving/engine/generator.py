@@ -40,8 +40,7 @@ from ..guards.images import ImagePolicy
 from ..guards.memory import (AdmissionQueue, DecodeJob, MemoryGuard, MemoryNeverFits,
                              MemoryRefused)
 from ..guards.validation import generation_problem
-from ..parsers.base import ParserFactory
-from ..parsers.registry import parser_for
+from ..parsers.registry import Chosen, parser_for
 from .templates import answer_extends_prompt
 from .reasoning_budget import ReasoningBudget
 
@@ -153,7 +152,7 @@ class ServedModel:
     tokenizer: Any
     processor: Any = None
     #: Makes the output parser of one answer on this model (`parsers.registry`).
-    parser: Optional[ParserFactory] = None
+    parser: Optional[Chosen] = None
 
     @classmethod
     def of(cls, key: Any, tokenizer: Any, processor: Any = None) -> "ServedModel":
@@ -254,6 +253,7 @@ class ServerResponseGenerator(ResponseGenerator):
                 self._served = ServedModel.of(model_provider.model_key,
                                               model_provider.tokenizer,
                                               model_provider.processor)
+                log.info("mlx_kvcache: %s", self._served.parser.describe())
         model_provider.load_default = load_default_kept
         self._same_model = same_model or (lambda args: args)
         self._agree = agree
