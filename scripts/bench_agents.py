@@ -55,17 +55,27 @@ route (the only route it serves; a chat client sends no reasoning back). Per use
 prompt tokens computed while the client waits ÷ the tokens the turn added (goal <= 1.05),
 tokens computed ahead, and how many of those the next request did not read.
 
-``--clients``: the same measurement with the clients users run — the real ``claude``
-(``claude -p``, then ``claude -p --continue``) and ``codex`` (``codex exec``, then ``codex
-exec resume --last``) CLIs, headless, installed from npm into the benchmark's own
-directory — on the scripted model calling their own tools (Claude Code's ``Read``, Codex's
-``exec_command`` with ``cat``) on files of 3,000 characters, Qwen3's template, against
-ours with and without foresight and, with ``--vllm-mlx DIR``, vllm-mlx 0.6 (installed
-into the virtual environment ``DIR`` when it is not there yet: it pulls torch, several GB;
-served with its continuous batching and prefix cache, its qwen3 tool-call and reasoning
-parsers). Each CLI turn's requests are read from ``GET /v1/cache`` ``recent`` (vllm-mlx:
-its log's ``[cache_fetch]`` lines); between turns the benchmark waits for the server's
-foresight to settle (a person reading the answer).
+``--clients``: the clients users run, headless, installed from npm into a folder outside
+the repository (``--npm DIR``; `bench_agent_clients` drives them): the real ``claude``
+(plain, with two parallel subagents, with two forks), ``codex``, ``opencode`` (chat route
+and its Anthropic provider) and ``qwen`` CLIs, on the scripted model calling their own
+tools on files of 3,000 characters (or ``Agent`` twice in one answer, each subagent then
+reading a file), Qwen3's template thinking on or off (``--thinking-modes``), against ours
+with and without foresight, stock ``mlx_lm.server`` (chat-route clients) and, with
+``--vllm-mlx DIR``, vllm-mlx 0.6 (installed into the virtual environment ``DIR`` when it
+is not there yet: it pulls torch, several GB; served with its continuous batching and
+prefix cache, its qwen3 tool-call and reasoning parsers). Every request goes through a
+recording proxy (`mlx_kvcache.testing.agent_replay`); afterwards the session's requests
+are replayed one at a time to ``mlx-kvcache serve --no-foresight`` with
+``MLX_KVCACHE_REQUEST_LOG`` set, which logs each one's prompt and answer token ids, and
+the cache-perfect reference is computed from them (per request: the prompt less its
+longest prefix shared with any earlier request's prompt + answer). Reported per request
+class (main loop, subagent — Claude Code's ``x-claude-code-agent-id`` —, side: no tools):
+prompt tokens computed ÷ the perfect reference; per turn, the main loop's tokens computed
+while the client waits ÷ its new tokens. Live counts come from each answer's usage
+(vllm-mlx: its log's ``[cache_fetch]`` lines, in order); between turns the benchmark waits
+for ours' foresight to settle (a person reading the answer). The recorded requests are
+kept beside the logs (``*_requests.json``).
 """
 
 from __future__ import annotations
