@@ -764,12 +764,15 @@ def _vllm_requests(log: Path, start: int) -> List[tuple]:
 def _thinking_off(d: Path) -> None:
     """The model directory's template with thinking off whatever the client asks (a
     non-thinking model: the generation prompt carries the empty reasoning block)."""
+    off = "{%- set enable_thinking = false %}"
+    jinja = d / "chat_template.jinja"  # (where transformers 5 saves it)
+    if jinja.exists():
+        jinja.write_text(off + jinja.read_text())
     p = d / "tokenizer_config.json"
     cfg = json.loads(p.read_text())
-    cfg["chat_template"] = "{%- set enable_thinking = false %}" + cfg["chat_template"]
-    p.write_text(json.dumps(cfg))
-    if (d / "chat_template.jinja").exists():
-        (d / "chat_template.jinja").write_text(cfg["chat_template"])
+    if "chat_template" in cfg:
+        cfg["chat_template"] = off + cfg["chat_template"]
+        p.write_text(json.dumps(cfg))
 
 
 def _contender(who: str, d: Path, work: Path, tag: str, vllm: Optional[Path],
