@@ -210,7 +210,11 @@ def classify(ex: Exchange) -> str:
 
 
 def _lines(path: Path) -> List[str]:
-    return path.read_text().splitlines() if path.exists() else []
+    """The file's whole lines (a line still being written, with no newline yet, is not)."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return text[: text.rfind("\n") + 1].splitlines()
 
 
 def replay_ids(exchanges: Sequence[Exchange], port: int, token_log: Path,
