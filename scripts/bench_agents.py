@@ -55,17 +55,27 @@ route (the only route it serves; a chat client sends no reasoning back). Per use
 prompt tokens computed while the client waits ÷ the tokens the turn added (goal <= 1.05),
 tokens computed ahead, and how many of those the next request did not read.
 
-``--clients``: the same measurement with the clients users run — the real ``claude``
-(``claude -p``, then ``claude -p --continue``) and ``codex`` (``codex exec``, then ``codex
-exec resume --last``) CLIs, headless, installed from npm into the benchmark's own
-directory — on the scripted model calling their own tools (Claude Code's ``Read``, Codex's
-``exec_command`` with ``cat``) on files of 3,000 characters, Qwen3's template, against
-ours with and without foresight and, with ``--vllm-mlx DIR``, vllm-mlx 0.6 (installed
-into the virtual environment ``DIR`` when it is not there yet: it pulls torch, several GB;
-served with its continuous batching and prefix cache, its qwen3 tool-call and reasoning
-parsers). Each CLI turn's requests are read from ``GET /v1/cache`` ``recent`` (vllm-mlx:
-its log's ``[cache_fetch]`` lines); between turns the benchmark waits for the server's
-foresight to settle (a person reading the answer).
+``--clients``: the clients users run, headless, installed from npm into a folder outside
+the repository (``--npm DIR``; `bench_agent_clients` drives them): the real ``claude``
+(plain, with two parallel subagents, with two forks), ``codex``, ``opencode`` (chat route
+and its Anthropic provider) and ``qwen`` CLIs, on the scripted model calling their own
+tools on files of 3,000 characters (or ``Agent`` twice in one answer, each subagent then
+reading a file), Qwen3's template thinking on or off (``--thinking-modes``), against ours
+with and without foresight, stock ``mlx_lm.server`` (chat-route clients) and, with
+``--vllm-mlx DIR``, vllm-mlx 0.6 (installed into the virtual environment ``DIR`` when it
+is not there yet: it pulls torch, several GB; served with its continuous batching and
+prefix cache, its qwen3 tool-call and reasoning parsers). Every request goes through a
+recording proxy (`mlx_kvcache.testing.agent_replay`); afterwards the session's requests
+are replayed one at a time to ``mlx-kvcache serve --no-foresight`` with
+``MLX_KVCACHE_REQUEST_LOG`` set, which logs each one's prompt and answer token ids, and
+the cache-perfect reference is computed from them (per request: the prompt less its
+longest prefix shared with any earlier request's prompt + answer). Reported per request
+class (main loop, subagent — Claude Code's ``x-claude-code-agent-id`` —, side: no tools):
+prompt tokens computed ÷ the perfect reference; per turn, the main loop's tokens computed
+while the client waits ÷ its new tokens. Live counts come from each answer's usage
+(vllm-mlx: its log's ``[cache_fetch]`` lines, in order); between turns the benchmark waits
+for ours' foresight to settle (a person reading the answer). The recorded requests are
+kept beside the logs (``*_requests.json``).
 """
 
 from __future__ import annotations
@@ -79,7 +89,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx_kvcache  # noqa: F401  (before mlx: preloads a fast BLAS)
 
@@ -91,6 +101,9 @@ from mlx_kvcache.testing.servers import Server, stop_servers_on_sigterm  # noqa:
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_server  # noqa: E402  (its stock server, model, request and percentile helpers)
+from bench_agent_clients import CLIENTS as _CLIENT_DRIVERS  # noqa: E402
+
+CLIENT_NAMES = tuple(_CLIENT_DRIVERS)
 from bench_server import pct, smollm2_dir, text  # noqa: E402
 
 BILLING = "x-anthropic-billing-header:"
@@ -718,50 +731,6 @@ def thinking_bench(work: Path, families: List[str], turns: int, steps: int, resu
               f"{k:.3f} | {ahead} | {wasted} | {worst:.3f} |")
 
 
-CLIENT_PACKAGES = ("@anthropic-ai/claude-code@2.1", "@openai/codex@0.171")
-
-
-def install_clients(where: Path) -> Dict[str, Path]:
-    """The ``claude`` and ``codex`` CLIs, installed from npm under ``where`` (once)."""
-    import subprocess
-    bins = {"claude": where / "node_modules" / ".bin" / "claude",
-            "codex": where / "node_modules" / ".bin" / "codex"}
-    if not all(b.exists() for b in bins.values()):
-        where.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["npm", "install", "--prefix", str(where), "--no-audit", "--no-fund",
-                        *CLIENT_PACKAGES], check=True)
-    return bins
-
-
-def _cli_turn(client: str, bins: Dict[str, Path], server: Server, cwd: Path, home: Path,
-              question: str, first: bool) -> None:
-    """One headless CLI turn against ``server``."""
-    import os
-    import subprocess
-    from mlx_kvcache.testing.agent_templates import CUE
-    prompt = f"{question} {CUE}"
-    if client == "claude":
-        env = dict(os.environ, HOME=str(home),
-                   ANTHROPIC_BASE_URL=f"http://127.0.0.1:{server.port}",
-                   ANTHROPIC_AUTH_TOKEN="local", ANTHROPIC_MODEL="local",
-                   ANTHROPIC_SMALL_FAST_MODEL="local", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
-        argv = [str(bins["claude"]), *([] if first else ["--continue"]), "-p", prompt,
-                "--max-turns", "10", "--allowedTools", "Read"]
-    else:
-        home.mkdir(parents=True, exist_ok=True)
-        (home / "config.toml").write_text(
-            'model = "local"\nmodel_provider = "bench"\n[model_providers.bench]\nname = "bench"\n'
-            f'base_url = "http://127.0.0.1:{server.port}/v1"\nwire_api = "responses"\n'
-            'stream_idle_timeout_ms = 3600000\n')
-        env = dict(os.environ, CODEX_HOME=str(home), OPENAI_API_KEY="local")
-        argv = [str(bins["codex"]), "exec", "--skip-git-repo-check",
-                "--dangerously-bypass-approvals-and-sandbox",
-                *([] if first else ["resume", "--last"]), prompt]
-    r = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=3600)
-    if r.returncode != 0:
-        raise RuntimeError(f"{client} failed ({r.returncode}): {r.stderr[-2000:]}")
-
-
 VLLM_MLX = "vllm-mlx==0.6.0"
 
 
@@ -792,83 +761,218 @@ def _vllm_requests(log: Path, start: int) -> List[tuple]:
     return out
 
 
-def clients_bench(work: Path, clients: List[str], turns: int, steps: int = 3,
-                  size: int = 3000, vllm: Optional[Path] = None) -> None:
+def _thinking_off(d: Path) -> None:
+    """The model directory's template with thinking off whatever the client asks (a
+    non-thinking model: the generation prompt carries the empty reasoning block)."""
+    off = "{%- set enable_thinking = false %}"
+    jinja = d / "chat_template.jinja"  # (where transformers 5 saves it)
+    if jinja.exists():
+        jinja.write_text(off + jinja.read_text())
+    p = d / "tokenizer_config.json"
+    cfg = json.loads(p.read_text())
+    if "chat_template" in cfg:
+        cfg["chat_template"] = off + cfg["chat_template"]
+        p.write_text(json.dumps(cfg))
+
+
+def _contender(who: str, d: Path, work: Path, tag: str, vllm: Optional[Path],
+               env: Optional[Dict[str, str]] = None) -> Server:
+    log = work / f"{tag}_{who}.log"
+    if who == "vllm-mlx":
+        return Server([str(vllm), "serve", str(d), "--served-model-name", "local",
+                       "--trust-remote-code", "--enable-auto-tool-choice",
+                       "--tool-call-parser", "qwen3", "--reasoning-parser", "qwen3",
+                       "--continuous-batching", "--enable-prefix-cache"],
+                      log, work / "home", env={"HOME": str(work / "vllm_home")})
+    if who == "stock":
+        return Server([sys.executable, str(ROOT / "scripts" / "stock_server.py"), "--model",
+                       str(d), "--trust-remote-code"], log, work / "home")
+    extra = ["--no-foresight"] if who in ("no-foresight", "replay") else []
+    return Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model", str(d),
+                   "--no-persist", "--trust-remote-code", *extra], log, work / "home",
+                  env=env)
+
+
+def _live(who: str, sess: Dict[str, Any]) -> List[Tuple[int, int]]:
+    """Per generation request, ``(prompt, cached)`` as the contender counted it (vllm-mlx:
+    its log's fetch lines, in order; it reports no cache reads to some clients)."""
+    ex = sess["exchanges"]
+    if who == "vllm-mlx":
+        got = _vllm_requests(sess["log"], 0)
+        if len(got) != len(ex):
+            print(f"    (vllm-mlx logged {len(got)} fetches for {len(ex)} requests: "
+                  f"matched in order)")
+        return [got[i] if i < len(got) else (0, 0) for i in range(len(ex))]
+    return [e.usage or (0, 0) for e in ex]
+
+
+def _replay(sess: Dict[str, Any], d: Path, work: Path, tag: str) -> List[int]:
+    """The cache-perfect reference of each of the session's generation requests (see
+    `agent_replay.perfect`), from a replay to ``mlx-kvcache serve`` that logs token ids."""
+    from mlx_kvcache.testing.agent_replay import perfect, replay_ids
+    token_log = work / f"{tag}_replay_{len(list(work.glob(f'{tag}_replay_*.jsonl')))}.jsonl"
+    server = _contender("replay", d, work, tag + "_replay", None,
+                        env={"MLX_KVCACHE_REQUEST_LOG": str(token_log)})
+    try:
+        ids = replay_ids(sess["exchanges"], server.port, token_log,
+                         lambda ready: server.watch.wait("the replay's token log").until(
+                             ready, poll=0.02))
+    finally:
+        server.stop()
+    return perfect(ids)
+
+
+def _turns(sess: Dict[str, Any], live: List[Tuple[int, int]], classes: List[str],
+           turn_starts: List[float]) -> List[Dict[str, int]]:
+    """Per turn, the main loop's requests: computed while the client waits and new (the
+    growth of the main loop's prompt since its last request)."""
+    rows, prev = [], 0
+    for t, t0 in enumerate(turn_starts):
+        t1 = turn_starts[t + 1] if t + 1 < len(turn_starts) else float("inf")
+        new = computed = n = 0
+        for e, (p, c), k in zip(sess["exchanges"], live, classes):
+            if k != "main" or not t0 <= e.started < t1:
+                continue
+            new += p - prev
+            computed += p - c
+            prev = p
+            n += 1
+        rows.append({"requests": n, "new": new, "computed": computed})
+    return rows
+
+
+def clients_bench(work: Path, clients: List[str], turns: int, npm: Path,
+                  vllm: Optional[Path] = None, thinking_modes=(True,), stock: bool = True,
+                  no_foresight: bool = True) -> None:
     """The ``--clients`` benchmark (see the module doc)."""
-    bins = install_clients(work.parent / "bench_agents_clients")
+    from mlx_kvcache.testing.agent_replay import classify
+    from bench_agent_clients import CLIENTS, install_clients, versions
+    bins = install_clients(npm)
+    for k, v in versions(bins).items():
+        print(f"  {k}: {v}")
     notes = work / "project" / "notes"
     notes.mkdir(parents=True)
     rng = random.Random(11)
     files = []
-    for k in range(steps):
+    for k in range(3):
         f = notes / f"part{k + 1}.txt"
-        f.write_text(text(rng, size // 5)[:size])
+        f.write_text(text(rng, 600)[:3000])
         files.append(f)
-    table = []
-    for client in clients:
-        tool, arg, paths = (("Read", "file_path", [str(f) for f in files]) if client == "claude"
-                            else ("exec_command", "cmd", [f"cat {f}" for f in files]))
-        d = write_scripted_dir(work / f"scripted_{client}", "qwen3", steps=steps, tool=tool,
-                               arg=arg, paths=paths)
-        res = {}
-        contenders = [("ours", []), ("no-foresight", ["--no-foresight"])]
-        if vllm is not None:
-            contenders.append(("vllm-mlx", []))
-        for who, extra in contenders:
-            log = work / f"{client}_{who}.log"
-            if who == "vllm-mlx":
-                server = Server([str(vllm), "serve", str(d), "--served-model-name", "local",
-                                 "--trust-remote-code", "--enable-auto-tool-choice",
-                                 "--tool-call-parser", "qwen3", "--reasoning-parser", "qwen3",
-                                 "--continuous-batching", "--enable-prefix-cache"],
-                                log, work / "home", env={"HOME": str(work / "vllm_home")})
-            else:
-                server = Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model",
-                                 str(d), "--no-persist", "--trust-remote-code", *extra],
-                                log, work / "home")
-            rows, prev = [], 0
-            try:
-                for t in range(turns):
-                    t0, at = time.time(), log.stat().st_size
-                    before = _foresight(server) if who != "vllm-mlx" else {}
-                    _cli_turn(client, bins, server, work / "project",
-                              work / f"{client}_{who}_home",
-                              QUESTIONS[t % len(QUESTIONS)] + f" (turn {t + 1})", t == 0)
+    summary = []
+    for thinking in thinking_modes:
+        for name in clients:
+            client = CLIENTS[name]
+            tag = f"{name}_{'think' if thinking else 'nothink'}"
+            d = write_scripted_dir(work / f"scripted_{tag}", "qwen3",
+                                   step_calls=client.steps(files),
+                                   sub_calls=client.sub(files) if client.sub else None)
+            if not thinking:
+                _thinking_off(d)
+            who_all = ["ours"] + (["no-foresight"] if no_foresight else []) \
+                + (["vllm-mlx"] if vllm is not None else []) \
+                + (["stock"] if stock and client.route == "chat" else [])
+            print(f"\n  {name}, Qwen3 template, thinking {'on' if thinking else 'off'}:",
+                  flush=True)
+            res = {}
+            for who in who_all:
+                turn_starts: List[float] = []
+                try:
+                    sess = _run_turns(client, who, d, work, tag, bins, turns, vllm, turn_starts)
+                    live = _live(who, sess)
+                    classes = [classify(e) for e in sess["exchanges"]]
+                    ref = _replay(sess, d, work, tag)
+                except Exception as e:  # one contender's failure leaves the others' figures
+                    print(f"    {name} / {who} failed: {str(e)[-1500:]}", flush=True)
                     if who == "ours":
-                        _settle(server)
-                    if who == "vllm-mlx":
-                        after, reqs = {}, _vllm_requests(log, at)
-                        rows.append(_turn_row(reqs, prev, before, after))
-                        prev = rows[-1]["prompt"]
-                        continue
-                    after = _foresight(server)
-                    reqs = [(e["prompt_tokens"], e["cached_tokens"])
-                            for e in server.cache()["recent"] if e["time"] >= t0 - 0.001]
-                    rows.append(_turn_row(reqs, prev, before, after))
-                    prev = rows[-1]["prompt"]
-                if who != "vllm-mlx":
-                    rows[-1]["wasted"] += _foresight(server).get("unread_tokens", 0)
-            finally:
-                server.stop()
-            res[who] = rows
-        print(f"\n  {client} CLI (Qwen3 template, thinking): per turn, computed while the client "
-              f"waits ÷ new tokens")
-        for i, (o, n) in enumerate(zip(res["ours"], res["no-foresight"])):
-            v = res["vllm-mlx"][i] if "vllm-mlx" in res else None
-            print(f"  {i + 1:>4} {o['requests']:>3} req | ours {o['computed'] / o['new']:.3f} "
-                  f"({o['computed']}/{o['new']}) ahead {o['ahead']} unread {o['wasted']} | "
-                  f"no foresight {n['computed'] / n['new']:.3f} ({n['computed']}/{n['new']})"
-                  + (f" | vllm-mlx {v['computed'] / v['new']:.3f} ({v['computed']}/{v['new']})"
-                     if v else ""), flush=True)
-        table.append((client, res))
-    print("\n  | client | computed ÷ new, turns 2+: ours | no foresight | vllm-mlx | computed "
-          "ahead, ours | of it not read |")
-    print("  | --- | --- | --- | --- | --- | --- |")
-    for client, res in table:
-        ours = res["ours"]
-        v = f"{_ratio(res['vllm-mlx'][1:]):.3f}" if "vllm-mlx" in res else "-"
-        print(f"  | {client} | {_ratio(ours[1:]):.3f} | {_ratio(res['no-foresight'][1:]):.3f} "
-              f"| {v} | {sum(r['ahead'] for r in ours)} | {sum(r['wasted'] for r in ours)} |")
+                        break
+                    continue
+                res[who] = {"sess": sess, "live": live, "classes": classes, "ref": ref,
+                            "turns": _turns(sess, live, classes, turn_starts)}
+                _print_session(name, who, res[who])
+            if "ours" in res:
+                summary.append((name, thinking, res))
+    print("\n  per request class: prompt tokens computed ÷ what a cache-perfect server computes "
+          "(one request at a time, no foresight, every earlier prompt and answer kept)")
+    print("  | client | thinking | class | requests | perfect | " + " | ".join(
+        ("ours", "no foresight", "vllm-mlx", "stock")) + " |")
+    print("  | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, thinking, res in summary:
+        o = res["ours"]
+        for k in ("main", "subagent", "side"):
+            if k not in o["classes"]:
+                continue
+            ref = _class_sum(o, k, "ref")
+            cells = []
+            for who in ("ours", "no-foresight", "vllm-mlx", "stock"):
+                r = res.get(who)
+                cells.append("-" if r is None else
+                             f"{_class_sum(r, k, 'computed') / max(1, _class_sum(r, k, 'ref')):.3f}")
+            print(f"  | {name} | {'on' if thinking else 'off'} | {k} | "
+                  f"{o['classes'].count(k)} | {ref} | " + " | ".join(cells) + " |")
+    print("\n  per turn, the main loop: computed while the client waits ÷ new tokens, turns 2+")
+    print("  | client | thinking | ours | no foresight | vllm-mlx | stock | computed ahead, "
+          "ours (not read) |")
+    print("  | --- | --- | --- | --- | --- | --- | --- |")
+    for name, thinking, res in summary:
+        cells = []
+        for who in ("ours", "no-foresight", "vllm-mlx", "stock"):
+            r = res.get(who)
+            cells.append("-" if r is None else f"{_ratio(r['turns'][1:]):.3f}")
+        fs = res["ours"]["sess"]["foresight"]
+        print(f"  | {name} | {'on' if thinking else 'off'} | " + " | ".join(cells)
+              + f" | {fs.get('computed_tokens', 0)} ({fs.get('wasted_tokens', 0)}) |")
+
+
+def _run_turns(client, who, d, work, tag, bins, turns, vllm, turn_starts) -> Dict[str, Any]:
+    """`client_session`, noting each turn's start in ``turn_starts``."""
+    from mlx_kvcache.testing.agent_replay import Recorder
+    from bench_agent_clients import prompt_of
+    server = _contender(who, d, work, tag, vllm)
+    rec = Recorder(server.port)
+    try:
+        for t in range(turns):
+            t0 = time.time()
+            turn_starts.append(t0)
+            client.turn(bins, f"http://127.0.0.1:{rec.port}", work / "project",
+                        work / f"{tag}_{who}_home",
+                        prompt_of(client, QUESTIONS[t % len(QUESTIONS)] + f" (turn {t + 1})"),
+                        t == 0)
+            if who == "ours":
+                _settle(server)  # a person reads the answer
+            got = [e for e in rec.since(t0) if e.generation]
+            print(f"    {tag} {who} turn {t + 1}: {len(got)} requests, "
+                  f"{time.time() - t0:.0f} s", flush=True)
+        ex = [e for e in rec.exchanges if e.generation]
+        fs = _foresight(server) if who == "ours" else {}
+    finally:
+        rec.close()
+        server.stop()
+        (work / f"{tag}_{who}_requests.json").write_text(
+            json.dumps([e.as_dict() for e in rec.exchanges], indent=1))
+    return {"exchanges": ex, "foresight": fs, "log": server.log}
+
+
+def _class_sum(r: Dict[str, Any], k: str, what: str) -> int:
+    total = 0
+    for (p, c), cls, ref in zip(r["live"], r["classes"], r["ref"]):
+        if cls == k:
+            total += ref if what == "ref" else p - c
+    return total
+
+
+def _print_session(name: str, who: str, r: Dict[str, Any]) -> None:
+    print(f"    {name} / {who}: per request (class, agent, prompt, computed, perfect)")
+    for e, (p, c), cls, ref in zip(r["sess"]["exchanges"], r["live"], r["classes"], r["ref"]):
+        agent = e.headers.get("x-claude-code-agent-id", "")[:8]
+        print(f"      {e.started % 1000:8.2f} {cls:8s} {agent:8s} prompt {p:>6} computed "
+              f"{p - c:>6} perfect {ref:>6}")
+    for i, t in enumerate(r["turns"]):
+        print(f"      turn {i + 1}: main {t['requests']} req, computed {t['computed']} / new "
+              f"{t['new']} = {t['computed'] / max(1, t['new']):.3f}")
+    for k in ("main", "subagent", "side"):
+        if k in r["classes"]:
+            print(f"      {k}: computed {_class_sum(r, k, 'computed')} / perfect "
+                  f"{_class_sum(r, k, 'ref')}")
 
 
 def _ratio(rows: List[Dict[str, Any]]) -> float:
@@ -911,12 +1015,22 @@ def main(argv=None):
                          "stock (see the module doc)")
     ap.add_argument("--families", nargs="+", choices=("qwen3", "glm45"),
                     default=["qwen3", "glm45"], help="with --thinking: the chat templates")
-    ap.add_argument("--clients", nargs="*", choices=("claude", "codex"), default=None,
-                    help="the real CLIs (both when none is named): ours with and without "
-                         "foresight (see the module doc)")
+    ap.add_argument("--clients", nargs="*", choices=CLIENT_NAMES, default=None,
+                    help="the real CLIs (claude and codex when none is named): ours with and "
+                         "without foresight, each request against a cache-perfect replay "
+                         "(see the module doc)")
     ap.add_argument("--vllm-mlx", default=None, metavar="VENV",
                     help="with --clients: also vllm-mlx 0.6, from this virtual environment "
                          "(made and installed when missing)")
+    ap.add_argument("--npm", default=None, metavar="DIR",
+                    help="with --clients: where the CLIs are installed from npm (default: "
+                         "bench_agents_clients beside the temporary folder)")
+    ap.add_argument("--thinking-modes", nargs="+", choices=("on", "off"), default=["on"],
+                    help="with --clients: the scripted model thinking, not thinking, or both")
+    ap.add_argument("--no-stock", action="store_true",
+                    help="with --clients: leave out stock mlx_lm.server (chat-route clients)")
+    ap.add_argument("--no-no-foresight", action="store_true",
+                    help="with --clients: leave out ours with --no-foresight")
     args = ap.parse_args(argv)
     if args.clients is not None:
         print(f"command: python scripts/bench_agents.py {shlex.join(argv or sys.argv[1:])}")
@@ -924,7 +1038,11 @@ def main(argv=None):
         print(f"logs under {work}")
         return clients_bench(work, args.clients or ["claude", "codex"],
                              turns=args.turns or (2 if args.quick else 4),
-                             vllm=vllm_mlx_bin(Path(args.vllm_mlx)) if args.vllm_mlx else None)
+                             npm=Path(args.npm) if args.npm else
+                             work.parent / "bench_agents_clients",
+                             vllm=vllm_mlx_bin(Path(args.vllm_mlx)) if args.vllm_mlx else None,
+                             thinking_modes=[m == "on" for m in args.thinking_modes],
+                             stock=not args.no_stock, no_foresight=not args.no_no_foresight)
     if args.thinking:
         print(f"command: python scripts/bench_agents.py {shlex.join(argv or sys.argv[1:])}")
         work = Path(tempfile.mkdtemp(prefix="bench_agents_"))

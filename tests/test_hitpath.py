@@ -165,6 +165,26 @@ def test_request_log_line_finds_its_fetch_among_several(caplog):
     assert not pc._log._pending
 
 
+def test_request_token_log_has_each_requests_prompt_and_answer(tmp_path, monkeypatch):
+    """``MLX_KVCACHE_REQUEST_LOG``: one JSON line per finished request, its prompt's and
+    answer's ids (what the agents benchmark replays), none for a segment insert."""
+    import json
+    path = tmp_path / "requests.jsonl"
+    monkeypatch.setenv("MLX_KVCACHE_REQUEST_LOG", str(path))
+    m = build("llama")
+    pc = TriePromptCache(provider(m), max_bytes=1 << 30)
+    a = list(range(1, 30))
+    for prompt in (a, a + [3, 4, 5, 9]):
+        fetched, rest = pc.fetch_nearest_cache(KEY, prompt)
+        cache = fetched if fetched is not None else mlc.make_prompt_cache(m)
+        gen = served(m, rest, cache, 3)
+        pc.insert_cache(KEY, prompt + gen, cache)
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == [a, a + [3, 4, 5, 9]]
+    assert [len(r["answer"]) for r in rows] == [3, 3]
+    assert rows[0]["cached_tokens"] == 0 and rows[1]["cached_tokens"] > 0
+
+
 def _prefix_cache(m, tokens):
     cache = mlc.make_prompt_cache(m)
     m(mx.array(tokens)[None], cache=cache)

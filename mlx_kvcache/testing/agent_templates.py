@@ -19,18 +19,20 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from . import scripted_model
 from .dirs import CHARS, SPECIALS
 
-__all__ = ["Family", "FAMILIES", "QWEN3_TEMPLATE", "GLM45_TEMPLATE", "CUE", "write_scripted_dir",
-           "STEP_PATHS"]
+__all__ = ["Family", "FAMILIES", "QWEN3_TEMPLATE", "GLM45_TEMPLATE", "CUE", "SUBCUE",
+           "write_scripted_dir", "STEP_PATHS"]
 
 #: What every user message of a scripted session carries (the model's cue: a new user turn).
 CUE = "<|q|>"
+#: What a task handed to a subagent carries (the cue of the script's ``sub`` part).
+SUBCUE = "<|t|>"
 #: The file each tool step reads (the scripted model's calls, in order).
 STEP_PATHS = ("notes/a.txt", "notes/b.txt", "notes/c.txt", "notes/d.txt", "notes/e.txt")
 
@@ -262,14 +264,14 @@ def _glm_call(name: str, args: Dict[str, Any]) -> str:
 FAMILIES: Dict[str, Family] = {
     "qwen3": Family("qwen3", QWEN3_TEMPLATE,
                     ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
-                     "</tool_call>", "<tool_response>", "</tool_response>", CUE],
+                     "</tool_call>", "<tool_response>", "</tool_response>", CUE, SUBCUE],
                     "<|im_end|>", "<|im_start|>assistant\n", "<tool_response>", "<think>\n",
                     "\n\n", _qwen3_call, "All parts are read."),
     "glm45": Family("glm45", GLM45_TEMPLATE,
                     ["[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|observation|>",
                      "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
                      "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>",
-                     "</tool_response>", "<|endoftext|>", CUE],
+                     "</tool_response>", "<|endoftext|>", CUE, SUBCUE],
                     "<|user|>", "<|assistant|>", "<|observation|>", "\n<think>", "\n",
                     _glm_call, "All parts are read."),
 }
@@ -294,15 +296,26 @@ def _tokenizer(path: Path, family: Family):
     return fast
 
 
+#: Per step, the calls made at once: ``(tool name, arguments)`` each.
+Calls = Sequence[Sequence[Tuple[str, Dict[str, Any]]]]
+
+
 def write_scripted_dir(path, family: str = "qwen3", steps: int = 3, tool: str = "read_file",
                        arg: str = "path", paths: Sequence[str] = STEP_PATHS,
-                       fixed: Optional[Dict[str, Any]] = None) -> Path:
+                       fixed: Optional[Dict[str, Any]] = None,
+                       step_calls: Optional[Calls] = None,
+                       sub_calls: Optional[Calls] = None) -> Path:
     """A model directory: the scripted agent model (`scripted_model`: ``steps`` tool calls
     per user turn, each after reasoning, then a text answer) with ``family``'s template.
     Step k calls ``tool`` with ``{arg: paths[k]}`` (and ``fixed``'s arguments: a real
     client's tool, e.g. Claude Code's ``Read`` / ``file_path``). Serve it with
     ``--trust-remote-code`` (its architecture is the directory's ``model_file``). Every
-    user message must contain `CUE`."""
+    user message must contain `CUE`.
+
+    ``step_calls`` instead gives each step's calls (several at once: parallel subagents;
+    a step of n calls gets n results, so the next step taken is k + n). ``sub_calls``: the
+    steps of a task that carries `SUBCUE` (a subagent's prompt; a fork's instruction after
+    its parent's conversation), then the same final answer."""
     fam = FAMILIES[family]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -312,6 +325,13 @@ def write_scripted_dir(path, family: str = "qwen3", steps: int = 3, tool: str = 
         return list(tok.encode(text, add_special_tokens=False))
 
     vocab = len(tok)
+    def part(calls: Calls, cue: str) -> Dict[str, Any]:
+        return {"cue": tok.convert_tokens_to_ids(cue),
+                "thoughts": [ids(f"Step {k + 1}: I call {', '.join(n for n, _ in step)} next.\n")
+                             for k, step in enumerate(calls)],
+                "calls": [ids("\n".join(fam.call(n, a) for n, a in step)) for step in calls],
+                "final_thought": ids("Every part is read: I answer.\n"), "final": ids(fam.final)}
+
     script = {
         "open": ids(fam.open), "cue": tok.convert_tokens_to_ids(CUE),
         "result": tok.convert_tokens_to_ids(fam.result), "think": ids(fam.think),
@@ -321,6 +341,10 @@ def write_scripted_dir(path, family: str = "qwen3", steps: int = 3, tool: str = 
         "calls": [ids(fam.call(tool, {arg: paths[k], **(fixed or {})})) for k in range(steps)],
         "final_thought": ids("Every part is read: I answer.\n"), "final": ids(fam.final),
     }
+    if step_calls is not None:
+        script.update({k: v for k, v in part(step_calls, CUE).items() if k != "cue"})
+    if sub_calls is not None:
+        script["sub"] = part(sub_calls, SUBCUE)
     shutil.copyfile(scripted_model.__file__, path / "scripted_model.py")
     config = {"model_type": "scripted_agent", "model_file": "scripted_model.py",
               "vocab_size": vocab, "script": script, "eos_token_id": script["eos"]}

@@ -10,7 +10,12 @@ trie, extended in place, merged into a batch — and emits the next token of a s
 * ``k`` = tool results (``result`` token) after the last user cue (``cue`` token, which
   the client puts in every user message);
 * ``k < steps``: reason (``<think>`` step k's thought ``</think>``), then call the tool
-  with step k's arguments; else reason, then answer in text;
+  with step k's arguments (a step's call may be several calls at once: each result
+  counts, so a step of two calls is followed by step k + 2); else reason, then answer in
+  text;
+* a script may hold a second one under ``sub`` (its own ``cue``, ``thoughts``,
+  ``calls``, ``final_thought``, ``final``): where its cue is the later one — a task a
+  parent agent handed a subagent in a prompt of its own — that one is followed;
 * a turn the template already opened with an empty reasoning block (thinking off) goes on
   with the part after ``</think>``.
 
@@ -43,7 +48,8 @@ class ModelArgs:
     vocab_size: int = 128
     #: Token ids: ``open`` (the generation prompt), ``cue``, ``result``, ``think_end``,
     #: ``eos``, ``newlines`` (the separator after ``</think>``), and per step ``thoughts``
-    #: and ``calls``, then ``final_thought`` and ``final``.
+    #: and ``calls``, then ``final_thought`` and ``final``; optionally ``sub``, a
+    #: subagent's script (its ``cue`` and the same four).
     script: Dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -114,11 +120,17 @@ def plan(script: Dict[str, Any], history: np.ndarray) -> int:
     turn = history[start:]
     before = history[:start]
     cues = np.flatnonzero(before == script["cue"])
+    part = script
+    sub = script.get("sub")
+    if sub is not None:
+        subs = np.flatnonzero(before == sub["cue"])
+        if len(subs) and (not len(cues) or subs[-1] > cues[-1]):
+            part, cues = sub, subs
     after = before[cues[-1] + 1:] if len(cues) else before
     k = int(np.sum(after == script["result"]))
-    steps = len(script["calls"])
-    thought, body = ((script["thoughts"][k], script["calls"][k]) if k < steps
-                     else (script["final_thought"], script["final"]))
+    steps = len(part["calls"])
+    thought, body = ((part["thoughts"][k], part["calls"][k]) if k < steps
+                     else (part["final_thought"], part["final"]))
     full = [*script["think"], *thought, script["think_end"], *script["newlines"], *body, eos]
     g = list(turn)
     if g == full[: len(g)]:

@@ -6,12 +6,19 @@ a line at the top of its system prompt every turn.
 Bounded and O(1) per request: a fetch is remembered until its request's final insert
 (at most `PENDING` at once, the oldest forgotten first), and `RECENT` finished requests
 are listed.
+
+``MLX_KVCACHE_REQUEST_LOG=PATH`` (read at start) also appends each finished request to
+``PATH`` as one JSON line — its path, session, the prompt's and the answer's token ids, the
+tokens read from cache — for benchmarks that replay a session to a cache-perfect reference
+(``scripts/bench_agents.py``). Off by default: the ids are the user's prompt.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -30,6 +37,8 @@ log = logging.getLogger("mlx_kvcache")
 RECENT = 16
 #: Fetches remembered while their requests run.
 PENDING = 256
+#: The environment variable naming the JSON-lines file of finished requests' token ids.
+TOKEN_LOG_ENV = "MLX_KVCACHE_REQUEST_LOG"
 
 
 @dataclass
@@ -52,6 +61,7 @@ class RequestLog:
         self._pending: "OrderedDict[int, _Fetch]" = OrderedDict()
         self._seq = itertools.count(1)
         self.recent: Deque[Dict[str, Any]] = deque(maxlen=RECENT)
+        self._token_log = os.environ.get(TOKEN_LOG_ENV) or None
 
     def fetched(self, prompt, matched: int, cached: int, path: str,
                 reuse: Optional[Reuse], from_disk: Optional[int] = None,
@@ -118,6 +128,12 @@ class RequestLog:
         if f.reuse is not None:
             entry["reuse"] = f.reuse.as_dict()
         self.recent.append(entry)
+        if self._token_log is not None:
+            ids = np.asarray(tokens, dtype=np.int64)
+            with open(self._token_log, "a") as out:  # one line per request, appended whole
+                out.write(json.dumps({**{k: entry[k] for k in ("time", "path", "cached_tokens")},
+                                     "session": f.session, "prompt": ids[:n].tolist(),
+                                     "answer": ids[n:].tolist()}) + "\n")
 
     def listing(self) -> List[Dict[str, Any]]:
         """The last requests, oldest first (a copy)."""
