@@ -386,7 +386,9 @@ def test_excerpts_off_leave_no_prompt_text(caplog):
 
 
 def _guard_and_queue(limit, sizes, kv_per_token=1.0, wait=3600.0, active=lambda: 0):
-    from mlx_kvcache.serving.guards.memory import AdmissionQueue, Footprint, MemoryGuard
+    from mlx_kvcache.serving.guards.admission import AdmissionQueue
+    from mlx_kvcache.serving.guards.footprint import Footprint
+    from mlx_kvcache.serving.guards.memory import MemoryGuard
 
     g = MemoryGuard(limit=limit, wait=wait, active_memory=active)
     g.footprint = Footprint(weights=1000, kv_fixed=0, kv_per_token=kv_per_token,
@@ -454,7 +456,7 @@ def test_admission_passes_a_waiting_request_lets_commands_pass_and_refuses_clear
 def test_admission_fairness_is_bounded():
     from queue import Empty
 
-    from mlx_kvcache.serving.guards.memory import PASS_LIMIT
+    from mlx_kvcache.serving.guards.admission import PASS_LIMIT
 
     sizes = {"small": (100, 100), "big": (4000, 1), "huge": (100_000, 1)}
     g, q, req = _guard_and_queue(10_000, sizes)
@@ -479,8 +481,9 @@ def test_admission_fairness_is_bounded():
 def test_images_are_decoded_only_where_the_guard_admits_their_decoding():
     from queue import Queue
 
-    from mlx_kvcache.serving.guards.memory import (AdmissionQueue, DecodeJob, Footprint,
-                                                   MemoryGuard, MemoryNeverFits, MemoryRefused)
+    from mlx_kvcache.serving.guards.admission import AdmissionQueue, DecodeJob
+    from mlx_kvcache.serving.guards.footprint import Footprint
+    from mlx_kvcache.serving.guards.memory import MemoryGuard, MemoryNeverFits, MemoryRefused
 
     # Rule 6: a request's images (bytes to decode, read from their headers) are admitted
     # before anything decodes them (`size` stands for mlx-lm's tokenizing, which decodes).
@@ -544,8 +547,9 @@ def test_an_image_s_encoding_is_measured_and_reserved_until_the_prefill_ends():
 
     from mlx_lm.server import Response
 
-    from mlx_kvcache.serving.guards.memory import (AdmissionQueue, Footprint, MemoryGuard,
-                                                   MemoryNeverFits, measure_encoding)
+    from mlx_kvcache.serving.guards.admission import AdmissionQueue
+    from mlx_kvcache.serving.guards.footprint import Footprint, measure_encoding
+    from mlx_kvcache.serving.guards.memory import MemoryGuard, MemoryNeverFits
 
     # A stand-in image encoder whose attention holds an n x n float32 score matrix: the
     # measured line grows with n² at 4 bytes (and a little per token: its output rows).
@@ -626,7 +630,9 @@ def test_the_reservation_follows_the_decoded_tokens():
 def test_a_prefill_s_activations_are_reserved_until_the_first_token():
     from mlx_lm.server import Response
 
-    from mlx_kvcache.serving.guards.memory import AdmissionQueue, Footprint, MemoryGuard
+    from mlx_kvcache.serving.guards.admission import AdmissionQueue
+    from mlx_kvcache.serving.guards.footprint import Footprint
+    from mlx_kvcache.serving.guards.memory import MemoryGuard
 
     g = MemoryGuard(limit=1 << 30, active_memory=lambda: 0)
     g.footprint = Footprint(weights=1000, kv_fixed=0, kv_per_token=1.0, act_per_token=100.0,

@@ -105,7 +105,7 @@ PROBE_SIDE = 4096
 
 def image_probe(processor: Any,
                 tokenizer: Any) -> Callable[[int], Optional[Tuple[List[int], Any, int]]]:
-    """For the memory guard's measurement at start (``memory.measure``): given about ``n``
+    """For the memory guard's measurement at start (``footprint.measure``): given about ``n``
     tokens, one black square image the model's ``processor`` makes into at least that many
     (its side doubled from 32 pixels, up to `PROBE_SIDE`) — ``(prompt ids, pixel values,
     image tokens)`` as mlx-lm's chat route makes them — or None where the processor
