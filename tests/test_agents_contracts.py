@@ -392,7 +392,9 @@ def test_a_thinking_models_prefill_gets_no_think_injected(tmp_path):
     from mlx_kvcache.testing.agent_dirs import write_thinking_dir
     model = write_thinking_dir(tmp_path / "think", switch=True)
     provider = SimpleNamespace(tokenizer=load_tokenizer(model), processor=None, model_key=None,
-                               cli_args=SimpleNamespace(chat_template_args={}))
+                               cli_args=SimpleNamespace(chat_template_args={},
+                                                        allow_image_urls=False,
+                                                        max_image_pixels=0))
     handler = SimpleNamespace(response_generator=SimpleNamespace(
         model_provider=provider, generation_available=lambda: True))
     user = {"role": "user", "content": "Go."}

@@ -5,6 +5,8 @@ and what the explanations show."""
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -17,8 +19,20 @@ from models import OpaqueStateCache, V, build
 KEY = ("model", None, None)
 
 
-def provider(m):
-    return types.SimpleNamespace(model=m, tokenizer=None, draft_model=None, model_key=KEY)
+@dataclass
+class Provider:
+    """mlx-lm's ``ModelProvider`` as the prompt cache reads it: the loaded model, its
+    tokenizer (None: explanations show ids) and draft, its key, whether mlx-lm batches it."""
+
+    model: Any
+    tokenizer: Any = None
+    draft_model: Any = None
+    model_key: Any = KEY
+    is_batchable: bool = False
+
+
+def provider(m) -> Provider:
+    return Provider(m)
 
 
 def served(m, prompt, cache=None, n=4):
@@ -277,8 +291,7 @@ def test_a_padded_batch_row_is_stored_only_where_exact(name, exact):
 
     m = build(name)
     assert all(padded_rows_exact(m, V).values()) == exact
-    pc = TriePromptCache(types.SimpleNamespace(model=m, tokenizer=None, draft_model=None,
-                                               model_key=KEY, is_batchable=True),
+    pc = TriePromptCache(Provider(m, is_batchable=True),
                          max_bytes=1 << 30, checkpoint_interval=1 << 20)
     long, short = [(5 * i + 1) % V for i in range(40)], [(3 * i + 2) % V for i in range(12)]
     fetched = [pc.fetch_nearest_cache(KEY, p) for p in (long, short)]

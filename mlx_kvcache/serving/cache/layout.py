@@ -90,7 +90,6 @@ class FetchExplainer:
 
 def _decoder(tokenizer: Any) -> Optional[Callable[[Sequence[int]], str]]:
     """Token ids to text for the miss explanations (None: show ids)."""
-    decode = getattr(tokenizer, "decode", None)
-    if decode is None:
+    if tokenizer is None:
         return None
-    return lambda ids: decode(unsalted(ids), skip_special_tokens=False)
+    return lambda ids: tokenizer.decode(unsalted(ids), skip_special_tokens=False)

@@ -65,8 +65,8 @@ class Namespaced(list):
 
 
 def namespace_of(tokens: Any) -> Optional[str]:
-    """The namespace ``tokens`` carry (None: none)."""
-    return getattr(tokens, "namespace", None) or None
+    """The namespace ``tokens`` carry (None: none: a plain list, or an empty name)."""
+    return (tokens.namespace or None) if isinstance(tokens, Namespaced) else None
 
 
 def scoped_session(session: Optional[str], namespace: Optional[str]) -> Optional[str]:

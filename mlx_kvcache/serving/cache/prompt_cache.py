@@ -133,7 +133,9 @@ class TriePromptCache:
         self._told: List[str] = []
         self._told_padded = False
         self._ranks: List[RankCounters] = []  # every rank's counters, as last shared
-        self.profile = profile or getattr(agree, "profile", None) or Profile()
+        #: Counts checkpoints and collectives (the agreement's own: the app hands both
+        #: the one profile).
+        self.profile = profile or Profile()
         #: The server's memory guard (`MemoryGuard`), when it has one: the cache holds at
         #: most what its limit leaves beside the running requests, and gives way to them.
         self.memory = memory
@@ -160,7 +162,7 @@ class TriePromptCache:
         self.max_bytes = self._model.max_bytes
         if self.agree.size == 1:  # (sharded: captured once a turn, `end_turn`)
             self._model.core.capture_deferred = self._capture_inside
-        self._explain.open(getattr(self.provider, "tokenizer", None))
+        self._explain.open(self.provider.tokenizer)
         if self.profile.timing:
             probe_request_path(self.profile, self._model, self._explain.explainer)
         self._share_stats()

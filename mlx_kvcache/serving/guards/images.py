@@ -232,9 +232,9 @@ class ImagePolicy:
 
     @classmethod
     def of(cls, cli_args) -> "ImagePolicy":
-        cap = getattr(cli_args, "max_image_pixels", None)
-        return cls(bool(getattr(cli_args, "allow_image_urls", False)),
-                   DEFAULT_MAX_PIXELS if cap is None else int(cap))
+        """The policy of the server's options (``--allow-image-urls``,
+        ``--max-image-pixels``: `app.add_options` puts both on its parser)."""
+        return cls(bool(cli_args.allow_image_urls), int(cli_args.max_image_pixels))
 
     @staticmethod
     def decode_bytes(messages: Any) -> int:
