@@ -66,7 +66,7 @@ def test_the_memory_limit_bounds_the_served_context(tmp_path):
     from types import SimpleNamespace as NS
 
     from mlx_kvcache.serving.guards.context import memory_tokens, served_context
-    from mlx_kvcache.serving.guards.memory import Footprint
+    from mlx_kvcache.serving.guards.footprint import Footprint
 
     fp = Footprint(weights=1000, kv_fixed=0, kv_per_token=1.0, act_per_token=0.0, step=512)
     # need(T) = 2 * T rounded up to mlx-lm's 256-token steps: 2 * 512 fits 2048 - 1000

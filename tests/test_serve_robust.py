@@ -441,7 +441,8 @@ def test_the_guard_reserves_what_answers_use_and_refuses_the_impossible_at_once(
 
 
 def test_memory_footprint_and_admission_units():
-    from mlx_kvcache.serving.guards.memory import Footprint, MemoryGuard, default_limit
+    from mlx_kvcache.serving.guards.footprint import Footprint
+    from mlx_kvcache.serving.guards.memory import MemoryGuard, default_limit
 
     assert default_limit(1 << 30, 16 << 30)[0] == int((16 << 30) * 0.85)
     big = default_limit(15 << 30, 16 << 30)

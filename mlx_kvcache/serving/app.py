@@ -283,7 +283,8 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from ..caches import make_prompt_cache
     from ..generation.sizing import memory_bytes
     from .guards.images import image_probe
-    from .guards.memory import MemoryGuard, measure
+    from .guards.footprint import measure
+    from .guards.memory import MemoryGuard
     from .seam import DraftLoadError
     from .guards.startup import StartCheck, first_line, kv_quant_problem
     from .guards import listen as listener

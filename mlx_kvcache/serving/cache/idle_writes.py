@@ -8,13 +8,17 @@ requests that follow, and its Python parts with their GIL. Nothing waits for the
 the trie and captures once the generation loop has no request in flight — a turn of an
 agent session is followed by its tool's run. Under load that never idles, a capture is
 still taken once `limit` inserts or `max_age` seconds have gone by, so the disk never
-falls far behind.
+falls far behind. A capture hands everything pending to the model's writer at once
+(`capture`); one an eviction forces runs inside the trie's critical section
+(`capture_inside`).
 """
 
 from __future__ import annotations
 
 import time
 from typing import Optional
+
+from .model_state import ModelState
 
 
 class IdleWrites:
@@ -43,3 +47,17 @@ class IdleWrites:
         """A capture took everything pending."""
         self.pending = 0
         self._since = None
+
+    def capture(self, st: ModelState) -> None:
+        """Hand what changed in ``st``'s trie to its background writer (everything
+        pending is taken)."""
+        self.taken()
+        if st.writer is not None:
+            st.manager.run(st.core.autosave)
+
+    def capture_inside(self, st: ModelState) -> None:
+        """Capture the pending inserts now, from inside ``st``'s trie's critical section
+        (an eviction is about to drop what they made); nothing pending: nothing."""
+        if self.pending and st.writer is not None:
+            self.taken()
+            st.core.autosave()

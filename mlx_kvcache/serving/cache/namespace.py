@@ -31,7 +31,8 @@ from typing import Any, Iterable, List, Optional
 
 import numpy as np
 
-__all__ = ["BASE", "SALTED", "Namespaced", "namespace_of", "salted", "unsalted"]
+__all__ = ["BASE", "SALTED", "Namespaced", "namespace_of", "salted", "scoped_session",
+           "unsalted"]
 
 #: Ids a namespace salts: a vocabulary stays below this.
 TEXT_IDS = 1 << 22
@@ -64,8 +65,16 @@ class Namespaced(list):
 
 
 def namespace_of(tokens: Any) -> Optional[str]:
-    """The namespace ``tokens`` carry (None: none)."""
-    return getattr(tokens, "namespace", None) or None
+    """The namespace ``tokens`` carry (None: none: a plain list, or an empty name)."""
+    return (tokens.namespace or None) if isinstance(tokens, Namespaced) else None
+
+
+def scoped_session(session: Optional[str], namespace: Optional[str]) -> Optional[str]:
+    """A session's name as foresight keys it: two namespaces' sessions of one name (the
+    same first messages) stay two."""
+    if session is None or not namespace:
+        return session
+    return f"{namespace}\x00{session}"
 
 
 @functools.lru_cache(maxsize=1024)

@@ -31,8 +31,16 @@ _REL_TOL = {mx.float32: 1e-3, mx.float16: 2e-2, mx.bfloat16: 5e-2}
 
 
 def _flags(c: Any, n: int) -> List[bool]:
-    f = list(getattr(c, "padded", None) or [])
+    """The padded flags of ``c``'s ``n`` rows (mlx-lm's own kind, which keeps none: all
+    False)."""
+    f = list(c.padded) if isinstance(c, TrackedArraysCache) else []
     return (f + [False] * n)[:n]
+
+
+def _padded(c: Any) -> bool:
+    """Whether the batch path ever padded a row of ``c`` (only `TrackedArraysCache` keeps
+    count; any other kind: no)."""
+    return isinstance(c, TrackedArraysCache) and any(c.padded)
 
 
 def _indices(ix: Any) -> List[int]:
@@ -50,7 +58,7 @@ class TrackedArraysCache(mlc.ArraysCache):
     @classmethod
     def merge(cls, caches):
         out = super().merge(caches)
-        out.padded = [any(getattr(c, "padded", None) or []) for c in caches]
+        out.padded = [_padded(c) for c in caches]
         return out
 
     def prepare(self, lengths=None, right_padding=None, left_padding=None, **kwargs):
@@ -93,7 +101,7 @@ def native_leaves(caches: Sequence[Any]) -> Iterator[Any]:
 
 def was_padded(caches: Sequence[Any]) -> bool:
     """True when a `TrackedArraysCache` in ``caches`` (one request's) was ever padded."""
-    return any(any(getattr(c, "padded", None) or []) for c in native_leaves(caches))
+    return any(_padded(c) for c in native_leaves(caches))
 
 
 # -- the check at model load ------------------------------------------------------------------

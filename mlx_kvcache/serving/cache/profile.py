@@ -26,6 +26,9 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List
 
+from ...prefix.explain import Explainer
+from .model_state import ModelState
+
 ENV = "MLX_KVCACHE_PROFILE"
 
 
@@ -185,7 +188,7 @@ def probe_mlx_lm(prof: Profile) -> None:
     wrap(G.BatchGenerator, "extract_cache", "extract")
 
 
-def probe_request_path(prof: Profile, state: Any, explainer: Any) -> None:
+def probe_request_path(prof: Profile, state: ModelState, explainer: Explainer) -> None:
     """Time the parts of a request on one machine (profiling only): wrappers around this
     model's objects that time, then run the same code. On the generation thread:
     ``restore`` (the checkout: plan and copy), ``disk.verify`` (parked nodes read back),
@@ -239,11 +242,11 @@ def probe_request_path(prof: Profile, state: Any, explainer: Any) -> None:
     if mgr.verify is not None:
         phased(mgr, "verify", "disk.verify")
     phased(explainer, "explain", "explain")
-    store = getattr(state, "store", None)
+    store = state.store
     if store is not None:
         phased(store, "capture", "persist.capture")
         phased(store, "prefetch", "prefetch")
-    if getattr(state, "writer", None) is not None and store is not None:
+    if state.writer is not None and store is not None:
         def timed(write):
             def timed_write(*a):
                 t0 = time.perf_counter()

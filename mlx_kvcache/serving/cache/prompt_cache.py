@@ -38,24 +38,31 @@ request restores at its fetch; what its inserts leave rank-local (bytes, a cache
 cannot be stored) once per turn of the generation loop (`rank_turn`), so checkpoints
 cost no collective. The HTTP threads (rank 0) only read counters; `clear` and the
 gather of every rank's counters run on every rank's generation thread.
+
+This module is the seam: what mlx-lm calls and what the server asks of its cache. The
+rest is in the modules named for it: the trie of the loaded model (`model_state`), the
+sequential path's fetch (`sequential`), when disk captures run (`idle_writes`), the ranks'
+turn (`rank_turn`), the totals of ``GET /v1/cache`` (`counters`), ``DELETE /v1/cache``
+on every rank (`clearing`), a fetch explained by the prompt's parts (`layout`), the
+request log (`request_log`), the prompts foreseen (`foresight`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ...prefix.agreement import SOLO, Agreement
-from ...prefix.explain import Explainer, Reuse
+from ...prefix.explain import Reuse
 from ...prefix.tokens import as_tokens
 from ..guards.lifecycle import exit_now
 from ..guards.memory import MemoryGuard
-from . import sequential
-from .namespace import namespace_of, salted, unsalted
+from . import clearing, sequential
+from .counters import FetchCounters, RankCounters, gather
+from .layout import FetchExplainer, Layout
+from .namespace import namespace_of, salted, scoped_session
 from .extract import release
 from .foresight import Foresight
 from .idle_writes import IdleWrites
@@ -70,9 +77,6 @@ from .request_log import RequestLog
 __all__ = ["TriePromptCache"]
 
 log = logging.getLogger("mlx_kvcache")
-_STATS = struct.Struct("<qqqqqqq")  # bytes held, nodes, disk bytes, evicted, requests, cached, from disk
-_STAT_NAMES = ("bytes_held", "nodes", "disk_bytes", "evicted_bytes", "requests",
-               "cached_tokens", "disk_tokens")
 
 
 class TriePromptCache:
@@ -120,28 +124,24 @@ class TriePromptCache:
         self.max_entries = max_entries
         self.agree = agree
         self.sharding = sharding
-        self.requests = 0
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-        self.disk_tokens = 0  # of the cached tokens, those read back from disk
-        self.clears = 0
+        #: The fetch totals of ``GET /v1/cache`` (`counters`).
+        self.counters = FetchCounters()
         self._model: Optional[ModelState] = None
         self._log = RequestLog()
-        self._explainer = Explainer()
+        #: Each fetch explained for the request log (`layout`).
+        self._explain = FetchExplainer(self.excerpts)
         self._told: List[str] = []
         self._told_padded = False
-        self._ranks: List[Tuple[int, ...]] = []  # every rank's counters, as last shared
-        self.profile = profile or getattr(agree, "profile", None) or Profile()
+        self._ranks: List[RankCounters] = []  # every rank's counters, as last shared
+        #: Counts checkpoints and collectives (the agreement's own: the app hands both
+        #: the one profile).
+        self.profile = profile or Profile()
         #: The server's memory guard (`MemoryGuard`), when it has one: the cache holds at
         #: most what its limit leaves beside the running requests, and gives way to them.
         self.memory = memory
         if memory is not None:
             memory.hold(self)
         self._turn = RankTurn()
-        # `expect`: (prompt length, marks, session) of the next fetch
-        # (and the session as foresight keys it: `_scoped`)
-        self._marks: Optional[Tuple[int, List[Tuple[int, str]], Optional[str],
-                                    Optional[str]]] = None
         #: One process: captures for the disk writer wait for an idle batch (`idle`).
         self._writes = IdleWrites()
         #: The next prompts the agent routes foresee, computed in idle time (`ahead`); off on
@@ -161,11 +161,10 @@ class TriePromptCache:
                 sharding=self.sharding, cold_bits=self.cold_bits)
         self.max_bytes = self._model.max_bytes
         if self.agree.size == 1:  # (sharded: captured once a turn, `end_turn`)
-            self._model.core.capture_deferred = self._capture_deferred
-        self._explainer = Explainer(_decoder(getattr(self.provider, "tokenizer", None))
-                                    if self.excerpts else None)
+            self._model.core.capture_deferred = self._capture_inside
+        self._explain.open(self.provider.tokenizer)
         if self.profile.timing:
-            probe_request_path(self.profile, self._model, self._explainer)
+            probe_request_path(self.profile, self._model, self._explain.explainer)
         self._share_stats()
         return self._model
 
@@ -243,8 +242,9 @@ class TriePromptCache:
         the request. Eviction stays least-recently-used: each request touches its
         session's whole path, so the leaves that go first are those of the sessions idle
         longest, with no second order for the ranks of a sharded model to agree on."""
-        scoped = _scoped(session, namespace_of(tokens))
-        self._marks = (len(tokens), list(marks), session, scoped) if marks or session else None
+        scoped = scoped_session(session, namespace_of(tokens))
+        self._explain.expect(Layout(len(tokens), tuple(marks), session, scoped)
+                             if marks or session else None)
         self.foresight.request_for(scoped)  # this request is the session's next prompt
 
     def stores_prompts(self) -> bool:
@@ -281,9 +281,7 @@ class TriePromptCache:
         live, plan = mgr.checkout(ids, seq.extra_stops if seq is not None else (),
                                   room=None if seq is not None else 0,
                                   guess_end=seq.guess_end if seq is not None else True)
-        self.requests += 1
-        self.prompt_tokens += len(ids)
-        self.disk_tokens += plan.from_disk
+        self.counters.fetched(len(ids), plan.from_disk)
         if seq is None:
             mgr.forget(live)  # the server owns these caches from here on
             self._fetched(st, ids, plan, plan.restored, "batch")
@@ -305,23 +303,13 @@ class TriePromptCache:
         return native.to_native(live.caches), list(tokens[handed:])
 
     def _fetched(self, st: ModelState, tokens: np.ndarray, plan, restored: int, path: str) -> None:
-        self.cached_tokens += restored
-        mgr = st.manager
-        reuse = mgr.peek(lambda: self._explainer.explain(
-            mgr.trie, tokens, plan.matched, restored, plan.reason, mgr.ops,
-            mgr.evicted_bytes, self.clears))
-        if not self.excerpts:
-            reuse = reuse.without_text()
-        marks, self._marks = self._marks, None
-        if marks is not None and marks[0] != len(tokens):
-            marks = None  # not this prompt's (images key a prompt differently)
-        if marks is not None and reuse is not None:
-            reuse.where = _part_at(marks[1], reuse.diverged_at)
-        session = marks[2] if marks is not None else None
-        foreseen = self.foresight.read(marks[3] if marks is not None else None, tokens, restored)
+        self.counters.restored(restored)
+        reuse, layout = self._explain.explain(st.manager, tokens, plan, restored,
+                                              self.counters.clears)
+        foreseen = self.foresight.read(layout.scoped if layout else None, tokens, restored)
         self._log.fetched(tokens, plan.matched, restored, path, reuse,
                           from_disk=plan.from_disk if st.store is not None else None,
-                          session=session, foreseen=foreseen)
+                          session=layout.session if layout else None, foreseen=foreseen)
 
     def _sequential(self, st: ModelState, live, plan, key: np.ndarray,
                     seq: "sequential.SequentialRequest") -> int:
@@ -349,17 +337,8 @@ class TriePromptCache:
         if st.why_not is not None or not len(tokens):  # caching off: nothing to store or log
             return
         seq = sequential.current()
-        note, key = "", tokens  # prompt + answer; ``tokens`` what the caches hold
-        if seq is not None and seq.absorbed is not None:
-            # A draft-model generation: its caches hold a prefix of the key (both models
-            # at one committed offset), or nothing consistent (-1).
-            tokens = key[: max(seq.absorbed, 0)]
-            note = f" | drafted {seq.stats.drafted_tokens} accepted {seq.stats.accepted_tokens}"
-            length = None if seq.draft_lengths is None else seq.draft_lengths.current
-            if length is not None and not seq.stats.drafted_tokens:
-                note += (f" (--draft-policy adaptive: a draft step costs "
-                         f"{length.cost:.2f} of a target step; acceptance "
-                         f"{length.acceptance:.2f})")
+        key = tokens  # prompt + answer; ``tokens`` what the caches hold
+        tokens, note = seq.held(key) if seq is not None else (key, "")
         caches = (native.from_native(prompt_cache, len(tokens), st.manager.kv_quant)
                   if len(tokens) else None)
         if caches is not None and st.track_padding and was_padded(prompt_cache):
@@ -396,13 +375,14 @@ class TriePromptCache:
                          f".{self.profile.current}")
         if node is not None and caches is not None and cache_type == "assistant":
             # a request's end (segment ends are its prefixes)
-            self._explainer.remember(tokens, st.manager.evicted_bytes, self.clears)
+            self._explain.explainer.remember(tokens, st.manager.evicted_bytes,
+                                             self.counters.clears)
         if final is not None:
             self._log_request(st, key, final, note if caches is not None else note + " | not stored")
         if not sharded and self._writes.changed():
             # sharded: once a turn, after the budget is settled (`end_turn`); else while
             # the batch is idle (`idle`), or now when too much has waited
-            self._capture(st)
+            self._writes.capture(st)
 
     # -- foresight: the next prompt, computed while the client is busy -------------------
     def foresee(self, session: str, tokens: Sequence[int], expected: bool = True,
@@ -418,7 +398,7 @@ class TriePromptCache:
             if expected:
                 self.foresight.cancel()
             return
-        self.foresight.offer(_scoped(session, namespace_of(tokens)), as_tokens(tokens),
+        self.foresight.offer(scoped_session(session, namespace_of(tokens)), as_tokens(tokens),
                              expected, model_key, trie_key=key)
 
     def ahead(self, waiting, step: int, stream=None) -> None:
@@ -433,7 +413,7 @@ class TriePromptCache:
                                                st.key),
                     None, "foresight")
         if self.foresight.computed != before and self.agree.size == 1 and self._writes.changed():
-            self._capture(st)
+            self._writes.capture(st)
         self._give_way()  # what it computed is cache: within the memory guard's room too
 
     def busy(self) -> None:
@@ -453,22 +433,14 @@ class TriePromptCache:
             st.writer.idle()
         if not self._writes.pending or st is None:
             return
-        self._guard("capturing the prompt cache for the disk", lambda: self._capture(st),
-                    None, "idle")
+        self._guard("capturing the prompt cache for the disk",
+                    lambda: self._writes.capture(st), None, "idle")
 
-    def _capture_deferred(self) -> None:
+    def _capture_inside(self) -> None:
         """Capture the inserts waiting for an idle batch now (an eviction is about to drop
         what they made: inside the trie's critical section, where it runs)."""
-        st = self._model
-        if st is not None and self._writes.pending and st.writer is not None:
-            self._writes.taken()
-            st.core.autosave()
-
-    def _capture(self, st: ModelState) -> None:
-        """Hand what changed in the trie to the background writer."""
-        self._writes.taken()
-        if st.writer is not None:
-            st.manager.run(st.core.autosave)
+        if self._model is not None:
+            self._writes.capture_inside(self._model)
 
     def trim_to(self, *, n_sequences: Optional[int] = None, n_bytes: Optional[int] = None) -> None:
         st = self._model
@@ -503,7 +475,7 @@ class TriePromptCache:
 
         def settle() -> None:
             if self._turn.settle(st.manager, self.agree, agreed):
-                self._capture(st)  # what this turn's inserts left, once the budget holds
+                self._writes.capture(st)  # what this turn's inserts left, once the budget holds
         self._guard("settling the prompt cache", settle, None, "settle")
 
     @property
@@ -536,16 +508,18 @@ class TriePromptCache:
 
     # -- GET and DELETE /v1/cache: counters read in O(1), every rank's gathered when asked,
     # and a clear that is durable on every rank before it answers ------------------------
-    def _local(self) -> Tuple[int, ...]:
-        st = self._model
+    def _local(self) -> RankCounters:
+        st, c = self._model, self.counters
         if st is None:
-            return (0, 0, 0, 0, self.requests, self.cached_tokens, self.disk_tokens)
+            return RankCounters(requests=c.requests, cached_tokens=c.cached_tokens,
+                                disk_tokens=c.disk_tokens)
         mgr = st.manager
         # Counters only: O(1) in the trie's size (the idle set: O(layers)), under the lock.
         held, nodes, evicted = mgr.peek(lambda: (mgr.held_bytes, mgr.trie.node_count,
                                                  mgr.evicted_bytes))
         disk = st.store.disk_bytes if st.store is not None else 0
-        return (held, nodes, disk, evicted, self.requests, self.cached_tokens, self.disk_tokens)
+        return RankCounters(held, nodes, disk, evicted, c.requests, c.cached_tokens,
+                            c.disk_tokens)
 
     def share_stats(self) -> None:
         """Gather every rank's counters for rank 0's ``GET /v1/cache`` (one small gather;
@@ -556,22 +530,20 @@ class TriePromptCache:
         """Every rank's counters, for rank 0's ``GET /v1/cache`` (one small gather)."""
         if self.agree.size > 1:
             with self.profile.phase("stats"):
-                self._ranks = [_STATS.unpack(b)
-                               for b in self.agree.all_gather(_STATS.pack(*self._local()))]
+                self._ranks = gather(self.agree, self._local())
 
     def report(self) -> Dict[str, Any]:
         """What ``GET /v1/cache`` returns (on a sharded model: this rank's view, and every
         rank's counters as of the last `share_stats` under ``ranks``)."""
-        held, nodes, disk, evicted, _, _, _ = self._local()
-        st = self._model
+        here, c, st = self._local(), self.counters, self._model
         out: Dict[str, Any] = {
-            "bytes_held": held, "max_bytes": self.max_bytes, "disk_bytes": disk,
-            "max_disk_bytes": st.store.max_disk_bytes if st and st.store else None, "nodes": nodes,
-            "requests": self.requests, "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens, "ram_tokens": self.cached_tokens - self.disk_tokens,
-            "disk_tokens": self.disk_tokens,
-            "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "evicted_bytes": evicted, "checkpoint_interval": self.checkpoint_interval,
+            "bytes_held": here.bytes_held, "max_bytes": self.max_bytes,
+            "disk_bytes": here.disk_bytes,
+            "max_disk_bytes": st.store.max_disk_bytes if st and st.store else None,
+            "nodes": here.nodes, "requests": c.requests, "prompt_tokens": c.prompt_tokens,
+            "cached_tokens": c.cached_tokens, "ram_tokens": c.ram_tokens,
+            "disk_tokens": c.disk_tokens, "hit_rate": c.hit_rate,
+            "evicted_bytes": here.evicted_bytes, "checkpoint_interval": self.checkpoint_interval,
             "cache_dir": str(st.store.directory()) if st and st.store else None,
             "cold_bits": self.cold_bits, "enabled": st is not None and st.why_not is None,
             # the layers each node holds (with a draft model: the target's, then the draft's)
@@ -595,7 +567,7 @@ class TriePromptCache:
             out["memory"] = self.memory.report()
         if self.agree.size > 1:
             out["rank"], out["world_size"] = self.agree.rank, self.agree.size
-            out["ranks"] = [dict(zip(_STAT_NAMES, r), rank=i) for i, r in enumerate(self._ranks)]
+            out["ranks"] = [r.as_dict(i) for i, r in enumerate(self._ranks)]
         return out
 
     def clear(self) -> Dict[str, Any]:
@@ -610,43 +582,14 @@ class TriePromptCache:
                             "error": "clearing the prompt cache failed (see the log)"}, "clear")
 
     def _clear_here(self) -> Dict[str, Any]:
-        st = self._model
-        mine: Dict[str, Any] = {"rank": self.agree.rank, "memory_cleared": True,
-                                "disk_cleared": True, "freed_bytes": 0, "freed_files": 0}
-        if st is not None:
-            st.manager.clear()
+        if self._model is not None:
             self.foresight.clear()
-            self.clears += 1
-            if st.store is not None:
-                mine["directory"] = str(st.store.directory())
-                try:
-                    if st.writer is not None:  # a capture taken before the clear lands first
-                        st.writer.flush(timeout=None)
-                    freed = st.store.clear_disk()
-                    mine["freed_bytes"], mine["freed_files"] = freed["bytes"], freed["files"]
-                except OSError as e:
-                    mine["disk_cleared"] = False
-                    d = str(st.store.directory())
-                    mine["error"] = str(e) if d in str(e) else f"could not clear {d}: {e}"
-                    log.error("mlx_kvcache: DELETE /v1/cache: %s (memory was cleared)", mine["error"])
-        ranks = [mine]
+            self.counters.clears += 1
+        ranks = [clearing.clear_rank(self._model, self.agree.rank)]
         if self.agree.size > 1:
-            ranks = [json.loads(b) for b in self.agree.all_gather(json.dumps(mine).encode())]
+            ranks = clearing.gather(self.agree, ranks[0])
             self._share_stats()
-        out: Dict[str, Any] = {
-            "cleared": all(r["disk_cleared"] for r in ranks),
-            "memory_cleared": all(r["memory_cleared"] for r in ranks),
-            "disk_cleared": all(r["disk_cleared"] for r in ranks),
-            # what the disk got back (the files of this model's cache directory)
-            "freed_bytes": sum(r.get("freed_bytes", 0) for r in ranks),
-            "freed_files": sum(r.get("freed_files", 0) for r in ranks)}
-        errors = [(f"rank {r['rank']}: " if self.agree.size > 1 else "") + r["error"]
-                  for r in ranks if r.get("error")]
-        if errors:
-            out["error"] = "; ".join(errors)
-        if self.agree.size > 1:
-            out["ranks"] = ranks
-        return out
+        return clearing.answer(ranks, self.agree.size > 1)
 
     # -- lifecycle ------------------------------------------------------------------------
     def flush(self, timeout: Optional[float] = None) -> bool:
@@ -660,7 +603,7 @@ class TriePromptCache:
         if st is None:
             return
         if st.writer is not None and self._writes.pending:
-            self._capture(st)  # the generation thread has stopped: nothing else runs MLX
+            self._writes.capture(st)  # the generation thread has stopped: nothing else runs MLX
         st.core.close(timeout, recapture=False)
 
     # -- the request log line -------------------------------------------------------------
@@ -674,31 +617,3 @@ class TriePromptCache:
                            self.agree.rank if self.agree.size > 1 else None, extra, disk)
         if self.profile.timing:
             log.info(self.profile.line(self.agree.rank))
-
-
-def _scoped(session: Optional[str], namespace: Optional[str]) -> Optional[str]:
-    """A session's name as foresight keys it: two namespaces' sessions of one name (the
-    same first messages) stay two."""
-    if session is None or not namespace:
-        return session
-    return f"{namespace}\x00{session}"
-
-
-def _part_at(marks: Sequence[Tuple[int, str]], offset: Optional[int]) -> str:
-    """The name of the part holding token ``offset`` (the last mark at or before it)."""
-    if offset is None:
-        return ""
-    name = ""
-    for at, label in marks:
-        if at > offset:
-            break
-        name = label
-    return name
-
-
-def _decoder(tokenizer):
-    """Token ids to text for the miss explanations (None: show ids)."""
-    decode = getattr(tokenizer, "decode", None)
-    if decode is None:
-        return None
-    return lambda ids: decode(unsalted(ids), skip_special_tokens=False)

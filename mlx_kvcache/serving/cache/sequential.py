@@ -83,6 +83,21 @@ class SequentialRequest:
         if self.on_restored is not None:
             self.on_restored(n)
 
+    def held(self, key: np.ndarray) -> Tuple[np.ndarray, str]:
+        """What of ``key`` (prompt + answer, as inserted at its end) this request's caches
+        hold, and what its log line adds: after a draft-model generation, the prefix both
+        models hold at one committed offset (nothing when none is consistent) and the
+        drafting counts; else all of ``key``."""
+        if self.absorbed is None:
+            return key, ""
+        note = f" | drafted {self.stats.drafted_tokens} accepted {self.stats.accepted_tokens}"
+        length = None if self.draft_lengths is None else self.draft_lengths.current
+        if length is not None and not self.stats.drafted_tokens:
+            note += (f" (--draft-policy adaptive: a draft step costs "
+                     f"{length.cost:.2f} of a target step; acceptance "
+                     f"{length.acceptance:.2f})")
+        return key[: max(self.absorbed, 0)], note
+
 
 def current() -> Optional[SequentialRequest]:
     """The sequential request this (generation) thread is serving, if any."""

@@ -37,8 +37,8 @@ from ..cache.prompt_cache import TriePromptCache
 from ..guards.context import ContextTooLong, answer_tokens, served_context
 from ..guards.lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
 from ..guards.images import ImagePolicy
-from ..guards.memory import (AdmissionQueue, DecodeJob, MemoryGuard, MemoryNeverFits,
-                             MemoryRefused)
+from ..guards.admission import AdmissionQueue, DecodeJob
+from ..guards.memory import MemoryGuard, MemoryNeverFits, MemoryRefused
 from ..guards.validation import generation_problem
 from ..parsers.registry import Chosen, parser_for
 from .templates import answer_extends_prompt

@@ -105,7 +105,7 @@ PROBE_SIDE = 4096
 
 def image_probe(processor: Any,
                 tokenizer: Any) -> Callable[[int], Optional[Tuple[List[int], Any, int]]]:
-    """For the memory guard's measurement at start (``memory.measure``): given about ``n``
+    """For the memory guard's measurement at start (``footprint.measure``): given about ``n``
     tokens, one black square image the model's ``processor`` makes into at least that many
     (its side doubled from 32 pixels, up to `PROBE_SIDE`) — ``(prompt ids, pixel values,
     image tokens)`` as mlx-lm's chat route makes them — or None where the processor
@@ -232,9 +232,9 @@ class ImagePolicy:
 
     @classmethod
     def of(cls, cli_args) -> "ImagePolicy":
-        cap = getattr(cli_args, "max_image_pixels", None)
-        return cls(bool(getattr(cli_args, "allow_image_urls", False)),
-                   DEFAULT_MAX_PIXELS if cap is None else int(cap))
+        """The policy of the server's options (``--allow-image-urls``,
+        ``--max-image-pixels``: `app.add_options` puts both on its parser)."""
+        return cls(bool(cli_args.allow_image_urls), int(cli_args.max_image_pixels))
 
     @staticmethod
     def decode_bytes(messages: Any) -> int:

@@ -5,7 +5,8 @@ mlx-lm's server admits every request into its batch as it arrives; a burst of lo
 prompts allocates their caches and prefill activations all at once, and on a Mac —
 unified memory, shared with the weights — a burst that does not fit is killed by the OS,
 not queued. The guard stands where mlx-lm's generation thread takes its next request (its
-request queue, `AdmissionQueue`).
+request queue, `admission.AdmissionQueue`); what a request needs is measured on the model
+at start (`footprint`).
 
 The rules, in the order a request meets them:
 
@@ -18,14 +19,15 @@ The rules, in the order a request meets them:
    ``max_tokens`` if less) — not ``max_tokens`` up front: Claude Code asks for 32,000 on
    every request, and reserving that would refuse prompts that fit.
 3. *No head-of-line blocking*: a request that does not fit yet waits, and the line is
-   scanned past it: a later request that fits is admitted first. Fairness is bounded: once
-   `PASS_LIMIT` later requests have been admitted past a waiting one, nothing behind it is
-   admitted before it (it goes as soon as running answers free its room).
+   scanned past it: a later request that fits is admitted first. Fairness is bounded:
+   once `admission.PASS_LIMIT` later requests have been admitted past a waiting one,
+   nothing behind it is admitted before it (it goes as soon as running answers free its
+   room).
 4. *Waiting ends*: after ``--memory-wait`` seconds — or at once when nothing is running
    that could free memory — a waiting request is refused with a 503 that says why.
 5. *Growth*: a running request's reservation follows what it really holds: its prefill
    activations go with its first answer token, and every `DECODE_HEADROOM` decoded
-   tokens it grows by that much more (the hook is the answer queue, `_Released`: one
+   tokens it grows by that much more (the hook is the answer queue, `admission`'s: one
    count per token). The prompt cache gives way first; when the reservations themselves
    would pass the limit, the newest decoding request is ended there with
    ``finish_reason: "length"`` and a log line (older conversations keep going; what it
@@ -35,19 +37,17 @@ The rules, in the order a request meets them:
    admission (rule 2 needs its prompt's length; what it made is kept for mlx-lm). The
    decoding is admitted first, by rules 1-4 with its own need — the bytes it takes at its
    peak, from the images' headers (``images.decode_bytes``) — so no image is decoded where
-   the limit cannot take it, and each once. ``count_tokens`` with images is a `DecodeJob`
-   in the same line: decoded on the generation thread, never in an HTTP thread, where any
-   number of clients could decode at once. Then the request's need includes encoding its
-   images (the model's vision tower, before its prefill), freed with its prefill.
+   the limit cannot take it, and each once. ``count_tokens`` with images is an
+   `admission.DecodeJob` in the same line: decoded on the generation thread, never in an
+   HTTP thread, where any number of clients could decode at once. Then the request's
+   need includes encoding its images (the model's vision tower, before its prefill),
+   freed with its prefill.
 
 Commands (``DELETE /v1/cache``, the stop) pass at once. While requests run, every insert
 keeps the prompt cache within what the limit leaves beside them (`MemoryGuard.room`).
 
-A request's need is measured, not guessed: at start one forward pass of the model gives
-the bytes of its caches per token and of its prefill activations per prompt token, and
-for a model with an image processor two image encodings give what encoding an image of
-n tokens takes, which grows with n² (`Footprint`); a request needs the caches of its
-reserved tokens (as long as the longest running one: a batch pads its rows to one
+A request's need is measured, not guessed (`footprint.measure`, at start): the caches of
+its reserved tokens (as long as the longest running one: a batch pads its rows to one
 length) plus the activations of one prefill step and its images' encoding. What is in
 use is the larger of MLX's active memory (less the prompt cache's snapshots, which can
 give way) and the weights plus every reservation (an admitted request has not allocated
@@ -58,20 +58,15 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections import deque
-from dataclasses import dataclass, replace
-from queue import Empty, Queue
-from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.server import GenerationContext, Response
 
 from ...prefix.stats import human_bytes
+from .footprint import Footprint, cache_tokens
 
-__all__ = ["AdmissionQueue", "DecodeJob", "Footprint", "ImageProbe", "MemoryGuard",
-           "MemoryNeverFits", "MemoryRefused", "Reservation", "default_limit", "measure",
-           "measure_encoding"]
+__all__ = ["DECODE_HEADROOM", "DEFAULT_WAIT", "Held", "MemoryGuard", "MemoryNeverFits",
+           "MemoryRefused", "Reservation", "SHARE", "default_limit"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -79,16 +74,9 @@ log = logging.getLogger("mlx_kvcache")
 DEFAULT_WAIT = 120.0
 #: The default limit: this share of the machine's memory (`default_limit`).
 SHARE = 0.85
-#: Seconds the generation thread's blocking ``get`` sleeps between looks at the line.
-_POLL = 0.05
-#: mlx-lm's batch caches grow in steps of this many tokens.
-_STEP = 256
 #: Answer tokens reserved beyond what a request holds: at admission (or ``max_tokens``
 #: if less), then again each time its answer reaches its reservation.
 DECODE_HEADROOM = 256
-#: A waiting request lets at most this many later requests be admitted past it; then
-#: nothing behind it goes first (bounded unfairness, no starvation).
-PASS_LIMIT = 8
 
 
 class MemoryRefused(RuntimeError):
@@ -116,110 +104,6 @@ def default_limit(weights: int, total: int) -> Tuple[int, str]:
                   f"machine's {human_bytes(total)}")
 
 
-@dataclass(frozen=True)
-class Footprint:
-    """What one request costs, measured on the model at start (`measure`).
-
-    ``weights``: bytes of the parameters; ``kv_fixed`` + ``kv_per_token`` × tokens: its
-    caches; ``act_per_token``: prefill activations per prompt token of one step (logits
-    included); ``step``: the prefill step (``--prefill-step-size``); ``image_linear`` × n +
-    ``image_square`` × n²: what the model's image encoder takes to encode one image of n
-    tokens (0 without one; a vision tower's attention makes it grow with n², measured at
-    two sizes: `measure`)."""
-
-    weights: int
-    kv_fixed: int
-    kv_per_token: float
-    act_per_token: float
-    step: int
-    image_linear: float = 0.0
-    image_square: float = 0.0
-
-    def encoding(self, images: Sequence[int]) -> int:
-        """Bytes encoding images of ``images`` tokens each takes (all of them: mlx-lm
-        encodes a request's images in one graph)."""
-        return int(sum(self.image_linear * n + self.image_square * n * n for n in images))
-
-    def need(self, prompt_tokens: int, max_tokens: int, longest: int = 0) -> int:
-        """Bytes a request of ``prompt_tokens`` answering up to ``max_tokens`` needs, in a
-        batch whose longest row holds ``longest`` tokens."""
-        tokens = max(int(prompt_tokens) + max(int(max_tokens), 0), int(longest))
-        tokens = -(-tokens // _STEP) * _STEP
-        # Twice the caches: the live ones, and the copies its inserts make into the prompt
-        # cache (and a batch makes when it merges rows) before the live ones go.
-        return int(2 * (self.kv_fixed + self.kv_per_token * tokens)
-                   + self.act_per_token * min(int(prompt_tokens), self.step))
-
-
-#: The image sizes (in tokens, about) whose encoding `measure` times: small enough to cost
-#: little at start, four times apart to tell a linear growth from a quadratic one.
-_IMAGE_PROBES = (64, 256)
-
-#: What `measure` is given to make an image: for about ``n`` tokens, the prompt ids of one
-#: image, its pixel values as the model's processor makes them, and its tokens (None:
-#: the processor cannot make one).
-ImageProbe = Callable[[int], Optional[Tuple[List[int], Any, int]]]
-
-
-def measure_encoding(model: Any, probe: ImageProbe) -> Tuple[float, float]:
-    """``(linear, square)`` bytes of encoding one image of n tokens with ``model``'s
-    ``embed_inputs`` (mlx-lm's image seam): the line b/n = linear + square × n through two
-    measured sizes, neither below 0 (1 size where the processor gives every image the same
-    tokens: linear only)."""
-    points: List[Tuple[int, int]] = []
-    for target in _IMAGE_PROBES:
-        made = probe(target)
-        if made is None:
-            break
-        ids, pixels, n = made
-        if n <= 0 or (points and n <= points[-1][0]):
-            break
-        mx.eval(pixels)
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        out = model.embed_inputs(mx.array(ids), pixel_values=pixels)
-        mx.eval(out)
-        points.append((n, max(mx.get_peak_memory() - base, 0)))
-        del out
-    if not points:
-        return 0.0, 0.0
-    if len(points) == 1:
-        return points[0][1] / points[0][0], 0.0
-    (n1, b1), (n2, b2) = points
-    square = max((b2 / n2 - b1 / n1) / (n2 - n1), 0.0)
-    return max(b1 / n1 - square * n1, 0.0), square
-
-
-def measure(models: List[Any], make_caches: Callable[[Any], List[Any]], step: int,
-            image: Optional[ImageProbe] = None) -> Footprint:
-    """The `Footprint` of ``models`` (a target and maybe its draft, used together), from a
-    few forward passes, and — given an ``image`` probe, where the target embeds images —
-    two image encodings; run on the models' MLX thread."""
-    from ...generation.sizing import checkpoint_bytes, model_bytes
-
-    models = [m for m in models if m is not None]
-    step = max(int(step), 1)
-    short, long_ = 1, 1 + 1024
-    kv1 = sum(checkpoint_bytes(m, lambda m=m: make_caches(m), short) for m in models)
-    kvn = sum(checkpoint_bytes(m, lambda m=m: make_caches(m), long_) for m in models)
-    per_token = max(kvn - kv1, 0) / (long_ - short)
-    fixed = max(kv1 - per_token, 0)
-    n = min(step, 256)
-    act = 0.0
-    for m in models:
-        caches = make_caches(m)
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        out = m(mx.zeros((1, n), dtype=mx.int32), cache=caches)
-        mx.eval(out)
-        act += max(mx.get_peak_memory() - base - per_token * n, 0) / n
-        del out, caches
-    linear = square = 0.0
-    if image is not None and hasattr(models[0], "embed_inputs"):
-        linear, square = measure_encoding(models[0], image)
-    return Footprint(model_bytes(*models), int(fixed), per_token, act, step, linear, square)
-
-
 class Held(Protocol):
     """What the guard asks of the prompt cache beside it (`hold`): the bytes its snapshots
     hold, and a trim to a byte count when a request needs the room."""
@@ -229,10 +113,6 @@ class Held(Protocol):
 
     def trim_to(self, *, n_sequences: Optional[int] = None,
                 n_bytes: Optional[int] = None) -> None: ...
-
-
-def _rounded(tokens: int) -> int:
-    return -(-int(tokens) // _STEP) * _STEP
 
 
 class Reservation:
@@ -461,7 +341,7 @@ class MemoryGuard:
             longest = max(others, default=0)
             pad = (sum(max(want - max(t, r.tokens), 0) for t in others)
                    if want > longest else 0)
-            extra = int(2 * fp.kv_per_token * (_rounded(want) - _rounded(r.tokens))
+            extra = int(2 * fp.kv_per_token * (cache_tokens(want) - cache_tokens(r.tokens))
                         + fp.kv_per_token * pad)
             # (one already cut gives its reservation back at its next token)
             kept = [o for o in self._reserved.values() if not o.cut]
@@ -547,240 +427,3 @@ class MemoryGuard:
                 "admitted_past_waiting": self.passed, "refused": self.refused,
                 "never_fit": self.never_fit, "ended_at_limit": self.cut,
                 "cache_given_way_bytes": self.trimmed_bytes, "wait_seconds": self.wait}
-
-
-class _Released:
-    """A request's answer queue, where its reservation lives: each answer token put
-    grows it (`Reservation.decoded`), and a request the guard cuts ends here with
-    ``finish_reason: "length"`` (its end put, its context stopped, anything mlx-lm puts
-    after that dropped). The reservation is released when the answer ends (its end or
-    an error is put) or its client leaves (its context's ``stop``)."""
-
-    def __init__(self, queue: Queue, reservation: Reservation) -> None:
-        self._queue, self._res = queue, reservation
-        self._stop: Optional[Callable[[], None]] = None
-        self._ended = False
-
-    def put(self, item, *args, **kwargs) -> None:
-        if self._ended:
-            return  # cut: the client has its end already
-        if item is None or isinstance(item, BaseException):
-            self._res.release()
-        elif isinstance(item, GenerationContext):
-            stop = self._stop = item.stop  # its client left: the request leaves the batch
-
-            def stopped():
-                self._res.release()
-                stop()
-            item.stop = stopped
-        elif isinstance(item, Response) and self._res.decoded() and item.finish_reason is None:
-            self._queue.put(replace(item, finish_reason="length"), *args, **kwargs)
-            self._ended = True
-            self._res.release()
-            if self._stop is not None:
-                self._stop()  # mlx-lm takes it out of the batch at the end of this step
-            self._queue.put(None, *args, **kwargs)
-            return
-        self._queue.put(item, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._queue, name)
-
-
-class DecodeJob:
-    """Work on a request's images that is not a request (``count_tokens``): put in the line
-    as ``(answer queue, job, None)``, admitted by the rules of its decoding (rule 6), run
-    on the generation thread, its result (or the exception it raised, or the guard's
-    refusal) put on the answer queue. ``run``: the work; ``nbytes``: what its decoding
-    takes at its peak."""
-
-    __slots__ = ("run", "nbytes")
-
-    def __init__(self, run: Callable[[], Any], nbytes: int) -> None:
-        self.run, self.nbytes = run, int(nbytes)
-
-    def answer(self, rqueue: Queue) -> None:
-        """Run it and put what came of it on ``rqueue``."""
-        try:
-            out = self.run()
-        except Exception as e:  # noqa: BLE001 - the asker's error, never the loop's
-            out = e
-        rqueue.put(out)
-
-
-@dataclass
-class _Waiting:
-    item: Tuple[Any, Any, Any]
-    since: float
-    seq: int
-    size: Optional[tuple] = None  # (prompt tokens, max tokens[, tokens of each image])
-    sized: bool = False
-    images: Optional[int] = None  # bytes its images' decoding takes (rule 6)
-    told: bool = False
-    passed: int = 0  # later requests admitted past this one
-
-
-class AdmissionQueue(Queue):
-    """mlx-lm's request queue, gated by a `MemoryGuard`: HTTP threads put as before; the
-    generation thread's ``get`` hands out the first request in line that fits (see the
-    module doc's rules). Items whose request is not a request (``is_command``) pass at
-    once.
-
-    Args:
-        guard: the limit and its accounting.
-        size: a request's ``(prompt tokens, max tokens)`` or ``(prompt tokens, max tokens,
-            tokens of each of its images)``, or None when it cannot tell (the request is
-            then admitted unmeasured; mlx-lm reports its error).
-        is_command: items that are not requests.
-        forget: called for a request refused (what `size` kept of it can go).
-        images: the bytes decoding a request's images takes (0: none; rule 6), read before
-            `size` (which decodes them).
-    """
-
-    def __init__(self, guard: MemoryGuard,
-                 size: Callable[[Tuple[Any, Any, Any]], Optional[tuple]],
-                 is_command: Callable[[Any], bool],
-                 forget: Callable[[Tuple[Any, Any, Any]], None] = lambda item: None,
-                 images: Callable[[Tuple[Any, Any, Any]], int] = lambda item: 0) -> None:
-        super().__init__()
-        self.guard = guard
-        self._size = size
-        self._is_command = is_command
-        self._forget = forget
-        self._images = images
-        self._line: Deque[_Waiting] = deque()
-        self._commands: Deque[Any] = deque()
-        self._seq = 0
-        self._blocked = 0  # requests up to this arrival found the line blocked
-
-    def qsize(self) -> int:
-        return super().qsize() + len(self._line) + len(self._commands)
-
-    def get(self, block: bool = True, timeout: Optional[float] = None):
-        if block:
-            self.guard.idle()  # mlx-lm waits with an empty batch: nothing runs
-        end = None if timeout is None else time.monotonic() + max(timeout, 0)
-        while True:
-            self._arrivals()
-            if self._commands:
-                item = self._commands.popleft()
-                if not isinstance(item[1], DecodeJob):
-                    return item
-                item[1].answer(item[0])  # no limit: it runs as it comes
-                continue
-            item = self._admit()
-            if item is not None:
-                return item
-            if not block:
-                raise Empty
-            left = None if end is None else end - time.monotonic()
-            if left is not None and left <= 0:
-                raise Empty
-            try:
-                got = super().get(True, _POLL if left is None else min(left, _POLL))
-            except Empty:
-                continue
-            self._arrive(got)
-
-    # -- the line -------------------------------------------------------------------------
-    def _arrivals(self) -> None:
-        while True:
-            try:
-                got = super().get(False)
-            except Empty:
-                return
-            self._arrive(got)
-
-    def _arrive(self, got) -> None:
-        if self._is_command(got) or not self.guard.active:
-            self._commands.append(got)
-        else:
-            self._seq += 1
-            self._line.append(_Waiting(got, time.monotonic(), self._seq))
-        self.guard.waiting = len(self._line)
-
-    def _refuse(self, w: _Waiting, error: MemoryRefused) -> None:
-        self._line.remove(w)
-        self._forget(w.item)
-        log.warning("mlx_kvcache: refused a request (%d): %s", error.status, error)
-        w.item[0].put(error)
-
-    def _admit(self):
-        """The first request in line that may go now (rules 1-4, 6), or None; each
-        `DecodeJob` met on the way runs where its decoding is admitted."""
-        guard = self.guard
-        try:
-            ahead: List[_Waiting] = []  # waiting requests a later one would pass
-            held_back = False  # one ahead was passed enough: the rest only wait (rule 3)
-            for w in list(self._line):
-                if not w.sized:
-                    job = w.item[1] if isinstance(w.item[1], DecodeJob) else None
-                    if w.images is None:
-                        w.images = job.nbytes if job is not None else self._images(w.item)
-                    if w.images:  # its decoding is admitted first (rule 6)
-                        nbytes = w.images
-                        if guard.decoding_never_fits(nbytes):
-                            guard.never_fit += 1
-                            self._refuse(w, MemoryNeverFits(guard.images_too_large(nbytes)))
-                            continue
-                        if held_back or not guard.try_admit(nbytes):
-                            held_back = self._wait(
-                                w, ahead, held_back,
-                                lambda waited: guard.images_refusal(nbytes, waited),
-                                f"images that take about {human_bytes(nbytes)} to decode")
-                            continue
-                    if job is not None:
-                        self._line.remove(w)
-                        job.answer(w.item[0])
-                        continue
-                    w.size, w.sized = self._size(w.item), True  # (decodes its images)
-                if w.size is None:  # cannot tell: mlx-lm reports the request's problem
-                    self._line.remove(w)
-                    return w.item
-                prompt, max_tokens, *more = w.size
-                images = more[0] if more else ()
-                if guard.never_fits(prompt, max_tokens, images):
-                    guard.never_fit += 1
-                    self._refuse(w, MemoryNeverFits(guard.too_large(prompt, max_tokens,
-                                                                    images)))
-                    continue
-                answer = guard.first_answer(max_tokens)
-                need = guard.need(prompt, answer, images)
-                if not held_back and guard.try_admit(need):
-                    self._line.remove(w)
-                    if w.seq <= self._blocked:
-                        guard.waited += 1
-                    for a in ahead:
-                        a.passed += 1
-                    guard.passed += bool(ahead)
-                    rqueue, request, args = w.item
-                    res = guard.reserve(need, prompt, answer, max_tokens, images)
-                    return (_Released(rqueue, res), request, args)
-                held_back = self._wait(
-                    w, ahead, held_back,
-                    lambda waited: guard.refusal(need, prompt, max_tokens, waited),
-                    f"{prompt} prompt tokens (needs about {human_bytes(need)})")
-            if self._line:
-                self._blocked = self._line[-1].seq
-            return None
-        finally:
-            guard.waiting = len(self._line)
-
-    def _wait(self, w: _Waiting, ahead: List[_Waiting], held_back: bool,
-              refusal: Callable[[float], str], what: str) -> bool:
-        """``w`` does not fit now: refused with `MemoryRefused` (``refusal``'s message) when
-        nothing running could free memory or it waited enough (rule 4), else it waits, said
-        once; returns whether what follows it only waits (rule 3)."""
-        guard = self.guard
-        waited = time.monotonic() - w.since
-        if not guard.running() or waited >= guard.wait:
-            guard.refused += 1
-            self._refuse(w, MemoryRefused(refusal(waited)))
-            return held_back
-        if not w.told:
-            w.told = True
-            log.info("mlx_kvcache: a request waits for memory: %s; %s in use of the %s "
-                     "limit; %d running", what, human_bytes(guard.in_use()),
-                     human_bytes(guard.limit), guard.running())
-        ahead.append(w)
-        return held_back or w.passed >= PASS_LIMIT
