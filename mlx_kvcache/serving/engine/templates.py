@@ -17,6 +17,11 @@
 * `honours_thinking` — whether it honours ``enable_thinking``.
 * `reasoning_switches` — what makes it render earlier turns' reasoning (``--keep-reasoning``):
   nothing, its own switches, or no switch at all.
+* `one_call_per_message` — whether it renders only one tool call of an assistant message
+  (Llama 3's raises on more, gpt-oss's renders the first): answers are given back one call
+  per message.
+* `reasoning_or_content` — whether it refuses an assistant message with tool calls that has
+  both text and reasoning (gpt-oss's).
 
 Each answer depends only on the template and its arguments, so it is decided once and
 remembered (`decided`), keyed by the tokenizer, its template's text and the arguments (a
@@ -32,7 +37,8 @@ import threading
 from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 __all__ = ["decided", "answer_extends_prompt", "system_policy", "honours_thinking",
-           "reasoning_switches", "REASONING_SWITCHES"]
+           "reasoning_switches", "REASONING_SWITCHES", "one_call_per_message",
+           "reasoning_or_content"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -191,3 +197,57 @@ def reasoning_switches(tokenizer, template_args: Optional[Dict[str, Any]] = None
             return dict(REASONING_SWITCHES)
         return None
     return decided(tokenizer, "reasoning_switches", template_args, probe)
+
+
+# -- how the template wants an answer given back ---------------------------------------------
+_PROBE_CALLS = [{"id": "c1", "type": "function",
+                 "function": {"name": "zq7_first", "arguments": {"a": 1}}},
+                {"id": "c2", "type": "function",
+                 "function": {"name": "zq7_second", "arguments": {"b": 2}}}]
+_PROBE_TOOLS = [{"type": "function", "function": {"name": n, "description": "zq7",
+                                                  "parameters": {"type": "object",
+                                                                 "properties": {}}}}
+                for n in ("zq7_first", "zq7_second")]
+
+
+def _render_calls(tokenizer, template_args: Optional[Dict[str, Any]], assistant: Dict[str, Any]
+                  ) -> Optional[str]:
+    msgs = [{"role": "user", "content": "U"}, {"role": "assistant", **assistant},
+            {"role": "tool", "tool_call_id": "c1", "content": "R"},
+            {"role": "user", "content": "V"}]
+    try:
+        text = tokenizer.apply_chat_template(msgs, tools=_PROBE_TOOLS, add_generation_prompt=True,
+                                             tokenize=False, **(template_args or {}))
+    except Exception:  # noqa: BLE001 - a template that refuses the probe
+        return None
+    return text if isinstance(text, str) else None
+
+
+def one_call_per_message(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> bool:
+    """Whether the chat template renders only one tool call of an assistant message (or
+    refuses more than one: Llama 3's, gpt-oss's): an answer with several calls is then
+    given back as one assistant message per call, each rendered. False where it renders
+    them all, or where it cannot be told (no tools in the template)."""
+    def probe() -> bool:
+        both = _render_calls(tokenizer, template_args,
+                             {"content": "", "tool_calls": list(_PROBE_CALLS)})
+        one = _render_calls(tokenizer, template_args,
+                            {"content": "", "tool_calls": list(_PROBE_CALLS[:1])})
+        if one is None or "zq7_first" not in one:
+            return False  # the template renders no calls this way at all: nothing to split
+        return both is None or "zq7_second" not in both
+    return decided(tokenizer, "one_call_per_message", template_args, probe)
+
+
+def reasoning_or_content(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> bool:
+    """Whether the chat template refuses an assistant message with tool calls that has
+    both text and reasoning (gpt-oss's: it renders one analysis message before a call):
+    such a message is then given back with its reasoning only."""
+    def probe() -> bool:
+        calls = {"tool_calls": list(_PROBE_CALLS[:1])}
+        plain = _render_calls(tokenizer, template_args, {"content": "T", **calls})
+        both = _render_calls(tokenizer, template_args,
+                             {"content": "T", "thinking": "H", "reasoning_content": "H",
+                              **calls})
+        return plain is not None and both is None
+    return decided(tokenizer, "reasoning_or_content", template_args, probe)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ import numpy as np
 from mlx_lm.server import convert_chat, process_message_content
 
 
-__all__ = ["Conversation", "Layout", "line_filter", "layout", "BILLING_LINE",
+__all__ = ["Conversation", "Layout", "Arguments", "line_filter", "layout", "BILLING_LINE",
            "REMINDER_OPEN", "REMINDER_CLOSE"]
 
 log = logging.getLogger("mlx_kvcache")
@@ -195,10 +196,41 @@ class Conversation:
             m.parts.insert(0, Part(start + m.fields.pop("reasoning") + end, m.label))
             m.fields["reasoning_content"] = ""
 
+    # -- answers given back as the template wants them ----------------------------------------
+    def one_call_per_message(self) -> None:
+        """Each assistant message with several tool calls becomes one message per call, for
+        templates that render one call of a message (`templates.one_call_per_message`):
+        the first keeps the text and reasoning, the others carry their call alone."""
+        out: List[Message] = []
+        for m in self.items:
+            calls = m.fields.get("tool_calls") or []
+            if m.fields["role"] != "assistant" or len(calls) < 2:
+                out.append(m)
+                continue
+            for j, call in enumerate(calls):
+                fields = dict(m.fields) if j == 0 else {"role": "assistant"}
+                fields["tool_calls"] = [call]
+                out.append(Message(fields, m.parts if j == 0 else [], m.label,
+                                   [0] if j in m.marked_calls else []))
+        self.items = out
+
+    def reasoning_beside_calls(self) -> None:
+        """An assistant message with tool calls, text and reasoning keeps its reasoning
+        only, for templates that render one analysis message before a call and refuse
+        both (`templates.reasoning_or_content`: gpt-oss's)."""
+        for m in self.items:
+            if m.fields["role"] == "assistant" and m.fields.get("tool_calls") and \
+                    m.fields.get("reasoning") and any(p.text for p in m.parts):
+                m.parts = []
+
     # -- what mlx-lm renders -----------------------------------------------------------------
     def messages(self) -> List[Dict[str, Any]]:
         """OpenAI chat-format messages: text content joined into a string (as mlx-lm
-        joins a list of text parts), content with other parts as a list."""
+        joins a list of text parts), content with other parts as a list; the reasoning
+        under each name templates read it by (``reasoning_content``: Qwen3's, GLM's;
+        ``thinking``: gpt-oss's); tool call arguments as `Arguments` (an object that reads
+        as its JSON text where a template adds it to text: DeepSeek's); no empty
+        ``tool_calls`` (Llama 3's template takes any as calls)."""
         out = []
         for m in self.items:
             d = copy.deepcopy(m.fields)
@@ -207,13 +239,47 @@ class Conversation:
             else:
                 d["content"] = [{"type": "text", "text": p.text} if p.text is not None else p.raw
                                 for p in m.parts]
-            if d.get("reasoning") and "reasoning_content" not in d:
-                d["reasoning_content"] = d["reasoning"]  # the name chat templates read
+            if d.get("reasoning"):
+                d.setdefault("reasoning_content", d["reasoning"])
+                d.setdefault("thinking", d["reasoning"])
+            if "tool_calls" in d and not d["tool_calls"]:
+                del d["tool_calls"]
+            for call in d.get("tool_calls") or ():
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    fn["arguments"] = Arguments.of(fn["arguments"])
             out.append(d)
         return out
 
     def has_images(self) -> bool:
         return any(p.text is None for m in self.items for p in m.parts)
+
+
+class Arguments(dict):
+    """A tool call's arguments as the chat template gets them: the object (mlx-lm hands
+    templates objects, which ``tojson`` renders), that reads as its JSON text where a
+    template adds it to text (DeepSeek's templates write ``... + arguments + ...``, which an
+    object refuses)."""
+
+    @classmethod
+    def of(cls, text: str) -> Any:
+        """``text`` (JSON) as `Arguments`, or ``text`` itself where it is not a JSON object
+        (mlx-lm's rendering says what is wrong with it)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text
+        return cls(value) if isinstance(value, dict) else text
+
+    def __add__(self, other: Any) -> Any:
+        if isinstance(other, str):
+            return json.dumps(self, ensure_ascii=False) + other
+        return NotImplemented
+
+    def __radd__(self, other: Any) -> Any:
+        if isinstance(other, str):
+            return other + json.dumps(self, ensure_ascii=False)
+        return NotImplemented
 
 
 def line_filter(keep_billing: bool = False, extra: Optional[str] = None) -> Callable[[str], bool]:

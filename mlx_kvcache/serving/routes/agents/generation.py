@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional
 from ...engine.answer import Answer, AnswerRequest, Refused, Sampling, start
 from ...engine.generator import MarkedRequest, ServedModel, ServerResponseGenerator
 from ...engine.templates import (REASONING_SWITCHES, answer_extends_prompt, honours_thinking,
+                                 one_call_per_message, reasoning_or_content,
                                  reasoning_switches, system_policy)
 from ...guards.context import ContextTooLong, answer_tokens, explicit_max_tokens, served_context
 from ...guards.images import ImagePolicy, decode_bytes, inline
@@ -124,6 +125,10 @@ def prepare(generator: ServerResponseGenerator, call: ChatCall) -> Prepared:
                                              extra=args.drop_lines))
     if templated:
         conv.fit_template(system_policy(tokenizer, base_args))
+        if one_call_per_message(tokenizer, base_args):
+            conv.one_call_per_message()
+        if reasoning_or_content(tokenizer, base_args):
+            conv.reasoning_beside_calls()
     if inline_reasoning:
         conv.inline_reasoning(tokenizer.think_start, tokenizer.think_end)
     messages = conv.messages()
