@@ -309,3 +309,31 @@ def test_a_padded_batch_row_is_stored_only_where_exact(name, exact):
     assert len(pc.fetch_nearest_cache(KEY, tokens[0] + [7])[1]) == 1  # the long row: a hit
     restored = len(tokens[1]) + 1 - len(pc.fetch_nearest_cache(KEY, tokens[1] + [7])[1])
     assert (restored == len(tokens[1])) == exact, restored
+
+
+def test_one_reading_of_the_counters_is_what_get_v1_cache_shows():
+    from mlx_kvcache.serving.guards.counters import GuardCounters, Refusal
+
+    m = build("llama")
+    counted = GuardCounters()
+    pc = TriePromptCache(provider(m), max_bytes=1 << 30, guard_counters=counted)
+    prompt = [(11 * i + 4) % V for i in range(30)]
+    for _ in range(2):  # the same prompt twice: the second restores all but its last token
+        cache, rest = pc.fetch_nearest_cache(KEY, prompt)
+        out, cache = served(m, rest, cache)
+        pc.insert_cache(KEY, prompt + [t for t, _ in out], cache)
+    counted.refused(Refusal.MEMORY)
+    counted.waited(0.2)
+    now = pc.counters_now()
+    assert (now.requests, now.prompt_tokens, now.restored_tokens, now.computed_tokens) == \
+        (2, 60, 29, 31)
+    assert (now.ram_bytes, now.nodes, now.disk_bytes, now.disk_tokens) == (pc.nbytes, len(pc), 0, 0)
+    assert now.refusals == {"memory": 1, "memory_never_fits": 0, "stopping": 0}
+    assert now.queue_wait.count == 1 and now.queue_wait.seconds == 0.2
+    rep = pc.report()
+    assert rep["counters"] == now.as_dict()
+    assert (rep["requests"], rep["prompt_tokens"], rep["cached_tokens"], rep["bytes_held"],
+            rep["nodes"]) == (2, 60, 29, now.ram_bytes, now.nodes)
+    assert rep["counters"]["queue_wait"]["buckets"][-1] == [300.0, 1]
+    pc.clear()
+    assert pc.counters_now().clears == 1 and pc.counters_now().requests == 2  # totals stay

@@ -370,3 +370,68 @@ def test_lifecycle_admits_until_stopping():
     assert not life.wait_idle(time.monotonic() + 60, interrupt=lambda: True)
     life.done()
     assert life.wait_idle(time.monotonic() + 0.05) and life.inflight == 0
+
+
+def test_the_guards_count_refusals_by_reason_and_each_request_s_queue_wait(monkeypatch):
+    from queue import Queue
+
+    from mlx_kvcache.serving.guards import admission
+    from mlx_kvcache.serving.guards.admission import AdmissionQueue, DecodeJob
+    from mlx_kvcache.serving.guards.counters import GuardCounters, Refusal
+    from mlx_kvcache.serving.guards.footprint import Footprint
+    from mlx_kvcache.serving.guards.lifecycle import Lifecycle
+    from mlx_kvcache.serving.guards.memory import MemoryGuard, MemoryNeverFits, MemoryRefused
+
+    # The histogram's buckets are Prometheus's: a wait counts in every bucket whose upper
+    # bound it does not pass (a wait on a bound is in that bucket).
+    c = GuardCounters(buckets=(1.0, 10.0))
+    for s in (1.0, 1.5, 10.0, 11.0):
+        c.waited(s)
+    w = c.queue_wait()
+    assert (w.bounds, w.cumulative, w.count, w.seconds) == ((1.0, 10.0), (1, 3), 4, 23.5)
+    assert c.by_reason() == {"memory": 0, "memory_never_fits": 0, "stopping": 0}
+
+    # The wait runs from the put (an HTTP thread) to the hand-out (the generation thread),
+    # on the monotonic clock the line reads.
+    clock = [100.0]
+    monkeypatch.setattr(admission, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    counters = GuardCounters()
+    g = MemoryGuard(limit=10_000, wait=3600.0, active_memory=lambda: 0, counters=counters)
+    g.footprint = Footprint(weights=1000, kv_fixed=0, kv_per_token=1.0, act_per_token=0.0,
+                            step=8)
+    sizes = {"small": (100, 10), "huge": (100_000, 1)}
+    q = AdmissionQueue(g, lambda item: sizes[item[1]], lambda item: item[1] == "cmd")
+    q.put((Queue(), "small", None))
+    q.put((Queue(), "cmd", None))  # a command: no request, no wait counted
+    huge = Queue()
+    q.put((huge, "huge", None))
+    counted = Queue()
+    q.put((counted, DecodeJob(lambda: 7, 10), None))  # count_tokens: no request either
+    clock[0] += 7.0
+    assert q.get(timeout=0)[1] == "cmd"
+    assert q.get_nowait()[1] == "small"
+    assert isinstance(_answered_in_line(q, huge), MemoryNeverFits) and counted.get_nowait() == 7
+    w = counters.queue_wait()
+    assert (w.count, w.seconds) == (1, 7.0) and w.cumulative[w.bounds.index(10.0)] == 1
+    assert w.cumulative[w.bounds.index(5.0)] == 0
+    assert counters.by_reason()["memory_never_fits"] == 1 == g.report()["never_fit"]
+    # Waited too long (nothing running could free what is in use): a memory refusal.
+    g2 = MemoryGuard(limit=10_000, wait=0.0, active_memory=lambda: 9_990, counters=counters)
+    g2.footprint = g.footprint
+    q2 = AdmissionQueue(g2, lambda item: sizes[item[1]], lambda item: False)
+    out = Queue()
+    q2.put((out, "small", None))
+    assert _answered_in_line(q2, out).__class__ is MemoryRefused
+    assert counters.refusals(Refusal.MEMORY) == 1 == g2.report()["refused"]
+    # No limit: every request passes at once, its wait counted all the same.
+    free = AdmissionQueue(MemoryGuard(limit=None, counters=counters), lambda item: None,
+                          lambda item: False)
+    free.put((Queue(), "small", None))
+    clock[0] += 0.5
+    assert free.get_nowait()[1] == "small"
+    assert (counters.queue_wait().count, counters.queue_wait().seconds) == (2, 7.5)
+    # The stop: a request refused at the door counts; a read of the state does not.
+    life = Lifecycle(counters=counters)
+    life.stopping.set()
+    assert not life.admit() and not life.admit(counted=False)
+    assert counters.by_reason() == {"memory": 1, "memory_never_fits": 1, "stopping": 1}

@@ -58,3 +58,39 @@ def test_model_names_installed_on_the_provider_load(monkeypatch):
     assert prov.load("claude-sonnet-5", None, "default_model") == ("model", "tok")
     assert prov.load("org/other") == ("model", "tok")
     assert calls == [("default_model", None, "default_model"), ("org/other", None, None)]
+
+
+def test_metrics_show_one_reading_in_prometheus_text_and_openmetrics():
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mlx_kvcache.serving.cache.counters import Reading
+    from mlx_kvcache.serving.guards.counters import GuardCounters, Refusal
+    from mlx_kvcache.serving.routes.metrics import FAMILIES, exposition
+
+    g = GuardCounters(buckets=(0.5, 5.0))
+    g.refused(Refusal.STOPPING)
+    for s in (0.25, 2.0, 9.0):
+        g.waited(s)
+    fields = [f for _, _, f, _ in FAMILIES]
+    reading = Reading(**{f: 1000 + i for i, f in enumerate(fields)}, refusals=g.by_reason(),
+                      queue_wait=g.queue_wait())
+    body, content_type = exposition(reading, None)
+    assert content_type.startswith("text/plain; version=0.0.4")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+    want = {(f"mlx_kvcache_{name}{'_total' if kind == 'counter' else ''}", ()): 1000 + i
+            for i, (name, kind, _, _) in enumerate(FAMILIES)}
+    want.update({("mlx_kvcache_refusals_total", (("reason", r),)): n
+                 for r, n in {"memory": 0, "memory_never_fits": 0, "stopping": 1}.items()})
+    want.update({("mlx_kvcache_queue_wait_seconds_bucket", (("le", le),)): n
+                 for le, n in (("0.5", 1), ("5.0", 2), ("+Inf", 3))})
+    want[("mlx_kvcache_queue_wait_seconds_count", ())] = 3
+    want[("mlx_kvcache_queue_wait_seconds_sum", ())] = 11.25
+    assert samples == want
+    # A scraper that asks for OpenMetrics gets it (ending with its "# EOF").
+    body, content_type = exposition(reading, "application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    names = {fam.name for fam in om_parse(body.decode())}
+    assert {"mlx_kvcache_requests", "mlx_kvcache_refusals", "mlx_kvcache_cache_ram_bytes",
+            "mlx_kvcache_queue_wait_seconds"} <= names

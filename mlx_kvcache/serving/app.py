@@ -283,6 +283,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from ..caches import make_prompt_cache
     from ..generation.sizing import memory_bytes
     from .guards.images import image_probe
+    from .guards.counters import GuardCounters
     from .guards.footprint import measure
     from .guards.memory import MemoryGuard
     from .seam import DraftLoadError
@@ -290,7 +291,8 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from .guards import listen as listener
 
     args = model_provider.cli_args
-    life = Lifecycle(args.shutdown_grace)
+    counted = GuardCounters()  # the guards' refusals and queue wait (GET /metrics)
+    life = Lifecycle(args.shutdown_grace, counted)
     if str(getattr(args, "log_level", "INFO")).upper() != "DEBUG":
         logging.getLogger().addFilter(QuietProgress())
     # Until the model is ready a signal ends the process at once (see the module doc).
@@ -319,7 +321,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
             sys.stderr.write(f"error: mlx-kvcache serve: {e}\n")
             exit_now(1)
     memory = MemoryGuard(None if args.memory_limit == 0 else args.memory_limit,
-                         args.memory_wait)
+                         args.memory_wait, counters=counted)
     cache = TriePromptCache(model_provider, max_bytes=args.prompt_cache_bytes,
                             checkpoint_interval=args.checkpoint_interval, cache_dir=cache_dir,
                             max_disk_bytes=args.max_disk_bytes, max_entries=args.prompt_cache_size,
@@ -328,7 +330,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
                             excerpts=excerpts_shown(args.prompt_excerpts, host, args.admin_token),
                             # the prompt cache gives way to requests
                             memory=memory if args.memory_limit != 0 else None,
-                            foresight=args.foresight)
+                            foresight=args.foresight, guard_counters=counted)
     log.info("mlx_kvcache: prompt excerpts in the log and GET /v1/cache: %s (--prompt-excerpts "
              "%s); /v1/cache: %s", "shown" if cache.excerpts else "left out",
              args.prompt_excerpts, "admin token required" if args.admin_token else

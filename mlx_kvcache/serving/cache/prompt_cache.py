@@ -58,9 +58,10 @@ from ...prefix.agreement import SOLO, Agreement
 from ...prefix.explain import Reuse
 from ...prefix.tokens import as_tokens
 from ..guards.lifecycle import exit_now
+from ..guards.counters import GuardCounters
 from ..guards.memory import MemoryGuard
 from . import clearing, sequential
-from .counters import FetchCounters, RankCounters, gather
+from .counters import FetchCounters, RankCounters, Reading, gather
 from .layout import FetchExplainer, Layout
 from .namespace import namespace_of, salted, scoped_session
 from .extract import release
@@ -101,6 +102,8 @@ class TriePromptCache:
             ``GET /v1/cache`` and the log lines); False: offsets and rules only.
         foresight: compute the prefixes the agent routes foresee (`foresee`) while the
             generation loop is idle (one process; ``--no-foresight``: False).
+        guard_counters: the guards' refusals and queue wait, read into `counters_now`
+            (the server's one `GuardCounters`; None: none counted here).
     """
 
     def __init__(self, model_provider, *, max_bytes: Optional[int] = None,
@@ -110,7 +113,8 @@ class TriePromptCache:
                  agree: Agreement = SOLO, sharding: str = "",
                  cold_bits: Optional[int] = None, profile: Optional[Profile] = None,
                  excerpts: bool = True, memory: Optional[MemoryGuard] = None,
-                 foresight: bool = True) -> None:
+                 foresight: bool = True,
+                 guard_counters: Optional[GuardCounters] = None) -> None:
         self.provider = model_provider
         self.excerpts = bool(excerpts)
         self.asked_max_bytes = None if max_bytes is None else int(max_bytes)
@@ -126,6 +130,7 @@ class TriePromptCache:
         self.sharding = sharding
         #: The fetch totals of ``GET /v1/cache`` (`counters`).
         self.counters = FetchCounters()
+        self.guard_counters = guard_counters or GuardCounters()
         self._model: Optional[ModelState] = None
         self._log = RequestLog()
         #: Each fetch explained for the request log (`layout`).
@@ -532,18 +537,32 @@ class TriePromptCache:
             with self.profile.phase("stats"):
                 self._ranks = gather(self.agree, self._local())
 
+    def counters_now(self) -> Reading:
+        """Every counter now, read once (any thread; on a sharded model, this rank's):
+        what ``GET /v1/cache``'s ``counters`` and ``GET /metrics`` show."""
+        here, c, fs, g = self._local(), self.counters, self.foresight, self.guard_counters
+        return Reading(
+            requests=c.requests, prompt_tokens=c.prompt_tokens,
+            computed_tokens=c.prompt_tokens - c.cached_tokens, restored_tokens=c.cached_tokens,
+            disk_tokens=c.disk_tokens, ahead_tokens=fs.computed, ahead_used_tokens=fs.used,
+            evicted_bytes=here.evicted_bytes, clears=c.clears, ram_bytes=here.bytes_held,
+            disk_bytes=here.disk_bytes, nodes=here.nodes, refusals=g.by_reason(),
+            queue_wait=g.queue_wait())
+
     def report(self) -> Dict[str, Any]:
         """What ``GET /v1/cache`` returns (on a sharded model: this rank's view, and every
-        rank's counters as of the last `share_stats` under ``ranks``)."""
-        here, c, st = self._local(), self.counters, self._model
+        rank's counters as of the last `share_stats` under ``ranks``): its figures and
+        ``counters`` come from one `counters_now`."""
+        now, st = self.counters_now(), self._model
         out: Dict[str, Any] = {
-            "bytes_held": here.bytes_held, "max_bytes": self.max_bytes,
-            "disk_bytes": here.disk_bytes,
+            "bytes_held": now.ram_bytes, "max_bytes": self.max_bytes,
+            "disk_bytes": now.disk_bytes,
             "max_disk_bytes": st.store.max_disk_bytes if st and st.store else None,
-            "nodes": here.nodes, "requests": c.requests, "prompt_tokens": c.prompt_tokens,
-            "cached_tokens": c.cached_tokens, "ram_tokens": c.ram_tokens,
-            "disk_tokens": c.disk_tokens, "hit_rate": c.hit_rate,
-            "evicted_bytes": here.evicted_bytes, "checkpoint_interval": self.checkpoint_interval,
+            "nodes": now.nodes, "requests": now.requests, "prompt_tokens": now.prompt_tokens,
+            "cached_tokens": now.restored_tokens,
+            "ram_tokens": now.restored_tokens - now.disk_tokens, "disk_tokens": now.disk_tokens,
+            "hit_rate": now.restored_tokens / now.prompt_tokens if now.prompt_tokens else 0.0,
+            "evicted_bytes": now.evicted_bytes, "checkpoint_interval": self.checkpoint_interval,
             "cache_dir": str(st.store.directory()) if st and st.store else None,
             "cold_bits": self.cold_bits, "enabled": st is not None and st.why_not is None,
             # the layers each node holds (with a draft model: the target's, then the draft's)
@@ -552,7 +571,7 @@ class TriePromptCache:
             else None,
             "recent": self._log.listing(), "prompt_excerpts": self.excerpts,
             "foresight": self.foresight.report(),
-            "profile": self.profile.snapshot(),
+            "profile": self.profile.snapshot(), "counters": now.as_dict(),
         }
         if st is not None and st.store is not None:
             mgr, tier = st.manager, st.store.tier

@@ -1,5 +1,5 @@
-"""Who may use ``/v1/cache``: programs on this machine (or with the admin token), never a
-web page.
+"""Who may use ``/v1/cache`` and ``/metrics``: programs on this machine (or with the admin
+token), never a web page.
 
 mlx-lm answers every route with ``Access-Control-Allow-Origin: *`` and allows every
 method, which is harmless for completions but would let any page the user visits read
@@ -102,7 +102,7 @@ def _local_names(bind_host: str) -> FrozenSet[str]:
 
 @dataclass(frozen=True)
 class AdminPolicy:
-    """The rules for ``/v1/cache``.
+    """The rules for ``/v1/cache`` (and ``/metrics``, which follows the same ones).
 
     Args:
         token: the admin token, or None (then only local ``Host`` names are accepted).
@@ -131,31 +131,32 @@ class AdminPolicy:
             pass
         return name in self.names or name.endswith(".localhost")
 
-    def refusal(self, method: str, headers: Mapping[str, str],
-                peer: Optional[str] = None) -> Optional[Tuple[int, str, dict]]:
+    def refusal(self, method: str, headers: Mapping[str, str], peer: Optional[str] = None,
+                route: str = "/v1/cache") -> Optional[Tuple[int, str, dict]]:
         """None when the request may proceed, else (status, message, extra headers).
         ``peer``: the client's address (the connection's, ``client_address[0]``); None
-        only for callers that have no connection (then the headers decide alone)."""
+        only for callers that have no connection (then the headers decide alone).
+        ``route``: the path the messages name."""
         if method == "OPTIONS":
-            return 403, "/v1/cache does not answer cross-origin requests", {}
+            return 403, f"{route} does not answer cross-origin requests", {}
         host = headers.get("Host")
         origin = headers.get("Origin")
         if origin is not None:
             netloc = urlsplit(origin).netloc.lower() if origin != "null" else ""
             if not netloc or host is None or netloc != host.strip().lower():
-                return 403, f"/v1/cache does not answer requests from the origin {origin!r}", {}
+                return 403, f"{route} does not answer requests from the origin {origin!r}", {}
         if self.token is not None:
             auth = headers.get("Authorization") or ""
             scheme, _, given = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
                     given.strip().encode(), self.token.encode()):
-                return 401, "/v1/cache needs 'Authorization: Bearer <admin token>'", {
+                return 401, f"{route} needs 'Authorization: Bearer <admin token>'", {
                     "WWW-Authenticate": 'Bearer realm="mlx-kvcache admin"'}
         elif peer is not None and not is_loopback(peer):
-            return 403, ("/v1/cache answers clients on other machines only with an admin "
+            return 403, (f"{route} answers clients on other machines only with an admin "
                          "token (start the server with --admin-token or "
                          f"${TOKEN_ENV})"), {}
         elif host is not None and not self._local_host(host):
-            return 403, (f"/v1/cache answers only requests addressed to this machine, not "
+            return 403, (f"{route} answers only requests addressed to this machine, not "
                          f"to {host!r} (use --admin-token behind a proxy)"), {}
         return None

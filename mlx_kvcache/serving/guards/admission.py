@@ -21,6 +21,7 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 from mlx_lm.server import GenerationContext, Response
 
 from ...prefix.stats import human_bytes
+from .counters import Refusal
 from .memory import MemoryGuard, MemoryNeverFits, MemoryRefused, Reservation
 
 __all__ = ["AdmissionQueue", "DecodeJob", "PASS_LIMIT"]
@@ -98,6 +99,7 @@ class _Waiting:
     item: Tuple[Any, Any, Any]
     since: float
     seq: int
+    queued: float  # when it was put (its queue wait: `GuardCounters.waited`)
     size: Optional[tuple] = None  # (prompt tokens, max tokens[, tokens of each image])
     sized: bool = False
     images: Optional[int] = None  # bytes its images' decoding takes (rule 6)
@@ -109,7 +111,8 @@ class AdmissionQueue(Queue):
     """mlx-lm's request queue, gated by a `MemoryGuard`: HTTP threads put as before; the
     generation thread's ``get`` hands out the first request in line that fits (see the
     module doc's rules). Items whose request is not a request (``is_command``) pass at
-    once.
+    once. Each request handed out counts the seconds since it was put in the guard's
+    counters (`GuardCounters.waited`).
 
     Args:
         guard: the limit and its accounting.
@@ -134,12 +137,15 @@ class AdmissionQueue(Queue):
         self._forget = forget
         self._images = images
         self._line: Deque[_Waiting] = deque()
-        self._commands: Deque[Any] = deque()
+        self._commands: Deque[Tuple[float, Any]] = deque()  # (when put, item)
         self._seq = 0
         self._blocked = 0  # requests up to this arrival found the line blocked
 
     def qsize(self) -> int:
         return super().qsize() + len(self._line) + len(self._commands)
+
+    def put(self, item, block: bool = True, timeout: Optional[float] = None) -> None:
+        super().put((time.monotonic(), item), block, timeout)
 
     def get(self, block: bool = True, timeout: Optional[float] = None):
         if block:
@@ -148,11 +154,13 @@ class AdmissionQueue(Queue):
         while True:
             self._arrivals()
             if self._commands:
-                item = self._commands.popleft()
-                if not isinstance(item[1], DecodeJob):
-                    return item
-                item[1].answer(item[0])  # no limit: it runs as it comes
-                continue
+                queued, item = self._commands.popleft()
+                if isinstance(item[1], DecodeJob):
+                    item[1].answer(item[0])  # no limit: it runs as it comes
+                    continue
+                if not self._is_command(item):  # a request, with no limit to wait for
+                    self._taken(queued)
+                return item
             item = self._admit()
             if item is not None:
                 return item
@@ -162,27 +170,31 @@ class AdmissionQueue(Queue):
             if left is not None and left <= 0:
                 raise Empty
             try:
-                got = super().get(True, _POLL if left is None else min(left, _POLL))
+                queued, got = super().get(True, _POLL if left is None else min(left, _POLL))
             except Empty:
                 continue
-            self._arrive(got)
+            self._arrive(queued, got)
 
     # -- the line -------------------------------------------------------------------------
     def _arrivals(self) -> None:
         while True:
             try:
-                got = super().get(False)
+                queued, got = super().get(False)
             except Empty:
                 return
-            self._arrive(got)
+            self._arrive(queued, got)
 
-    def _arrive(self, got) -> None:
+    def _arrive(self, queued: float, got) -> None:
         if self._is_command(got) or not self.guard.active:
-            self._commands.append(got)
+            self._commands.append((queued, got))
         else:
             self._seq += 1
-            self._line.append(_Waiting(got, time.monotonic(), self._seq))
+            self._line.append(_Waiting(got, time.monotonic(), self._seq, queued))
         self.guard.waiting = len(self._line)
+
+    def _taken(self, queued: float) -> None:
+        """A request put at ``queued`` is handed to the generation thread now."""
+        self.guard.counters.waited(time.monotonic() - queued)
 
     def _refuse(self, w: _Waiting, error: MemoryRefused) -> None:
         self._line.remove(w)
@@ -205,7 +217,7 @@ class AdmissionQueue(Queue):
                     if w.images:  # its decoding is admitted first (rule 6)
                         nbytes = w.images
                         if guard.decoding_never_fits(nbytes):
-                            guard.never_fit += 1
+                            guard.counters.refused(Refusal.MEMORY_NEVER_FITS)
                             self._refuse(w, MemoryNeverFits(guard.images_too_large(nbytes)))
                             continue
                         if held_back or not guard.try_admit(nbytes):
@@ -221,11 +233,12 @@ class AdmissionQueue(Queue):
                     w.size, w.sized = self._size(w.item), True  # (decodes its images)
                 if w.size is None:  # cannot tell: mlx-lm reports the request's problem
                     self._line.remove(w)
+                    self._taken(w.queued)
                     return w.item
                 prompt, max_tokens, *more = w.size
                 images = more[0] if more else ()
                 if guard.never_fits(prompt, max_tokens, images):
-                    guard.never_fit += 1
+                    guard.counters.refused(Refusal.MEMORY_NEVER_FITS)
                     self._refuse(w, MemoryNeverFits(guard.too_large(prompt, max_tokens,
                                                                     images)))
                     continue
@@ -240,6 +253,7 @@ class AdmissionQueue(Queue):
                     guard.passed += bool(ahead)
                     rqueue, request, args = w.item
                     res = guard.reserve(need, prompt, answer, max_tokens, images)
+                    self._taken(w.queued)
                     return (_Released(rqueue, res), request, args)
                 held_back = self._wait(
                     w, ahead, held_back,
@@ -259,7 +273,7 @@ class AdmissionQueue(Queue):
         guard = self.guard
         waited = time.monotonic() - w.since
         if not guard.running() or waited >= guard.wait:
-            guard.refused += 1
+            guard.counters.refused(Refusal.MEMORY)
             self._refuse(w, MemoryRefused(refusal(waited)))
             return held_back
         if not w.told:

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from .counters import GuardCounters, Refusal
+
 #: Seconds admitted requests get to finish after a stop signal (``--shutdown-grace``).
 DEFAULT_GRACE = 30.0
 
@@ -113,10 +115,14 @@ class Lifecycle:
 
     Args:
         grace: seconds admitted requests get after a stop signal before they are cut.
+        counters: where a request refused while the server stops is counted (the
+            server's one `GuardCounters`; None: its own).
     """
 
-    def __init__(self, grace: float = DEFAULT_GRACE) -> None:
+    def __init__(self, grace: float = DEFAULT_GRACE,
+                 counters: Optional[GuardCounters] = None) -> None:
         self.grace = float(grace)
+        self.counters = counters or GuardCounters()
         self.stop_asked = threading.Event()  # by another rank (through rank 0's loop)
         self.stopping = threading.Event()  # new requests are refused
         self.cut = threading.Event()  # open answers end now
@@ -146,6 +152,8 @@ class Lifecycle:
         server's state are not."""
         with self._cv:
             if self.stopping.is_set():
+                if counted:  # (a read of the state, a scrape, is no request refused)
+                    self.counters.refused(Refusal.STOPPING)
                 return False
             self._inflight += counted
             return True

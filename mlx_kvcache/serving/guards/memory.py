@@ -63,6 +63,7 @@ from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple
 import mlx.core as mx
 
 from ...prefix.stats import human_bytes
+from .counters import GuardCounters, Refusal
 from .footprint import Footprint, cache_tokens
 
 __all__ = ["DECODE_HEADROOM", "DEFAULT_WAIT", "Held", "MemoryGuard", "MemoryNeverFits",
@@ -158,11 +159,16 @@ class MemoryGuard:
         limit: ``--memory-limit`` in bytes (None: the default, set by `configure`).
         wait: seconds a request may wait for memory before it is refused.
         active_memory: MLX's active memory now (``mx.get_active_memory``).
+        counters: where its line counts refusals and waits (the server's one
+            `GuardCounters`; None: its own).
     """
 
     def __init__(self, limit: Optional[int] = None, wait: float = DEFAULT_WAIT,
-                 active_memory: Callable[[], int] = mx.get_active_memory) -> None:
+                 active_memory: Callable[[], int] = mx.get_active_memory,
+                 counters: Optional[GuardCounters] = None) -> None:
         self._active_memory = active_memory
+        #: Refusals and queue waits (`admission` counts them here).
+        self.counters = counters or GuardCounters()
         self.asked = None if limit is None else int(limit)
         self.limit: Optional[int] = self.asked
         self.wait = float(wait)
@@ -173,8 +179,6 @@ class MemoryGuard:
         self._ids = 0
         self.admitted = 0
         self.waited = 0  # admitted after waiting for memory
-        self.refused = 0  # 503: waited too long, or nothing running could free memory
-        self.never_fit = 0  # 400: could never fit
         self.passed = 0  # admitted past a request waiting for memory
         self.cut = 0  # ended with finish_reason length: the reservations reached the limit
         self.waiting = 0
@@ -199,6 +203,17 @@ class MemoryGuard:
                 f"prompt of more than {self.largest_prompt()} tokens can never fit (400); requests "
                 f"that would cross it wait up to {self.wait:g} s (--memory-wait), the prompt "
                 f"cache gives way first")
+
+    @property
+    def refused(self) -> int:
+        """Requests refused with 503: waited too long, or nothing running could free
+        memory (rule 4)."""
+        return self.counters.refusals(Refusal.MEMORY)
+
+    @property
+    def never_fit(self) -> int:
+        """Requests refused with 400: they could never fit (rules 1 and 6)."""
+        return self.counters.refusals(Refusal.MEMORY_NEVER_FITS)
 
     @property
     def active(self) -> bool:

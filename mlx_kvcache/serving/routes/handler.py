@@ -1,5 +1,6 @@
-"""mlx-lm's HTTP handler plus ``GET /v1/cache`` (what the prompt cache holds, as JSON) and
-``DELETE /v1/cache`` (drop it, in memory and on disk, on every rank, before answering).
+"""mlx-lm's HTTP handler plus ``GET /v1/cache`` (what the prompt cache holds, as JSON),
+``DELETE /v1/cache`` (drop it, in memory and on disk, on every rank, before answering) and
+``GET /metrics`` (the same counters for Prometheus: `metrics`; the admin route's rules).
 
 Every other route is mlx-lm's, CORS headers included, or one of the ``POST`` routes the
 app hands the handler (`PostRoute`: the agent APIs). Ours add: the admin route's access
@@ -42,7 +43,7 @@ from ..guards.context import served_context
 from ..guards.images import ImagePolicy, image_urls, url_problem
 from ..guards.lifecycle import current_ticket, set_client_watch, set_stream_waiting, set_ticket
 from ..guards.validation import body_problem
-from . import body
+from . import body, metrics
 from .model_names import DEFAULT, model_entry, models_listing, resolve
 from .namespace import request_namespace
 
@@ -301,6 +302,7 @@ class CacheAPIHandler(APIHandler):
 
     def do_OPTIONS(self):
         self._admitted(lambda: self._admin_route("OPTIONS") if self._is_cache_route()
+                       else self._metrics("OPTIONS") if self._is_metrics_route()
                        else super(CacheAPIHandler, self).do_OPTIONS(), counted=False)
 
     def validate_model_parameters(self) -> None:
@@ -494,7 +496,32 @@ class CacheAPIHandler(APIHandler):
 
     def do_GET(self):
         self._admitted(lambda: self._admin_route("GET") if self._is_cache_route()
+                       else self._metrics("GET") if self._is_metrics_route()
                        else super(CacheAPIHandler, self).do_GET(), counted=False)
+
+    # -- GET /metrics ---------------------------------------------------------------------------
+    def _is_metrics_route(self) -> bool:
+        return self.path.split("?", 1)[0].rstrip("/") == "/metrics"
+
+    def _metrics(self, method: str) -> None:
+        """``GET /metrics``: the prompt cache's `counters_now` in Prometheus's format
+        (`metrics`), under the admin route's rules (`admin`: loopback, or the admin
+        token; no web page)."""
+        self._drain_body()
+        refusal = self.admin.refusal(method, self.headers, self.client_address[0],
+                                     route="/metrics")
+        if refusal is not None:
+            status, message, headers = refusal
+            return self._send_admin(status, {"error": message}, headers)
+        data, content_type = metrics.exposition(
+            self.response_generator.prompt_cache.counters_now(), self.headers.get("Accept"))
+        self.send_response(200)
+        for k, v in (("Content-Type", content_type), ("Content-Length", str(len(data))),
+                     ("Cache-Control", "no-store")):
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
 
     def do_DELETE(self):
         self._admitted(self._delete)
