@@ -54,6 +54,23 @@ class QuietProgress(logging.Filter):
                     and str(record.msg).startswith("Prompt processing progress"))
 
 
+class ToolsWarning(logging.Filter):
+    """Leaves out mlx-lm's "Received tools but model does not support tool calling" where
+    the served model's calls are read by one of our parsers (harmony, Llama 3, DeepSeek):
+    mlx-lm's tokenizer knows no tool-call markup for them, ours does."""
+
+    def __init__(self, generator) -> None:
+        super().__init__()
+        self._generator = generator
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name != "root" or not str(record.msg).startswith(
+                "Received tools but model does not support tool calling"):
+            return True
+        served = self._generator.served()
+        return served is None or served.parser.mlx_lm
+
+
 def _gen_wait(grace: float) -> float:
     """Seconds the generation thread gets to take the stop command after the cut and end
     (a sequential prefill, or a sharded sequential request, runs to its end)."""
@@ -372,6 +389,7 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     generator = ServerResponseGenerator(model_provider, cache, lifecycle=life, agree=agree,
                                         memory=memory,
                                         same_model=functools.partial(batch_key, args))
+    logging.getLogger().addFilter(ToolsWarning(generator))
     # Nothing is served before the model is loaded and checked (a signal still stops).
     if not started.wait(lambda: generator.generation_available() and not life.asked) \
             and not life.asked:

@@ -20,6 +20,8 @@
 * `one_call_per_message` — whether it renders only one tool call of an assistant message
   (Llama 3's raises on more, gpt-oss's renders the first): answers are given back one call
   per message.
+* `arguments_as_text` — whether it takes tool call arguments as JSON text and refuses the
+  objects mlx-lm makes of them (DeepSeek's).
 * `reasoning_or_content` — whether it refuses an assistant message with tool calls that has
   both text and reasoning (gpt-oss's).
 
@@ -38,7 +40,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 __all__ = ["decided", "answer_extends_prompt", "system_policy", "honours_thinking",
            "reasoning_switches", "REASONING_SWITCHES", "one_call_per_message",
-           "reasoning_or_content"]
+           "reasoning_or_content", "arguments_as_text"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -237,6 +239,19 @@ def one_call_per_message(tokenizer, template_args: Optional[Dict[str, Any]] = No
             return False  # the template renders no calls this way at all: nothing to split
         return both is None or "zq7_second" not in both
     return decided(tokenizer, "one_call_per_message", template_args, probe)
+
+
+def arguments_as_text(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> bool:
+    """Whether the chat template takes tool call arguments as JSON text and refuses the
+    objects mlx-lm makes of them (DeepSeek's add them to text: ``... + arguments``)."""
+    def probe() -> bool:
+        as_objects = _render_calls(tokenizer, template_args,
+                                   {"content": "", "tool_calls": list(_PROBE_CALLS[:1])})
+        text = [{**c, "function": {**c["function"], "arguments": '{"a": 1}'}}
+                for c in _PROBE_CALLS[:1]]
+        as_text = _render_calls(tokenizer, template_args, {"content": "", "tool_calls": text})
+        return as_objects is None and as_text is not None
+    return decided(tokenizer, "arguments_as_text", template_args, probe)
 
 
 def reasoning_or_content(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> bool:

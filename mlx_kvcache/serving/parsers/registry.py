@@ -67,6 +67,11 @@ class Chosen:
         """One line for the start log."""
         return f"output parser: {self.name} ({self.why})"
 
+    @property
+    def mlx_lm(self) -> bool:
+        """Whether this is mlx-lm's own parsing (its chat route reads the same)."""
+        return self.name.startswith("mlx_lm")
+
 
 def _template(tokenizer: Any) -> str:
     template = getattr(tokenizer, "chat_template", None)  # foreign: HF tokenizers may lack it

@@ -95,6 +95,9 @@ class PostRoute:
 
     serve: Callable[["CacheAPIHandler"], None]
     refusal: Callable[[str], Dict[str, Any]]
+    #: For a path mlx-lm serves too (chat completions): whether this route takes the
+    #: request, given its raw body (else mlx-lm's route does); None: it takes every one.
+    takes: Optional[Callable[["CacheAPIHandler", bytes], bool]] = None
 
 
 log = logging.getLogger("mlx_kvcache")
@@ -259,9 +262,26 @@ class CacheAPIHandler(APIHandler):
         route = self._post_route()
         if route is None:
             return self._admitted(self._mlx_post)
-        self._admitted(lambda: route.serve(self))
+        if route.takes is None:
+            return self._admitted(lambda: route.serve(self))
+        self._admitted(lambda: self._shared_path(route))
 
-    def _mlx_post(self) -> None:
+    def _shared_path(self, route: PostRoute) -> None:
+        """A path both mlx-lm and ``route`` serve: the route when it takes the request,
+        else mlx-lm's (the body read once, here)."""
+        try:
+            raw = body.read_raw(self)
+        except body.BodyError as e:
+            return self._send_json(e.status, {"error": e.message})
+        if route.takes(self, raw):
+            self.rfile, sock = io.BytesIO(raw), self.rfile  # (what Content-Length says)
+            try:
+                return route.serve(self)
+            finally:
+                self.rfile = sock
+        self._mlx_post(raw)
+
+    def _mlx_post(self, raw: Optional[bytes] = None) -> None:
         """mlx-lm's ``do_POST`` on a body read here first (`body`): its own read has no
         size cap or timeout, and its parse lets `RecursionError` (deeply nested JSON) and
         `UnicodeDecodeError` escape — no answer, a traceback in the log — and a lone
@@ -269,7 +289,7 @@ class CacheAPIHandler(APIHandler):
         the body again; ours is parsed only where it could nest that deep (`may_nest_deep`)
         or escapes a surrogate."""
         try:
-            raw = body.read_raw(self)
+            raw = body.read_raw(self) if raw is None else raw
             if body.may_nest_deep(raw) or body.escapes_surrogate(raw):
                 where = body.lone_surrogate(raw, body.parse(raw))
                 if where is not None:

@@ -43,7 +43,7 @@ import numpy as np
 from mlx_lm.server import convert_chat, process_message_content
 
 
-__all__ = ["Conversation", "Layout", "Arguments", "line_filter", "layout", "BILLING_LINE",
+__all__ = ["Conversation", "Layout", "line_filter", "layout", "BILLING_LINE",
            "REMINDER_OPEN", "REMINDER_CLOSE"]
 
 log = logging.getLogger("mlx_kvcache")
@@ -228,9 +228,8 @@ class Conversation:
         """OpenAI chat-format messages: text content joined into a string (as mlx-lm
         joins a list of text parts), content with other parts as a list; the reasoning
         under each name templates read it by (``reasoning_content``: Qwen3's, GLM's;
-        ``thinking``: gpt-oss's); tool call arguments as `Arguments` (an object that reads
-        as its JSON text where a template adds it to text: DeepSeek's); no empty
-        ``tool_calls`` (Llama 3's template takes any as calls)."""
+        ``thinking``: gpt-oss's); no empty ``tool_calls`` (Llama 3's template takes any as
+        calls)."""
         out = []
         for m in self.items:
             d = copy.deepcopy(m.fields)
@@ -244,42 +243,11 @@ class Conversation:
                 d.setdefault("thinking", d["reasoning"])
             if "tool_calls" in d and not d["tool_calls"]:
                 del d["tool_calls"]
-            for call in d.get("tool_calls") or ():
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                    fn["arguments"] = Arguments.of(fn["arguments"])
             out.append(d)
         return out
 
     def has_images(self) -> bool:
         return any(p.text is None for m in self.items for p in m.parts)
-
-
-class Arguments(dict):
-    """A tool call's arguments as the chat template gets them: the object (mlx-lm hands
-    templates objects, which ``tojson`` renders), that reads as its JSON text where a
-    template adds it to text (DeepSeek's templates write ``... + arguments + ...``, which an
-    object refuses)."""
-
-    @classmethod
-    def of(cls, text: str) -> Any:
-        """``text`` (JSON) as `Arguments`, or ``text`` itself where it is not a JSON object
-        (mlx-lm's rendering says what is wrong with it)."""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return text
-        return cls(value) if isinstance(value, dict) else text
-
-    def __add__(self, other: Any) -> Any:
-        if isinstance(other, str):
-            return json.dumps(self, ensure_ascii=False) + other
-        return NotImplemented
-
-    def __radd__(self, other: Any) -> Any:
-        if isinstance(other, str):
-            return other + json.dumps(self, ensure_ascii=False)
-        return NotImplemented
 
 
 def line_filter(keep_billing: bool = False, extra: Optional[str] = None) -> Callable[[str], bool]:
@@ -313,11 +281,14 @@ class Layout:
 
 
 def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[str, Any]] = None,
-           vision: bool = False, marked_tools: Sequence[int] = ()) -> Layout:
+           vision: bool = False, marked_tools: Sequence[int] = (),
+           text_arguments: bool = False) -> Layout:
     """Render ``conv`` as mlx-lm's chat route will; ValueError when the template refuses it
     or it has images the model cannot see (``vision``: the model has an image processor).
     With images the length is the text's (the processor expands each image later).
-    ``marked_tools``: indices of ``tools`` whose end the client marked for reuse."""
+    ``marked_tools``: indices of ``tools`` whose end the client marked for reuse.
+    ``text_arguments``: the template takes tool call arguments as JSON text, not as the
+    objects mlx-lm makes of them (`templates.arguments_as_text`: DeepSeek's)."""
     msgs = conv.messages()
     if conv.has_images() and not vision:
         raise ValueError("this model serves no images (it has no image processor); send text only")
@@ -327,6 +298,8 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
         urls = process_message_content(msgs, keep_images=vision) or []
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"unsupported message content: {e}") from None
+    if text_arguments:
+        as_text(msgs)
     kw = dict(template_args or {})
     kw["add_generation_prompt"] = not kw.get("continue_final_message")  # (see `generation`)
     try:
@@ -386,6 +359,16 @@ def layout(tokenizer, conv: Conversation, tools, template_args: Optional[Dict[st
                            marked_tools, kw)
     out.cuts = sorted(c for c in set(out.cuts) if 0 < c < len(ids))
     return out
+
+
+def as_text(msgs: List[Dict[str, Any]]) -> None:
+    """Each tool call's arguments of ``msgs`` (objects, as mlx-lm hands them to templates)
+    back to JSON text, in place, for templates that add them to text."""
+    for m in msgs:
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and not isinstance(fn.get("arguments"), str):
+                fn["arguments"] = json.dumps(fn.get("arguments"), ensure_ascii=False)
 
 
 def processed_tokens(tokenizer, processor, lay: Layout) -> int:

@@ -32,8 +32,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ...engine.answer import Answer, AnswerRequest, Refused, Sampling, start
 from ...engine.generator import MarkedRequest, ServedModel, ServerResponseGenerator
-from ...engine.templates import (REASONING_SWITCHES, answer_extends_prompt, honours_thinking,
-                                 one_call_per_message, reasoning_or_content,
+from ...engine.templates import (REASONING_SWITCHES, answer_extends_prompt, arguments_as_text,
+                                 honours_thinking, one_call_per_message, reasoning_or_content,
                                  reasoning_switches, system_policy)
 from ...guards.context import ContextTooLong, answer_tokens, explicit_max_tokens, served_context
 from ...guards.images import ImagePolicy, decode_bytes, inline
@@ -141,7 +141,9 @@ def prepare(generator: ServerResponseGenerator, call: ChatCall) -> Prepared:
     try:
         layout = conversation.layout(tokenizer, conv, tools, template_args,
                                      vision=model.processor is not None,
-                                     marked_tools=call.tool_breakpoints)
+                                     marked_tools=call.tool_breakpoints,
+                                     text_arguments=templated and arguments_as_text(
+                                         tokenizer, base_args))
     except ValueError as e:
         raise AgentRequestError(str(e)) from None
     problem = ImagePolicy.of(args).problem(messages)  # before anything fetches or decodes

@@ -25,7 +25,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Protocol,
+                    Tuple)
 
 from ...engine.answer import NOTHING as _NOTHING, Failed, Finished, Progress, Started
 from .. import body as body_reader
@@ -36,14 +37,18 @@ from . import foresight
 from .call import AgentRequestError, ChatCall
 from .generation import Accounting, run as run_call
 
-__all__ = ["SSE", "Answer", "Route", "read_body", "serve", "send_json", "KEEPALIVE_S",
+__all__ = ["SSE", "DONE", "Answer", "Route", "read_body", "serve", "send_json", "KEEPALIVE_S",
            "KEEPALIVE_ENV", "keepalive_interval"]
 
 
 log = logging.getLogger("mlx_kvcache")
 
-#: A stream event: its name and its JSON data.
-SSE = Tuple[str, Dict[str, Any]]
+#: A stream event: its name (None: an unnamed ``data:`` line, as OpenAI's chat stream
+#: sends) and its JSON data (`DONE`: the chat stream's closing ``[DONE]``).
+SSE = Tuple[Optional[str], Any]
+
+#: The data of the chat stream's last line, ``data: [DONE]``.
+DONE = "[DONE]"
 
 
 class Answer(Protocol):
@@ -82,6 +87,8 @@ class Route:
                               Optional[Dict[str, Any]]]] = None
     keepalive: bytes = b": keep-alive\n\n"
     stream_error: Optional[Callable[[AgentRequestError], List[SSE]]] = None
+    #: The session the request's headers name, where its body names none (or None).
+    session: Optional[Callable[[Mapping[str, str]], Optional[str]]] = None
 
 
 def read_body(handler) -> Any:
@@ -101,7 +108,9 @@ def read_body(handler) -> Any:
 
 
 def _sse(batch: Iterable[SSE]) -> bytes:
-    return b"".join(f"event: {k}\ndata: {json.dumps(d)}\n\n".encode() for k, d in batch)
+    return b"".join(((f"event: {k}\n" if k is not None else "")
+                     + f"data: {d if d is DONE else json.dumps(d)}\n\n").encode()
+                    for k, d in batch)
 
 
 def serve(handler, route: Route, run: Optional[Callable[..., Any]] = None) -> None:
@@ -120,6 +129,8 @@ def serve(handler, route: Route, run: Optional[Callable[..., Any]] = None) -> No
     try:
         body = read_body(handler)
         call = route.parse(body)
+        if call.session is None and route.session is not None:
+            call.session = route.session(handler.headers)
         try:
             call.namespace = request_namespace(body, handler.headers, handler.by_api_key())
         except ValueError as e:
