@@ -185,10 +185,13 @@ def write_family_tokenizer(path, family: str, corpus: Optional[Sequence[str]] = 
 
 def write_family_dir(path, family: str, steps: int = 3, tool: str = "read_file",
                      arg: str = "path", paths: Sequence[str] = STEP_PATHS,
-                     fixed: Optional[Dict[str, Any]] = None, python_tag: bool = False) -> Path:
+                     fixed: Optional[Dict[str, Any]] = None, python_tag: bool = False,
+                     broken: bool = False) -> Path:
     """A model directory of ``family`` (a key of `DIALECTS`; see the module doc) whose
     scripted model makes ``steps`` calls of ``tool`` per user turn, then answers `FINAL`.
-    ``python_tag`` (Llama): its calls follow ``<|python_tag|>`` and end with ``<|eom_id|>``."""
+    ``python_tag`` (Llama): its calls follow ``<|python_tag|>`` and end with ``<|eom_id|>``.
+    ``broken``: each call's arguments are cut off half-way (no JSON object: a call no
+    parser reads)."""
     d = DIALECTS[family]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -198,7 +201,11 @@ def write_family_dir(path, family: str, steps: int = 3, tool: str = "read_file",
         return list(tok.encode(text, add_special_tokens=False))
 
     def answers(thought: str, name: Optional[str], args: Optional[Dict[str, Any]]):
-        return [ids(a) for a in d.answers(thought, name, args, python_tag)]
+        out = d.answers(thought, name, args, python_tag)
+        if broken and args is not None:
+            whole = json.dumps(args)
+            out = [a.replace(whole, whole[:len(whole) // 2]) for a in out]
+        return [ids(a) for a in out]
 
     script = {
         "cue": tok.convert_tokens_to_ids(CUE), "eos": tok.convert_tokens_to_ids(d.eos),

@@ -464,6 +464,7 @@ class MessageBuilder:
         self.blocks: List[Dict[str, Any]] = []
         self._open: Optional[str] = None  # the kind of the block being streamed
         self._args: Dict[int, str] = {}  # a streaming call's arguments so far, by call index
+        self._unread: set = set()  # blocks of begun calls that did not read (not in `message`)
         self.done: Optional[Finished] = None
         self.usage: Optional[Usage] = None
         self.failed: Optional[str] = None  # why the answer failed after it started
@@ -559,6 +560,7 @@ class MessageBuilder:
             streamed = self._args.pop(ev.index, None) if ev.index is not None else None
             if streamed is not None:
                 self.blocks[-1]["input"] = partial_arguments(streamed)
+                self._unread.add(len(self.blocks) - 1)
                 out += self._close()
             out += self._text("text", ev.raw)
         elif isinstance(ev, Finished):
@@ -589,9 +591,11 @@ class MessageBuilder:
         return _STOP_REASONS.get(self.done.reason, "end_turn")
 
     def message(self) -> Dict[str, Any]:
-        """The whole answer (after its `Finished` event)."""
+        """The whole answer (after its `Finished` event): without the blocks of calls that
+        began streaming and did not read (their markup follows as text)."""
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": self.blocks, "stop_reason": self.stop_reason,
+                "content": [b for i, b in enumerate(self.blocks) if i not in self._unread],
+                "stop_reason": self.stop_reason,
                 "stop_sequence": self.done.stop_sequence if self.done else None,
                 "usage": _usage(self.usage)}
 

@@ -231,6 +231,7 @@ class ChatBuilder:
         self.reasoning = ""
         self.calls: List[Dict[str, Any]] = []
         self._streaming: Dict[int, int] = {}  # a streaming call's place in `calls`, by index
+        self._unread: set = set()  # calls that began streaming and did not read
         self.finish: Optional[str] = None
         self.usage: Optional[Dict[str, Any]] = None
         self.failed: Optional[str] = None
@@ -289,8 +290,9 @@ class ChatBuilder:
             self.calls[k]["function"]["arguments"] += rest
             return [self._call_delta(k, function={"arguments": rest})]
         if isinstance(ev, UnreadCall):  # a begun call that did not read: its markup as text
-            if ev.index is not None:
-                self._streaming.pop(ev.index, None)
+            k = self._streaming.pop(ev.index, None) if ev.index is not None else None
+            if k is not None:
+                self._unread.add(k)
             return self.feed(Text(ev.raw))
         if isinstance(ev, Finished):
             self.finish = _FINISH.get(ev.reason, "stop")
@@ -310,12 +312,14 @@ class ChatBuilder:
         return []
 
     def message(self) -> Dict[str, Any]:
-        """The answer's message, as the whole completion has it."""
+        """The answer's message, as the whole completion has it (without calls that began
+        streaming and did not read: their markup is in the text)."""
         msg: Dict[str, Any] = {"role": "assistant", "content": self.text or None}
         if self.reasoning:
             msg["reasoning"] = self.reasoning
-        if self.calls:
-            msg["tool_calls"] = json.loads(json.dumps(self.calls))
+        calls = [c for k, c in enumerate(self.calls) if k not in self._unread]
+        if calls:
+            msg["tool_calls"] = json.loads(json.dumps(calls))
         return msg
 
     def whole(self) -> Tuple[int, Dict[str, Any]]:
