@@ -18,6 +18,8 @@
 * Inside ``serving/`` the parts import one way: ``parsers`` < ``guards`` < ``cache`` < ``engine`` <
   ``routes`` < (``app``, ``seam``, the package itself); a module imports its own part and
   the parts below it.
+* Nothing under ``serving/routes/agents/`` subclasses an HTTP handler (the agent routes
+  call the typed front door, `serving.engine.answer`).
 * ``isinstance`` / ``issubclass`` (or ``type(c) is …``) against a cache kind (our cache
   classes, mlx-lm's ``mlx_lm.models.cache`` classes) happens only in ``caches/`` and the
   modules that convert between the two (`KIND_CHECKS`): anywhere else a kind's rule is a
@@ -546,3 +548,56 @@ def test_a_planted_manager_is_none_check_fails(tmp_path):
     })
     assert _none_managers(mods) == [("mlx_kvcache.serving.cache.late", 2),
                                     ("mlx_kvcache.serving.cache.late", 4)]
+
+
+#: The HTTP handler classes (mlx-lm's, the standard library's, ours): the agent routes reach
+#: generation through the typed front door (`serving.engine.answer`), never by running a
+#: handler of their own on a made-up request.
+HANDLERS = {"BaseHTTPRequestHandler", "APIHandler", "CacheAPIHandler"}
+
+
+def _handler_subclasses(modules: Dict[str, Path] = MODULES) -> List[Tuple[str, int, str]]:
+    """Classes under ``serving/routes/agents/`` that subclass an HTTP handler: (module,
+    line, base)."""
+    out = []
+    for mod, path in modules.items():
+        if not mod.startswith("mlx_kvcache.serving.routes.agents"):
+            continue
+        tree = _tree(path)
+        aliases = _aliases(mod, path, tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for base in node.bases:
+                    name = _dotted(base, aliases).rsplit(".", 1)[-1]
+                    if name in HANDLERS:
+                        out.append((mod, node.lineno, name))
+    return out
+
+
+def test_nothing_under_the_agent_routes_subclasses_the_http_handler():
+    bad = _handler_subclasses()
+    assert not bad, ("the agent routes call the front door (serving/engine/answer.py); a "
+                     "handler subclass under routes/agents/:\n"
+                     + "\n".join(f"{m}:{n} subclasses {b}" for m, n, b in bad))
+
+
+def test_a_planted_handler_subclass_under_the_agent_routes_fails(tmp_path):
+    mods = _plant(tmp_path, {
+        "serving/routes/agents/run.py": (
+            "from mlx_lm.server import APIHandler\n"
+            "from .. import handler as h\n"
+            "class Run(APIHandler):\n"
+            "    pass\n"
+            "class Again(h.CacheAPIHandler):\n"
+            "    pass\n"
+            "class Fine(dict):\n"
+            "    pass\n"),
+        "serving/routes/handler.py": (
+            "from mlx_lm.server import APIHandler\n"
+            "class CacheAPIHandler(APIHandler):  # the handler itself lives here\n"
+            "    pass\n"),
+    })
+    assert _handler_subclasses(mods) == [("mlx_kvcache.serving.routes.agents.run", 3,
+                                          "APIHandler"),
+                                         ("mlx_kvcache.serving.routes.agents.run", 5,
+                                          "CacheAPIHandler")]
