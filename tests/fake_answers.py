@@ -55,6 +55,14 @@ class EndlessAnswer(ScriptedAnswer):
         return None if self.closed else self._event
 
 
+class ScriptedGenerator:
+    """The generator a scripted run stands in for: what the wire counts refusals in."""
+
+    def __init__(self) -> None:
+        from mlx_kvcache.serving.guards.lifecycle import Lifecycle
+        self.lifecycle = Lifecycle()
+
+
 def finished(reason: str = "stop", prompt: int = 5, cached: int = 0, output: int = 2,
              stop_sequence: Optional[str] = None) -> Finished:
     """A `Finished` event with these counts."""

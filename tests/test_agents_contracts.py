@@ -30,7 +30,7 @@ from mlx_kvcache.serving.engine.answer import Progress  # noqa: E402
 from mlx_kvcache.serving.parsers.base import Text  # noqa: E402
 from mlx_kvcache.serving.routes.agents.call import AgentRequestError  # noqa: E402
 from mlx_kvcache.serving.routes.agents.generation import Accounting  # noqa: E402
-from fake_answers import FakeGenerator, ScriptedAnswer, finished  # noqa: E402
+from fake_answers import ScriptedGenerator, FakeGenerator, ScriptedAnswer, finished  # noqa: E402
 from mlx_kvcache.testing.agent_dirs import (  # noqa: E402
     BAD_CALL, PATCH, PATCH_CALL, SCRIPT_TEXT, write_script_dir, write_tool_dir)
 from mlx_kvcache.testing.servers import Server  # noqa: E402
@@ -56,7 +56,7 @@ class _Handler:
         self.headers = {"Content-Length": str(len(data))}
         self.rfile, self.wfile = io.BytesIO(data), io.BytesIO()
         self.status = None
-        self.response_generator = None
+        self.response_generator = ScriptedGenerator()
         self.path = "/v1/messages"
 
     def send_response(self, code, message=None):

@@ -14,7 +14,7 @@ from mlx_kvcache.serving.engine.answer import Failed, Progress  # noqa: E402
 from mlx_kvcache.serving.parsers.base import Call, Reasoning, Text  # noqa: E402
 from mlx_kvcache.serving.routes.agents.call import AgentRequestError  # noqa: E402
 from mlx_kvcache.serving.routes.agents.generation import Accounting  # noqa: E402
-from fake_answers import EndlessAnswer, ScriptedAnswer, finished, runs  # noqa: E402
+from fake_answers import ScriptedGenerator, EndlessAnswer, ScriptedAnswer, finished, runs  # noqa: E402
 from mlx_kvcache.serving.routes.agents.responses import ResponseBuilder, parse_request, render
 
 openai = pytest.importorskip("openai")
@@ -497,7 +497,7 @@ class FakeHandler:
         self.headers = {"Content-Length": str(len(data))}
         self.rfile, self.wfile = io.BytesIO(data), io.BytesIO()
         self.status, self.sent = None, {}
-        self.response_generator = None  # (the scripted run needs none)
+        self.response_generator = ScriptedGenerator()
         self.path = "/v1/responses"
 
     def send_response(self, code, message=None):

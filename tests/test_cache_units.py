@@ -328,7 +328,8 @@ def test_one_reading_of_the_counters_is_what_get_v1_cache_shows():
     assert (now.requests, now.prompt_tokens, now.restored_tokens, now.computed_tokens) == \
         (2, 60, 29, 31)
     assert (now.ram_bytes, now.nodes, now.disk_bytes, now.disk_tokens) == (pc.nbytes, len(pc), 0, 0)
-    assert now.refusals == {"memory": 1, "memory_never_fits": 0, "stopping": 0}
+    assert now.refusals == {"memory": 1, "memory_never_fits": 0, "stopping": 0,
+                            "context": 0, "bad_input": 0}
     assert now.queue_wait.count == 1 and now.queue_wait.seconds == 0.2
     rep = pc.report()
     assert rep["counters"] == now.as_dict()

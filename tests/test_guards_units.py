@@ -389,7 +389,8 @@ def test_the_guards_count_refusals_by_reason_and_each_request_s_queue_wait(monke
         c.waited(s)
     w = c.queue_wait()
     assert (w.bounds, w.cumulative, w.count, w.seconds) == ((1.0, 10.0), (1, 3), 4, 23.5)
-    assert c.by_reason() == {"memory": 0, "memory_never_fits": 0, "stopping": 0}
+    assert c.by_reason() == {"memory": 0, "memory_never_fits": 0, "stopping": 0,
+                            "context": 0, "bad_input": 0}
 
     # The wait runs from the put (an HTTP thread) to the hand-out (the generation thread),
     # on the monotonic clock the line reads.
@@ -434,4 +435,5 @@ def test_the_guards_count_refusals_by_reason_and_each_request_s_queue_wait(monke
     life = Lifecycle(counters=counters)
     life.stopping.set()
     assert not life.admit() and not life.admit(counted=False)
-    assert counters.by_reason() == {"memory": 1, "memory_never_fits": 1, "stopping": 1}
+    assert counters.by_reason() == {"memory": 1, "memory_never_fits": 1, "stopping": 1,
+                            "context": 0, "bad_input": 0}

@@ -82,7 +82,8 @@ def test_metrics_show_one_reading_in_prometheus_text_and_openmetrics():
     want = {(f"mlx_kvcache_{name}{'_total' if kind == 'counter' else ''}", ()): 1000 + i
             for i, (name, kind, _, _) in enumerate(FAMILIES)}
     want.update({("mlx_kvcache_refusals_total", (("reason", r),)): n
-                 for r, n in {"memory": 0, "memory_never_fits": 0, "stopping": 1}.items()})
+                 for r, n in {"memory": 0, "memory_never_fits": 0, "stopping": 1,
+                               "context": 0, "bad_input": 0}.items()})
     want.update({("mlx_kvcache_queue_wait_seconds_bucket", (("le", le),)): n
                  for le, n in (("0.5", 1), ("5.0", 2), ("+Inf", 3))})
     want[("mlx_kvcache_queue_wait_seconds_count", ())] = 3

@@ -148,7 +148,7 @@ def _refusal(e: BaseException) -> Refused:
     if isinstance(e, MemoryRefused):
         return Refused(str(e), e.status,
                        "memory_limit_exceeded" if isinstance(e, MemoryNeverFits) else None)
-    if isinstance(e, ContextTooLong):
+    if isinstance(e, ContextTooLong):  # (counted by the route that says it)
         return Refused(str(e), 400, "context_length_exceeded")
     if isinstance(e, ServerStopping):
         return Refused(str(e), 503, "server_stopping")

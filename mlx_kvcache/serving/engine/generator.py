@@ -35,6 +35,7 @@ from ..cache.profile import count_share, loop_phase
 from ..cache.namespace import Namespaced
 from ..cache.prompt_cache import TriePromptCache
 from ..guards.context import ContextTooLong, answer_tokens, served_context
+from ..guards.counters import Refusal
 from ..guards.lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
 from ..guards.images import ImagePolicy
 from ..guards.admission import AdmissionQueue, DecodeJob
@@ -575,6 +576,7 @@ class ServerResponseGenerator(ResponseGenerator):
                           if isinstance(e, MemoryNeverFits) else None)
             raise
         except ContextTooLong as e:  # the client's to fix: a 400, not mlx-lm's 404
+            self.lifecycle.counters.refused(Refusal.CONTEXT)
             ticket.refuse(400, {"message": str(e), "type": "invalid_request_error",
                                 "param": "prompt" if getattr(request, "request_type", None)
                                 == "text" else "messages",

@@ -34,6 +34,10 @@ class Refusal(str, Enum):
     MEMORY_NEVER_FITS = "memory_never_fits"
     #: 503: it arrived while the server stops.
     STOPPING = "stopping"
+    #: 400: its prompt is longer than the model's context.
+    CONTEXT = "context"
+    #: 400 / 413: the request itself is malformed (its body, a field, a template refusal).
+    BAD_INPUT = "bad_input"
 
 
 #: Upper bounds (seconds) of the queue-wait histogram's buckets: from a request taken at

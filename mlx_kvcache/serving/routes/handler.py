@@ -41,6 +41,7 @@ from ..engine.generator import MarkedRequest
 from ..guards.admin import AdminPolicy
 from ..guards.context import served_context
 from ..guards.images import ImagePolicy, image_urls, url_problem
+from ..guards.counters import Refusal
 from ..guards.lifecycle import current_ticket, set_client_watch, set_stream_waiting, set_ticket
 from ..guards.validation import body_problem
 from . import body, metrics
@@ -297,8 +298,10 @@ class CacheAPIHandler(APIHandler):
             else:
                 raw.decode("utf-8")
         except body.BodyError as e:
+            self.response_generator.lifecycle.counters.refused(Refusal.BAD_INPUT)
             return self._send_json(e.status, {"error": e.message})
         except UnicodeDecodeError as e:
+            self.response_generator.lifecycle.counters.refused(Refusal.BAD_INPUT)
             return self._send_json(400, {"error": f"the request body is not UTF-8 ({e})"})
         sock = self.rfile
         self.rfile = io.BytesIO(raw)  # what mlx-lm reads; the connection's stream comes back
@@ -326,11 +329,15 @@ class CacheAPIHandler(APIHandler):
                        else super(CacheAPIHandler, self).do_OPTIONS(), counted=False)
 
     def validate_model_parameters(self) -> None:
-        super().validate_model_parameters()
-        route = "text" if self.path == "/v1/completions" else "chat"  # mlx-lm's two kinds
-        problem = body_problem(route, self.body, self._vocab())
-        if problem:
-            raise ValueError(problem)
+        try:
+            super().validate_model_parameters()
+            route = "text" if self.path == "/v1/completions" else "chat"  # mlx-lm's two kinds
+            problem = body_problem(route, self.body, self._vocab())
+            if problem:
+                raise ValueError(problem)
+        except ValueError:  # mlx-lm answers it with a 400
+            self.response_generator.lifecycle.counters.refused(Refusal.BAD_INPUT)
+            raise
         if isinstance(self.stream_options, dict):  # mlx-lm reads the key without a default
             self.stream_options = {"include_usage": False, **self.stream_options}
         self.cache_namespace = request_namespace(self.body, self.headers, self.by_api_key())

@@ -29,6 +29,7 @@ from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Opti
                     Tuple)
 
 from ...engine.answer import NOTHING as _NOTHING, Failed, Finished, Progress, Started
+from ...guards.counters import Refusal
 from .. import body as body_reader
 from ..handler import (KEEPALIVE_ENV, KEEPALIVE_S, keepalive_interval, send_json,
                        watch_client)
@@ -138,6 +139,10 @@ def serve(handler, route: Route, run: Optional[Callable[..., Any]] = None) -> No
         waiting = stream.keepalive if isinstance(body, dict) and body.get("stream") else None
         events, acct = (run or run_call)(generator, call, waiting=waiting, every=every)
     except AgentRequestError as e:
+        if e.status in (400, 413) and e.code != "memory_limit_exceeded":  # (the memory
+            # guard counts its own refusals where it decides them)
+            generator.lifecycle.counters.refused(
+                Refusal.CONTEXT if e.code == "context_length_exceeded" else Refusal.BAD_INPUT)
         if not stream.opened:
             return send_json(handler, e.status, route.error(e), headers)
         batch = route.stream_error(e) if route.stream_error else []
