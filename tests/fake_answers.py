@@ -19,6 +19,7 @@ class ScriptedAnswer:
         self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
         self.closed = False
         self.output_tokens = 0
+        self.prompt: List[int] = []
         self._on_close = on_close
 
     @property
@@ -55,12 +56,26 @@ class EndlessAnswer(ScriptedAnswer):
         return None if self.closed else self._event
 
 
+class ScriptedCache:
+    """The prompt cache a scripted run stands in for: foresight off, nothing retired."""
+
+    def __init__(self) -> None:
+        from mlx_kvcache.serving.cache.foresight import Foresight
+        self.foresight = Foresight(enabled=False)
+        self.retired: List[Any] = []
+
+    def retire(self, tokens: Any) -> None:
+        self.retired.append(tokens)
+
+
 class ScriptedGenerator:
-    """The generator a scripted run stands in for: what the wire counts refusals in."""
+    """The generator a scripted run stands in for: what the wire counts refusals in, and
+    its prompt cache."""
 
     def __init__(self) -> None:
         from mlx_kvcache.serving.guards.lifecycle import Lifecycle
         self.lifecycle = Lifecycle()
+        self.prompt_cache = ScriptedCache()
 
 
 def finished(reason: str = "stop", prompt: int = 5, cached: int = 0, output: int = 2,

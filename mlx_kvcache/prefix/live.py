@@ -26,7 +26,7 @@ class LiveSet:
     array, shared with the request that computed them, never copied; valid while
     `consistent`). ``quant`` is the ``kv_bits`` schedule its full-attention layers follow."""
 
-    __slots__ = ("caches", "leaves", "tokens", "epoch", "quant", "__weakref__")
+    __slots__ = ("caches", "leaves", "tokens", "epoch", "quant", "shared", "__weakref__")
 
     def __init__(self, caches: List[Any], epoch: int = 0,
                  quant: Optional[KVQuantization] = None) -> None:
@@ -35,6 +35,9 @@ class LiveSet:
         self.tokens: np.ndarray = _NONE
         self.epoch = epoch
         self.quant = quant
+        #: Bytes of it that the trie holds too (a working copy restored for idle work, not
+        #: a request's: `counted_bytes` leaves them to the trie's count).
+        self.shared = 0
 
     def leaf_quant(self) -> List[Optional[KVQuantization]]:
         """Per leaf, the schedule it follows: the top-level full-attention caches (the ones
@@ -85,6 +88,11 @@ class LiveSet:
     def nbytes(self) -> int:
         """Bytes the live buffers hold (growth padding included: it is real memory)."""
         return sum(c.nbytes for c in self.leaves)
+
+    @property
+    def counted_bytes(self) -> int:
+        """What it adds to the manager's budget: its bytes but those the trie holds too."""
+        return max(0, self.nbytes - self.shared)
 
     def __repr__(self) -> str:
         return f"LiveSet({len(self.tokens)} tokens, {self.nbytes} B)"

@@ -412,6 +412,48 @@ class PrefixManager:
         """Stop counting a lent live set whose caches were handed to someone else."""
         self.run(self._lent.discard, live)
 
+    # -- retention: what goes first under the budget ---------------------------------------------
+    def age(self, tokens: Sequence[int], first: int) -> None:
+        """Make the nodes that hold only ``tokens[first:]`` (as far as the trie holds them)
+        the least recently used, so the budget evicts them before anything a request
+        touched; the first request that reads them touches them like any other. A node
+        that also holds tokens before ``first`` is cut there first, so only the part from
+        ``first`` on goes first."""
+        self.run(self._age, as_tokens(tokens), int(first))
+
+    def age_tail(self, tokens: Sequence[int]) -> None:
+        """`age` what ``tokens`` alone hold: every node on their path past the last one
+        another prompt branches off from (the shared prefix stays as it was), and what grew
+        under it (the answer)."""
+        def tail() -> None:
+            path, _ = self.trie.find(as_tokens(tokens))
+            if not path:
+                return
+            shared = max((n.end for n in path[:-1] if len(n.children) > 1), default=0)
+            for node in path:
+                if node.end <= shared:
+                    continue
+                if node.start < shared:
+                    self.trie.split(node, shared)  # (``node`` keeps the part past it)
+                node.last_used = 0
+            below = list(path[-1].children.values())
+            while below:
+                node = below.pop()
+                node.last_used = 0
+                below.extend(node.children.values())
+        self.run(tail)
+
+    def _age(self, tokens: Sequence[int], first: int) -> None:
+        path, matched = self.trie.find(tokens)
+        for node in reversed(path):
+            if node.end > matched or node.end <= first:
+                break
+            if node.start < first:
+                self.trie.split(node, first)  # only the part from ``first`` on goes first
+            node.last_used = 0
+            if node.start <= first:
+                break
+
     # -- the disk tier ------------------------------------------------------------------------
     def attach_disk(self, verify: Callable[[Sequence[int]], Any]) -> None:
         """A disk store now keeps this trie's nodes: ``verify`` (its ``before_request``)
@@ -431,11 +473,17 @@ class PrefixManager:
 
     @property
     def live_bytes(self) -> int:
-        """Bytes of every live set, lent to a request or idle."""
+        """Bytes of every live set, lent to a request or idle (but those a working copy
+        shares with the trie: `LiveSet.shared`)."""
         sets = set(self._lent)
         if self._idle is not None:
             sets.add(self._idle)
-        return sum(s.nbytes for s in sets)
+        return sum(s.counted_bytes for s in sets)
+
+    @property
+    def free_bytes(self) -> int:
+        """What the budget has room for now, without evicting anything."""
+        return max(0, self.max_bytes - self.nbytes)
 
     @property
     def idle_bytes(self) -> int:

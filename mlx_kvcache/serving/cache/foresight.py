@@ -12,14 +12,24 @@ in flight) the part the trie lacks is prefilled and stored as an ordinary cached
 so the next request reads it from the cache. Answers cannot change: the foreseen tokens
 are exactly what the template renders, computed by the same chunked prefill as a request.
 
-Lowest priority, bounded, honest:
+Idle work that never costs a request:
 
-* chunks of the server's prefill step; before each one the run asks whether a request is
+* small chunks: each is sized to take about `YIELD_S` seconds (measured as it runs, at most
+  the server's prefill step), and before each one the run asks whether a request is
   waiting and, if so, stores what it computed so far (its end a node with every layer's
   state, so hybrid and sliding-window models restore there exactly) and gives the thread
-  back; the rest runs at the next idle moment, if still wanted;
-* one foreseen prefix per session: a newer one replaces an older one not yet run, and a
-  request of the session drops its pending one (that request *is* the next one);
+  back — a request arriving meanwhile waits one such chunk, not a whole prefill step; the
+  rest runs at the next idle moment, if still wanted;
+* within the budget's room: its working copy of the prefix it restores is the trie's own
+  bytes (`LiveSet.shared`: not counted twice), and a job runs only as far as what it
+  computes fits the room the budget has now — it never evicts what requests read, and is
+  skipped where nothing it would compute could be kept;
+* one foreseen prefix per agent (a session's main loop, each of its subagents, each
+  thread): a newer one replaces an older one not yet run, and a request of that agent
+  drops its pending one (that request *is* the next one); a one-shot request (a title, a
+  suggestion) neither offers nor takes one;
+* a clear wins: work rendered, queued or running before ``DELETE /v1/cache`` records
+  nothing after it (each offer carries the epoch its answer ended in);
 * the nodes it makes are marked least recently used, so the budget evicts them first, and
   they turn ordinary once a request reads them;
 * counters for ``GET /v1/cache``: tokens computed ahead, read by a later request
@@ -34,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
@@ -51,6 +62,11 @@ log = logging.getLogger("mlx_kvcache")
 SPANS = 64
 #: Jobs waiting for idle time at most (the oldest dropped: its session went quiet longest).
 JOBS = 64
+#: Seconds one chunk of idle work should take at most: the longest a request that arrives
+#: while foresight computes waits for the thread.
+YIELD_S = 0.25
+#: The first chunk (before a rate is measured) and the smallest one.
+FIRST_CHUNK, MIN_CHUNK = 64, 16
 
 
 @dataclass
@@ -88,6 +104,9 @@ class Foresight:
         self.enabled = bool(enabled)
         self.min_gain = max(1, int(min_gain))
         self._lock = threading.Lock()
+        #: Bumped by every clear: an offer from an earlier epoch is dropped.
+        self.epoch = 0
+        self._seconds_per_token: Optional[float] = None  # idle prefill's measured rate
         self._jobs: "OrderedDict[str, _Job]" = OrderedDict()
         self._spans: "OrderedDict[str, _Span]" = OrderedDict()
         #: Answers whose next prompt is being rendered (`expect` ... `offer` / `cancel`).
@@ -100,16 +119,20 @@ class Foresight:
         self.interrupted = 0  # runs that gave the thread back to a waiting request
         self.replaced = 0     # ... dropped before they ran (a newer one, or its request came)
         self.failed = 0       # ... whose prefill raised (logged; nothing stored past the restore)
+        self.no_room = 0      # ... skipped or cut short: what they compute could not be kept
+        self.cleared = 0      # ... dropped: a DELETE came after their answer
         self.computed = 0     # tokens computed ahead
         self.used = 0         # ... read by a later request
         self.wasted = 0       # ... not read by the session's next request (or evicted)
 
     # -- any thread --------------------------------------------------------------------------
-    def expect(self) -> None:
+    def expect(self) -> int:
         """An answer ended: its next prompt is being rendered (`offer` or `cancel` follows).
-        Counted so that a reader of `report` can wait for the work to settle."""
+        Counted so that a reader of `report` can wait for the work to settle. Returns the
+        epoch to offer it in (a clear in between drops the offer)."""
         with self._lock:
             self.rendering += 1
+            return self.epoch
 
     def cancel(self) -> None:
         """The `expect`-ed prefix will not come (rendering failed or was not wanted)."""
@@ -117,17 +140,20 @@ class Foresight:
             self.rendering = max(0, self.rendering - 1)
 
     def offer(self, session: str, tokens, expected: bool = True, key: Any = None,
-              trie_key=None) -> None:
+              trie_key=None, epoch: Optional[int] = None) -> None:
         """The next prompt of ``session`` starts with ``tokens``: compute what the trie
         lacks of it at the next idle moment (replacing the session's older offer).
         ``expected``: this ends an `expect`. ``key``: the ``model_key`` of the model whose
         vocabulary ``tokens`` are in — `run` drops the job on any other. ``trie_key``: what
         the trie keys ``tokens`` by, when not the tokens themselves (a cache namespace's
-        salted ids)."""
+        salted ids). ``epoch``: `expect`'s — an offer rendered before a clear is dropped."""
         toks = as_tokens(tokens)
         with self._lock:
             if expected:
                 self.rendering = max(0, self.rendering - 1)
+            if epoch is not None and epoch != self.epoch:
+                self.cleared += 1
+                return
             if not self.enabled or not len(toks):
                 return
             self.offered += 1
@@ -161,6 +187,7 @@ class Foresight:
                     "offered": self.offered, "skipped": self.skipped,
                     "finished": self.finished, "interrupted": self.interrupted,
                     "replaced": self.replaced, "failed": self.failed,
+                    "no_room": self.no_room, "cleared": self.cleared,
                     "computed_tokens": self.computed,
                     "used_tokens": self.used, "wasted_tokens": self.wasted,
                     "unread_tokens": waiting,
@@ -168,9 +195,11 @@ class Foresight:
 
     def clear(self) -> None:
         """The trie was emptied: nothing queued or computed ahead is left (what was not
-        read counts as wasted)."""
+        read counts as wasted), and what is being rendered now is dropped when offered (a
+        new epoch). Generation thread (between two runs: never during one)."""
         with self._lock:
-            self.replaced += len(self._jobs)
+            self.epoch += 1
+            self.cleared += len(self._jobs)
             self._jobs.clear()
             self.wasted += sum(s.end - s.start for s in self._spans.values())
             self._spans.clear()
@@ -201,12 +230,14 @@ class Foresight:
             return hit
 
     def run(self, manager, pair, step: int, waiting: Callable[[], bool],
-            stream: Any = None, key: Any = None) -> None:
+            stream: Any = None, key: Any = None, per_token: Optional[float] = None) -> None:
         """Compute the queued prefixes, oldest first, while nothing is ``waiting``; chunks of
-        ``step`` tokens, ``waiting()`` asked before each. On the thread that runs the model
-        (mlx-lm's generation thread), between requests; ``key``: that model's
-        ``model_key`` (a job foreseen for another model — a request named another since —
-        is dropped: its ids are another vocabulary)."""
+        at most ``step`` tokens (about `YIELD_S` seconds each), ``waiting()`` asked before
+        each. On the thread that runs the model (mlx-lm's generation thread), between
+        requests; ``key``: that model's ``model_key`` (a job foreseen for another model — a
+        request named another since — is dropped: its ids are another vocabulary);
+        ``per_token``: the bytes the caches take per token (the memory guard's measure),
+        None: read off the restored caches."""
         while not waiting():
             with self._lock:
                 if not self._jobs:
@@ -218,7 +249,8 @@ class Foresight:
                 self.running = job.session
             whole = True  # (a job that raised is not tried again)
             try:
-                whole = self._run(manager, pair, job, max(1, int(step)), waiting, stream)
+                whole = self._run(manager, pair, job, max(1, int(step)), waiting, stream,
+                                  per_token)
             finally:
                 with self._lock:
                     self.running = None
@@ -230,8 +262,22 @@ class Foresight:
             if not whole:
                 return
 
+    def chunk(self, step: int) -> int:
+        """Tokens of the next chunk of idle prefill: about `YIELD_S` seconds' worth at the
+        rate measured so far, between `MIN_CHUNK` and ``step``."""
+        rate = self._seconds_per_token
+        n = FIRST_CHUNK if rate is None else int(YIELD_S / max(rate, 1e-9))
+        return max(1, min(step, max(MIN_CHUNK, n)))
+
+    def _measured(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
+        rate = seconds / tokens
+        old = self._seconds_per_token
+        self._seconds_per_token = rate if old is None else 0.5 * old + 0.5 * rate
+
     def _run(self, manager, pair, job: _Job, step: int, waiting: Callable[[], bool],
-             stream: Any) -> bool:
+             stream: Any, per_token: Optional[float]) -> bool:
         """One job; False when a waiting request interrupted it (what was computed is kept)."""
         tokens, ids = job.tokens, job.trie_key  # the model's input; the trie's key
         n = len(tokens)
@@ -243,18 +289,33 @@ class Foresight:
         # Planned as a request would be (interval checkpoints, the branch point): the next
         # request goes on past this prefix, so no stop is guessed before its end.
         live, plan = manager.checkout(ids, guess_end=False)
+        live.shared = live.nbytes  # the restored prefix is the trie's: not counted twice
         start = plan.restored
+        # What it computes must fit the budget's room as it stands: it never evicts what
+        # requests read (it may evict earlier foreseen nodes: they go first anyway).
+        rate = per_token if per_token else (live.nbytes / live.offset if live.offset else None)
+        end = n
+        if rate:
+            end = min(n, start + int(manager.free_bytes / rate))
+            if end - max(matched, start) < self.min_gain:
+                manager.checkin(live, ids[:start])
+                with self._lock:
+                    self.no_room += 1
+                return True
         pos = start
         try:
-            stops = [s for s in plan.stops if start < s < n]
-            while pos < n:
+            stops = [s for s in plan.stops if start < s < end]
+            while pos < end:
                 if pos > start and waiting():
                     break
-                nxt = min(pos + step, n)
-                pos = sequential.prefill(
+                nxt = min(pos + self.chunk(step), end)
+                t0 = time.perf_counter()
+                done = sequential.prefill(
                     live, pair, tokens, pos, [s for s in stops if pos < s <= nxt] + [nxt],
-                    step=step, checkpoint=lambda at: at < n and at in stops
+                    step=step, checkpoint=lambda at: at < end and at in stops
                     and manager.checkpoint(live, ids[:at]), stream=stream)
+                self._measured(done - pos, time.perf_counter() - t0)
+                pos = done
         except Exception:  # never into the generation loop; the request path recomputes
             log.exception("mlx_kvcache: computing a foreseen prefix failed")
             manager.checkin(live, ids[:start])
@@ -265,7 +326,7 @@ class Foresight:
         manager.checkin(live, ids[:done])
         computed = done - start
         first = max(matched, start)
-        manager.run(_mark_foreseen, manager.trie, ids[:done], first)
+        manager.age(ids[:done], first)
         with self._lock:
             self.computed += computed
             if done > first:
@@ -280,9 +341,11 @@ class Foresight:
                     self.wasted += gone.end - gone.start
             if done >= n:
                 self.finished += 1
+            elif done >= end:
+                self.no_room += 1  # (cut short by the room: not tried again)
             else:
                 self.interrupted += 1
-        return done >= n
+        return done >= end
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:
@@ -290,20 +353,3 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(diff[0]) if len(diff) else n
-
-
-def _mark_foreseen(trie, tokens: np.ndarray, first: int) -> None:
-    """Make the nodes holding only foreseen tokens (from ``first`` on) the least recently
-    used, so the budget evicts them before anything a request touched; the first request
-    that reads them touches them like any other."""
-    path, matched = trie.find(tokens)
-    for node in reversed(path):
-        if node.end > matched or node.end <= first:
-            break
-        if node.start < first:
-            # the record merged the foreseen tokens into a short node of the prompt they
-            # extend: cut them apart again, so only they go first
-            trie.split(node, first)
-        node.last_used = 0
-        if node.start <= first:
-            break

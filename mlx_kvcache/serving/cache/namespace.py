@@ -69,12 +69,15 @@ def namespace_of(tokens: Any) -> Optional[str]:
     return (tokens.namespace or None) if isinstance(tokens, Namespaced) else None
 
 
-def scoped_session(session: Optional[str], namespace: Optional[str]) -> Optional[str]:
-    """A session's name as foresight keys it: two namespaces' sessions of one name (the
-    same first messages) stay two."""
-    if session is None or not namespace:
-        return session
-    return f"{namespace}\x00{session}"
+def scoped_session(session: Optional[str], namespace: Optional[str],
+                   agent: Optional[str] = None) -> Optional[str]:
+    """An agent's key as foresight keys it: its session (two namespaces' sessions of one
+    name — the same first messages — stay two) and, for a subagent, its id (the main loop's
+    key is its session's)."""
+    if session is None:
+        return None
+    key = session if not namespace else f"{namespace}\x00{session}"
+    return key if agent is None else f"{key}\x00agent\x00{agent}"
 
 
 @functools.lru_cache(maxsize=1024)

@@ -50,6 +50,7 @@ request log (`request_log`), the prompts foreseen (`foresight`).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -144,6 +145,8 @@ class TriePromptCache:
         #: The server's memory guard (`MemoryGuard`), when it has one: the cache holds at
         #: most what its limit leaves beside the running requests, and gives way to them.
         self.memory = memory
+        self._retiring: List[np.ndarray] = []  # prompts to age at the next idle moment
+        self._retiring_lock = threading.Lock()
         if memory is not None:
             memory.hold(self)
         self._turn = RankTurn()
@@ -240,14 +243,18 @@ class TriePromptCache:
         return self._guard("planning checkpoints", plan, [], "plan")
 
     def expect(self, tokens: Sequence[int], marks: Sequence[Tuple[int, str]],
-               session: Optional[str] = None) -> None:
+               session: Optional[str] = None, agent: Optional[str] = None,
+               one_shot: bool = False) -> None:
         """The next fetch (in this generation thread) is for ``tokens``, whose parts start
         at ``marks`` (``(offset, name)``, ascending): its miss explanation names the part
         where the prompt diverged; ``session`` (the client's session name) is listed with
         the request. Eviction stays least-recently-used: each request touches its
         session's whole path, so the leaves that go first are those of the sessions idle
-        longest, with no second order for the ranks of a sharded model to agree on."""
-        scoped = scoped_session(session, namespace_of(tokens))
+        longest, with no second order for the ranks of a sharded model to agree on.
+        ``agent``: the agent in the session that sent it (a subagent's id; None: the main
+        loop): foresight's key is the agent's. ``one_shot``: a request with no next one (a
+        title): it takes and settles no agent's foreseen prefix."""
+        scoped = None if one_shot else scoped_session(session, namespace_of(tokens), agent)
         self._explain.expect(Layout(len(tokens), tuple(marks), session, scoped)
                              if marks or session else None)
         self.foresight.request_for(scoped)  # this request is the session's next prompt
@@ -391,20 +398,22 @@ class TriePromptCache:
 
     # -- foresight: the next prompt, computed while the client is busy -------------------
     def foresee(self, session: str, tokens: Sequence[int], expected: bool = True,
-                model_key: Any = None) -> None:
-        """The next prompt of ``session`` starts with ``tokens`` (rendered by an agent
-        route when an answer ended; ``expected``: it ends a `Foresight.expect`): the part
-        the trie lacks is computed while the generation loop is idle (`ahead`) — only on
-        the model ``model_key`` (whose tokenizer encoded ``tokens``; None: any). Any
-        thread. Dropped where nothing is cached (the cache off, or this model's caches
-        cannot be stored). ``tokens`` may carry a cache namespace: computed into it."""
+                model_key: Any = None, epoch: Optional[int] = None,
+                agent: Optional[str] = None) -> None:
+        """The next prompt of ``session`` (an agent's key: `scoped_session`) starts with
+        ``tokens`` (rendered by a route when an answer ended; ``expected``: it ends a
+        `Foresight.expect`, whose ``epoch`` it is — a clear since drops it): the part the
+        trie lacks is computed while the generation loop is idle (`ahead`) — only on the
+        model ``model_key`` (whose tokenizer encoded ``tokens``; None: any). Any thread.
+        Dropped where nothing is cached (the cache off, or this model's caches cannot be
+        stored). ``tokens`` may carry a cache namespace: computed into it."""
         key = self._key(tokens)
         if not self.stores_prompts() or key is None:
             if expected:
                 self.foresight.cancel()
             return
-        self.foresight.offer(scoped_session(session, namespace_of(tokens)), as_tokens(tokens),
-                             expected, model_key, trie_key=key)
+        self.foresight.offer(scoped_session(session, namespace_of(tokens), agent),
+                             as_tokens(tokens), expected, model_key, trie_key=key, epoch=epoch)
 
     def ahead(self, waiting, step: int, stream=None) -> None:
         """The generation loop is idle: compute foreseen prefixes until ``waiting()`` says a
@@ -415,11 +424,17 @@ class TriePromptCache:
         before = self.foresight.computed
         self._guard("computing a foreseen prefix",
                     lambda: self.foresight.run(st.manager, st.pair, step, waiting, stream,
-                                               st.key),
+                                               st.key, self._per_token()),
                     None, "foresight")
         if self.foresight.computed != before and self.agree.size == 1 and self._writes.changed():
             self._writes.capture(st)
         self._give_way()  # what it computed is cache: within the memory guard's room too
+
+    def _per_token(self) -> Optional[float]:
+        """The bytes a token's caches take, as the memory guard measured them (None: no
+        guard, or not measured)."""
+        fp = self.memory.footprint if self.memory is not None else None
+        return fp.kv_per_token if fp is not None and fp.kv_per_token > 0 else None
 
     def busy(self) -> None:
         """A request reached the generation loop: the disk writer holds what it has not
@@ -429,11 +444,28 @@ class TriePromptCache:
         if st is not None and st.writer is not None and self.agree.size == 1:
             st.writer.busy()
 
+    def retire(self, tokens: Sequence[int]) -> None:
+        """A prompt whose conversation will not go on (a one-shot's, a finished subagent's
+        last): what it alone holds in the trie — past the last point another prompt
+        branches off, its answer included — goes first under the budget
+        (`PrefixManager.age_tail`), at the generation loop's next idle moment. Any thread."""
+        key = self._key(tokens)
+        if key is not None and len(key):
+            with self._retiring_lock:
+                self._retiring.append(key)
+
     def idle(self) -> None:
-        """The generation loop has no request in flight (and before it stops): capture
-        what the inserts changed for the disk writer, which writes once the loop has
-        stayed idle a moment (one process; `idle_writes`, `store.autosave`)."""
+        """The generation loop has no request in flight (and before it stops): age what
+        was retired (`retire`), capture what the inserts changed for the disk writer,
+        which writes once the loop has stayed idle a moment (one process; `idle_writes`,
+        `store.autosave`)."""
         st = self._model
+        with self._retiring_lock:
+            retired, self._retiring = self._retiring, []
+        if st is not None and st.why_not is None:
+            for key in retired:
+                self._guard("ageing a finished prompt", lambda: st.manager.age_tail(key),
+                            None, "idle")
         if st is not None and st.writer is not None:
             st.writer.idle()
         if not self._writes.pending or st is None:

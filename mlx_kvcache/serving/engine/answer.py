@@ -390,6 +390,12 @@ class Answer:
         self._queue.put(_CLOSED)
 
     @property
+    def prompt(self) -> Any:
+        """The prompt's token ids as the generation thread made them (carrying the
+        request's cache namespace), or [] before it took the request."""
+        return self._ctx.prompt if self._ctx is not None else []
+
+    @property
     def output_tokens(self) -> int:
         """The answer's tokens read so far."""
         return self._output

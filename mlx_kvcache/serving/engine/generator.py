@@ -82,6 +82,10 @@ class MarkedRequest(CompletionRequest):
     #: A request of the typed front door (`answer`): its queue also gets `Fetched`, the
     #: sequential fetch's restore, before the prompt is computed.
     announce_fetch: bool = False
+    #: The agent in the session that sent it (a subagent's id; None: the main loop), and
+    #: whether it is a one-shot (a title): foresight's key (`TriePromptCache.expect`).
+    agent: Optional[str] = None
+    one_shot: bool = False
     #: True once its client left before the generation thread took it (`abandon`): a
     #: plain flag, as the request is pickled to the other ranks of a sharded model.
     abandoned: bool = False
@@ -411,8 +415,11 @@ class ServerResponseGenerator(ResponseGenerator):
         marked = [c for c in getattr(request, "cuts", None) or () if 0 < c < len(prompt)] \
             if laid_out else []
         # This request's layout, for its fetch's explanation.
-        self.prompt_cache.expect(prompt, getattr(request, "marks", None) or () if laid_out else (),
-                                 getattr(request, "session", None))
+        mr = request if isinstance(request, MarkedRequest) else None
+        self.prompt_cache.expect(prompt, mr.marks if mr is not None and laid_out else (),
+                                 mr.session if mr is not None else None,
+                                 mr.agent if mr is not None else None,
+                                 mr.one_shot if mr is not None else False)
         guess_end = not self._goes_on_past_answer(tokenizer, request, args)
         seq = sequential.current()
         if seq is not None:  # the sequential fetch plans its own stops

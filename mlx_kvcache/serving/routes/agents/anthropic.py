@@ -60,7 +60,7 @@ from ...engine.answer import Failed, Finished
 from ...parsers.base import (Call, CallArguments, CallBegin, CallCut, Reasoning, Text,
                              UnreadCall, partial_arguments)
 from .call import (AgentRequestError, ChatCall, SkippedTools, Usage, keep_reasoning_of,
-                   restrict_tools)
+                   one_shot, restrict_tools)
 from .generation import Accounting, count_tokens, served_name
 from .wire import Route, read_body, send_json, serve
 
@@ -391,6 +391,9 @@ def parse_request(body: Any, count_only: bool = False) -> ChatCall:
         if not isinstance(stops, list) or not all(_is_text(s) and s for s in stops):
             raise _bad("stop_sequences must be a list of non-empty strings")
         call.stop = list(stops)
+    # Claude Code's session title: no tools, a JSON schema (output_config), 256 tokens
+    call.one_shot = one_shot(bool(body.get("tools")), isinstance(body.get("output_config"), dict)
+                             or isinstance(body.get("output_format"), dict), call.max_tokens)
     return call
 
 

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["ChatCall", "Usage", "AgentRequestError", "restrict_tools",
+__all__ = ["ChatCall", "Usage", "AgentRequestError", "restrict_tools", "one_shot",
            "keep_reasoning_of", "SkippedTools"]
 
 log = logging.getLogger("mlx_kvcache")
@@ -73,6 +73,13 @@ class ChatCall:
     #: The client's cache namespace (set by the wire from ``cache_salt``, a header or the
     #: API key: `routes.namespace`), or None: the shared cache.
     namespace: Optional[str] = None
+    #: The agent that sends it within its session (Claude Code's subagent id, from its
+    #: header: `wire.agent_of`), None for the main loop: foresight and retention are its.
+    agent: Optional[str] = None
+    #: A one-shot request (a title, a suggestion: no tools, and a structured-output schema
+    #: or a small limit): nothing is foreseen after it, it takes no agent's foreseen prefix,
+    #: and what it alone computed goes first under the budget once it is answered.
+    one_shot: bool = False
 
 
 def restrict_tools(call: ChatCall, none: bool = False, name: Optional[str] = None,
@@ -150,6 +157,19 @@ class AgentRequestError(Exception):
         self.status, self.message, self.kind = status, message, kind
         self.param, self.code = param, code
 
+
+
+#: The largest answer limit a request without tools can ask for and count as a one-shot
+#: (Claude Code's session title asks for 256 tokens).
+ONE_SHOT_TOKENS = 256
+
+
+def one_shot(tools_sent: bool, schema: bool, max_tokens: Optional[int]) -> bool:
+    """Whether a request is a one-shot — a title, a summary, a suggestion: no conversation
+    goes on from it — by its shape: no tools, and a structured-output schema or a small
+    answer limit (`ONE_SHOT_TOKENS`)."""
+    return not tools_sent and (schema or (max_tokens is not None
+                                          and max_tokens <= ONE_SHOT_TOKENS))
 
 
 def keep_reasoning_of(body: Dict[str, Any]) -> Optional[bool]:

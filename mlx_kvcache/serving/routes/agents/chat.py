@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ...engine.answer import Failed, Finished
 from ...parsers.base import Call, CallArguments, CallBegin, CallCut, Reasoning, Text, UnreadCall
-from .call import AgentRequestError, ChatCall, keep_reasoning_of, restrict_tools
+from .call import AgentRequestError, ChatCall, keep_reasoning_of, one_shot, restrict_tools
 from .generation import Accounting, served_name
 from .wire import DONE, Route, serve
 
@@ -202,6 +202,9 @@ def parse_request(body: Any) -> ChatCall:
         raise _bad("tool_choice must be 'auto', 'none', 'required' or "
                    "{'type': 'function', 'function': {'name': …}}", "tool_choice")
     call.tool_choice = choice
+    fmt = body.get("response_format")
+    call.one_shot = one_shot(bool(body.get("tools")), isinstance(fmt, dict) and fmt.get("type")
+                             in ("json_schema", "json_object"), call.max_tokens)
     restrict_tools(call, none=choice == "none", name=name)
     # The client comes back with this conversation extended: the end of its input is
     # where the next request may diverge (checkpointed where that matters: `generation`).

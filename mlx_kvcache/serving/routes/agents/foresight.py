@@ -26,13 +26,14 @@ import hashlib
 import json
 import logging
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ...cache.namespace import Namespaced
 from .generation import prompt_ids, served_key
 from .call import AgentRequestError, ChatCall
 
-__all__ = ["SENTINELS", "expecting", "follow", "common_prefix", "session_of"]
+__all__ = ["SENTINELS", "expecting", "follow", "common_prefix", "session_of", "agent_render",
+           "Render"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -40,28 +41,26 @@ log = logging.getLogger("mlx_kvcache")
 SENTINELS = ("Qv", "\n\n", ' {"')
 
 
-def _foresight(handler):
-    """The server's prompt cache and its `Foresight` (None where it is off, or a caller
-    serves the route without a generator)."""
-    cache = getattr(getattr(handler, "response_generator", None), "prompt_cache", None)
-    fs = getattr(cache, "foresight", None)
-    return cache, fs if fs is not None and fs.enabled else None
+def _foresight(generator):
+    """The server's prompt cache and its `Foresight`, None where foresight is off."""
+    cache = generator.prompt_cache
+    fs = cache.foresight
+    return cache, fs if fs.enabled else None
 
 
-def expecting(handler) -> bool:
+def expecting(generator) -> Optional[int]:
     """An answer is ending (its last event not yet sent): when foresight is on, count a
     rendering to come (`follow` ends it), so a reader of ``GET /v1/cache`` who has the
-    answer sees the work pending. True when it counted one."""
-    _, fs = _foresight(handler)
-    if fs is None:
-        return False
-    fs.expect()
-    return True
+    answer sees the work pending. Returns the epoch its offer belongs to (a ``DELETE
+    /v1/cache`` before the offer drops it), or None when foresight is off."""
+    _, fs = _foresight(generator)
+    return None if fs is None else fs.expect()
 
 
 def session_of(call: ChatCall) -> str:
     """The session a call belongs to: the client's name, else a digest of its first
-    messages (the system prompt and the first user turn)."""
+    messages (the system prompt and the first user turn). Foresight keys it with the agent
+    that sends the call (`ChatCall.agent`: a subagent's id; the main loop has none)."""
     if call.session:
         return call.session
     head = json.dumps(call.messages[:2], sort_keys=True, default=str).encode()
@@ -79,43 +78,54 @@ def common_prefix(seqs: Sequence[Sequence[int]]) -> List[int]:
     return first[:n]
 
 
-def follow(handler, route, body: Dict[str, Any], answer,
-           namespace: Optional[str] = None) -> None:
+#: Renders a follow-up request body as the prompt's token ids (None: nothing to foresee).
+Render = Callable[[Dict[str, Any]], Optional[List[int]]]
+
+
+def agent_render(generator, route) -> Render:
+    """How an agent route renders a request body: its parser, then `generation.prepare`."""
+    return lambda body: prompt_ids(generator, route.parse(body))
+
+
+def follow(generator, route, body: Dict[str, Any], answer, call: ChatCall,
+           epoch: Optional[int], render: Optional[Render] = None) -> None:
     """After ``answer`` (the route's `wire.Answer`, complete) was sent, having had a counted
-    `expecting`: render the session's next prompt on a thread of its own and hand its known
-    tokens to the prompt cache, in the request's cache ``namespace``."""
-    cache, fs = _foresight(handler)
+    `expecting` (its ``epoch``): render the next prompt of ``call``'s agent on a thread of
+    its own (``render``: the route's rendering, `agent_render` by default) and hand its
+    known tokens to the prompt cache, in the call's cache namespace."""
+    cache, fs = _foresight(generator)
     if fs is None:
         return
     try:
-        status, answer = answer.whole()
+        status, whole = answer.whole()
     except Exception:  # noqa: BLE001 - an answer that cannot say itself: nothing foreseen
         status = None
     if status != 200:  # the answer failed after all
         fs.cancel()
         return
-    threading.Thread(target=_render, args=(handler, cache, fs, route, body, answer, namespace),
+    threading.Thread(target=_render, args=(generator, cache, fs, route, body, whole, call,
+                                           epoch, render or agent_render(generator, route)),
                      name="mlx_kvcache-foresight", daemon=True).start()
 
 
-def _render(handler, cache, fs, route, body, answer, namespace: Optional[str]) -> None:
+def _render(generator, cache, fs, route, body, answer, call: ChatCall, epoch: Optional[int],
+            render: Render) -> None:
     offered = False
     try:
-        renders, session = [], None
+        renders = []
         for s in SENTINELS:
             nxt = route.follow(body, answer, s)
             if nxt is None:
                 return
-            call = route.parse(nxt)
-            session = session or session_of(call)
-            ids: Optional[List[int]] = prompt_ids(handler.response_generator, call)
+            ids = render(nxt)
             if not ids:
                 return
             renders.append(ids)
         known = common_prefix(renders)
         if known:
-            cache.foresee(session, Namespaced(known, namespace) if namespace else known,
-                          model_key=served_key(handler.response_generator))
+            ns = call.namespace
+            cache.foresee(session_of(call), Namespaced(known, ns) if ns else known,
+                          model_key=served_key(generator), epoch=epoch, agent=call.agent)
             offered = True
     except AgentRequestError as e:  # the route would refuse its own follow-up: say why once
         log.debug("mlx_kvcache: no foresight for this answer: %s", e.message)

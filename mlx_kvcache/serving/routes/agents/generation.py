@@ -214,7 +214,7 @@ def request_of(generator: ServerResponseGenerator, call: ChatCall,
         marks=list(lay.marks), session=call.session, tokens=lay.ids,
         template_kwargs=dict(prep.template_args), reasoning_budget=call.reasoning_budget,
         namespace=call.namespace, model_key=prep.model.key, image_bytes=image_bytes,
-        announce_fetch=True)
+        announce_fetch=True, agent=call.agent, one_shot=call.one_shot)
     # mlx-lm renders as the layout did: the template arguments the request asked for
     asked = {k: v for k, v in prep.template_args.items()
              if k in ("enable_thinking", "continue_final_message") or k in REASONING_SWITCHES}

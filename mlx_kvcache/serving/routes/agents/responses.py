@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 from ...engine.answer import Failed, Finished
 from ...parsers.base import Call, CallArguments, CallBegin, CallCut, Reasoning, Text, UnreadCall
-from .call import (AgentRequestError, ChatCall, SkippedTools, keep_reasoning_of,
+from .call import (AgentRequestError, ChatCall, SkippedTools, keep_reasoning_of, one_shot,
                    restrict_tools)
 from .generation import Accounting, served_name
 from .wire import Route, serve
@@ -414,6 +414,7 @@ def parse_request(body: Any) -> ChatCall:
                     sampling=sampling, stop=[], breakpoints=marks, session=session)
     call.thinking, call.end_mark = thinking, end_mark
     call.keep_reasoning = keep_reasoning_of(body)
+    call.one_shot = one_shot(bool(body.get("tools")), False, max_tokens)
     restrict_tools(call, none=choice == "none",
                    name=choice["function"]["name"] if isinstance(choice, dict) else None,
                    allowed=allowed)

@@ -108,6 +108,17 @@ def read_body(handler) -> Any:
     return out
 
 
+#: The header Claude Code sends with every request of a subagent (the main loop sends none).
+AGENT_HEADER = "x-claude-code-agent-id"
+
+
+def agent_of(headers: Mapping[str, str]) -> Optional[str]:
+    """The agent that sent a request, where the client names it (Claude Code's subagents);
+    None: the session's main loop."""
+    v = headers.get(AGENT_HEADER)
+    return v[:128] if isinstance(v, str) and v else None
+
+
 def _sse(batch: Iterable[SSE]) -> bytes:
     return b"".join(((f"event: {k}\n" if k is not None else "")
                      + f"data: {d if d is DONE else json.dumps(d)}\n\n").encode()
@@ -132,6 +143,7 @@ def serve(handler, route: Route, run: Optional[Callable[..., Any]] = None) -> No
         call = route.parse(body)
         if call.session is None and route.session is not None:
             call.session = route.session(handler.headers)
+        call.agent = agent_of(handler.headers)
         try:
             call.namespace = request_namespace(body, handler.headers, handler.by_api_key())
         except ValueError as e:
@@ -149,12 +161,17 @@ def serve(handler, route: Route, run: Optional[Callable[..., Any]] = None) -> No
         return stream.write(_sse(batch)) if batch else None
     except (BrokenPipeError, ConnectionResetError):
         return  # the client left while the request waited
-    ended = []  # the answer's end, once seen: the session's next prompt is foreseen
+    ended: List[Optional[int]] = []  # the answer's end, once seen: its foresight's epoch
+    finished: List[Finished] = []
 
     def on_done(ev: Finished) -> None:
-        if route.follow is not None and ev.reason != "length" and \
-                foresight.expecting(handler):
-            ended.append(ev)
+        finished.append(ev)
+        # A one-shot (a title, a suggestion) has no next request to foresee, and no
+        # request of another agent takes, settles or replaces the main loop's.
+        if route.follow is not None and ev.reason != "length" and not call.one_shot:
+            epoch = foresight.expecting(generator)
+            if epoch is not None:
+                ended.append(epoch)
 
     def start_usage():
         started = events.started()  # waits for the prompt cache's fetch (no keep-alive
@@ -175,7 +192,12 @@ def serve(handler, route: Route, run: Optional[Callable[..., Any]] = None) -> No
     finally:
         events.close()  # a client gone mid-answer ends the generation
         if ended:  # (counted by `foresight.expecting`: `follow` always ends it)
-            foresight.follow(handler, route, body, answer, call.namespace)
+            foresight.follow(generator, route, body, answer, call, ended[0])
+        # Retention follows the tree: a one-shot's prompt, and a subagent's once it answers
+        # without calls (it reports and is done), go first under the budget.
+        if finished and (call.one_shot or (call.agent is not None
+                                           and finished[0].reason != "tool_calls")):
+            generator.prompt_cache.retire(events.prompt)
 
 
 class Events(Protocol):
@@ -184,6 +206,8 @@ class Events(Protocol):
     prompt_tokens: int
     output_tokens: int
     ended: bool
+    #: The prompt's token ids (as the prompt cache keys them).
+    prompt: Any
 
     def started(self, timeout: Optional[float] = None) -> Optional[Started]:
         """The prompt's usage once known (None: not within ``timeout``, or it ended)."""
