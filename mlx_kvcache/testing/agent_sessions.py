@@ -66,8 +66,15 @@ class Session:
 
     def __init__(self, port: int, api: str, thinking: bool = True, stream: bool = False,
                  name: str = "s1", result_len: int = 400, extra: Optional[Dict[str, Any]] = None,
-                 pause: Optional[Callable[[], None]] = None, max_tokens: int = 300) -> None:
+                 pause: Optional[Callable[[], None]] = None, max_tokens: int = 300,
+                 headers: Optional[Dict[str, str]] = None,
+                 reasoning_back: Optional[str] = None) -> None:
         self.api, self.stream, self.thinking = api, stream, thinking
+        #: Headers every request sends (a subagent's id), and (chat) the field the client
+        #: gives the answer's reasoning back in (OpenCode: ``reasoning_content``; None: it
+        #: drops it).
+        self.headers = dict(headers or {})
+        self.reasoning_back = reasoning_back
         self.name, self.result_len, self.max_tokens = name, result_len, max_tokens
         self.extra = dict(extra or {})
         self.pause = pause
@@ -128,7 +135,8 @@ class Session:
                           "input_schema": READ_TOOL["schema"]}],
                   thinking=({"type": "enabled", "budget_tokens": 1024} if self.thinking
                             else {"type": "disabled"}),
-                  extra_body={"temperature": 0, **self.extra})
+                  extra_body={"temperature": 0, **self.extra},
+                  extra_headers=self.headers or None)
         if self.stream:
             with self.client.messages.stream(**kw) as st:
                 r = st.get_final_message()
@@ -155,7 +163,7 @@ class Session:
                           "parameters": READ_TOOL["schema"]}],
                   temperature=0, prompt_cache_key=self.name, max_output_tokens=self.max_tokens,
                   reasoning={"effort": "medium" if self.thinking else "none"},
-                  extra_body=self.extra or None)
+                  extra_body=self.extra or None, extra_headers=self.headers or None)
         if self.stream:
             with self.client.responses.stream(**kw) as st:
                 r = st.get_final_response()
@@ -177,19 +185,23 @@ class Session:
                       "name": READ_TOOL["name"], "description": READ_TOOL["description"],
                       "parameters": READ_TOOL["schema"]}}],
                   extra_body={"chat_template_kwargs": {"enable_thinking": self.thinking},
-                              **self.extra})
-        text, calls, usage = "", {}, None
+                              **self.extra},
+                  extra_headers={"x-session-id": self.name, **self.headers})
+        text, reasoning, calls, usage = "", "", {}, None
         for chunk in self.client.chat.completions.create(**kw):
             if chunk.usage is not None:
                 usage = chunk.usage
             for c in chunk.choices:
                 text += c.delta.content or ""
+                reasoning += getattr(c.delta, "reasoning", None) or ""
                 for tc in c.delta.tool_calls or []:
                     slot = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
                     slot["id"] = tc.id or slot["id"]
                     slot["name"] += (tc.function.name or "") if tc.function else ""
                     slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
         msg: Dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning and self.reasoning_back:
+            msg[self.reasoning_back] = reasoning
         ordered = [calls[k] for k in sorted(calls)]
         if ordered:
             msg["tool_calls"] = [{"id": c["id"] or f"call_{i}", "type": "function",

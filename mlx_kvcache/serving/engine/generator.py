@@ -20,6 +20,7 @@ Everything else is mlx-lm's own code.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from contextlib import nullcontext
@@ -27,7 +28,8 @@ from dataclasses import dataclass, field
 from queue import Empty, Queue
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from mlx_lm.server import CompletionRequest, GenerationContext, ResponseGenerator
+from mlx_lm.server import (CompletionRequest, GenerationContext, ResponseGenerator,
+                           process_message_content)
 
 from ...generation.draft_length import DraftLengths
 from ..cache import extract, sequential
@@ -196,8 +198,11 @@ def split_segments(segments: List[List[int]], types: List[str],
     return out, out_types
 
 
-def _watched(response, ticket: Ticket):
-    """mlx-lm's answer, keeping its last tokens on ``ticket``."""
+def _watched(response, ticket: Ticket, parser=None, ending: Optional[Callable[[], int]] = None):
+    """mlx-lm's answer, keeping its last tokens on ``ticket`` — and, given a ``parser``
+    (the model's output parser), what it says (`Ticket.heard`), with ``ending`` called as
+    its last token passes (unless cut by the token limit: nothing to foresee) so the
+    foresight rendering it starts is counted before the client has the answer."""
     last: List[int] = []
     for r in response:
         ticket.answered += 1
@@ -205,6 +210,10 @@ def _watched(response, ticket: Ticket):
         if len(last) > 2 * LAST_TOKENS:
             del last[:-LAST_TOKENS]
         ticket.last_tokens = tuple(last[-LAST_TOKENS:])
+        if parser is not None:
+            ticket.heard.extend(parser.feed(r.token, r.text, r.finish_reason))
+            if r.finish_reason not in (None, "length") and ending is not None:
+                ticket.epoch = ending()
         yield r
 
 
@@ -594,7 +603,40 @@ class ServerResponseGenerator(ResponseGenerator):
             self._refuse(ticket)
         ticket.started = True
         ticket.ctx = ctx
-        return ctx, _watched(response, ticket)
+        parser, ending = self._hearing(request, generation_args, ctx)
+        if parser is not None:
+            ticket.heard = []
+        return ctx, _watched(response, ticket, parser, ending)
+
+    def _hearing(self, request, args, ctx):
+        """The output parser a chat answer of mlx-lm's route is read with as it streams
+        out (to foresee its next request), and what counts the rendering to come — where
+        foresight is on and the answer runs on the served model; else ``(None, None)``."""
+        fs = self.prompt_cache.foresight
+        served = self._served
+        if (not fs.enabled or served is None or request.request_type != "chat"
+                or self.model_provider.model_key != served.key):
+            return None, None
+        return served.parser(request.tools, ctx.initial_state, list(args.stop_words)), fs.expect
+
+    def render_chat(self, messages: List[Dict[str, Any]], tools: Optional[List[Any]],
+                    template_kwargs: Optional[Dict[str, Any]] = None) -> Optional[List[int]]:
+        """The prompt mlx-lm's chat route makes of ``messages`` (a chat body's, with its
+        ``tools`` and ``chat_template_kwargs``) on the served model: its tokenizing's
+        rendering (mlx-lm's message processing, the chat template with the server's
+        template arguments); None for a model without a chat template, or images (their
+        rows are the processor's). Any thread: it renders, runs nothing."""
+        served = self.served_model()
+        tok = served.tokenizer
+        if not tok.has_chat_template:
+            return None
+        msgs = copy.deepcopy(list(messages))
+        if process_message_content(msgs, keep_images=served.processor is not None):
+            return None
+        kwargs = dict(self.cli_args.chat_template_args or {})
+        kwargs.update(template_kwargs or {})
+        return list(tok.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=True,
+                                            tokenize=True, **kwargs))
 
     @staticmethod
     def _refuse(ticket: Ticket) -> None:

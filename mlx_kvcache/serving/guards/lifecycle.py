@@ -51,7 +51,7 @@ class Ticket:
     (`set_client_watch`), None where nothing watches."""
 
     __slots__ = ("started", "cut", "refused", "status", "error", "ctx", "last_tokens",
-                 "answered", "left", "keepalive")
+                 "answered", "left", "keepalive", "heard", "epoch")
 
     def __init__(self) -> None:
         self.started = False
@@ -66,6 +66,11 @@ class Ticket:
         #: Called while the request waits — to be taken, then for each next token — where
         #: its answer is streamed (its stream's keep-alive: `set_stream_waiting`).
         self.keepalive: Optional[Callable[[], None]] = stream_waiting()
+        #: What the answer said, parsed as it was generated (the model's output parser:
+        #: text, reasoning, calls), where a chat answer's next request is foreseen.
+        self.heard: Optional[list] = None
+        #: The foresight epoch a chat answer's end counted a rendering in (None: none).
+        self.epoch: Optional[int] = None
 
     def refuse(self, status: int, error: Optional[dict] = None) -> None:
         """Mark the request refused before its answer started: the handler answers

@@ -47,6 +47,7 @@ from ..guards.validation import body_problem
 from . import body, metrics
 from .model_names import DEFAULT, model_entry, models_listing, resolve
 from .namespace import request_namespace
+from .sessions import agent_of, chat_session
 
 
 #: The longest a streamed answer stays silent, in seconds: clients' idle timeouts are
@@ -99,6 +100,10 @@ class PostRoute:
     #: For a path mlx-lm serves too (chat completions): whether this route takes the
     #: request, given its raw body (else mlx-lm's route does); None: it takes every one.
     takes: Optional[Callable[["CacheAPIHandler", bytes], bool]] = None
+    #: For a request mlx-lm's route answered on this path: what follows its answer, given
+    #: what the answer said (`Ticket.heard`) and the foresight epoch its end counted a
+    #: rendering in (it must end that count: foresee the next request, or cancel).
+    followed: Optional[Callable[["CacheAPIHandler", list, int], None]] = None
 
 
 log = logging.getLogger("mlx_kvcache")
@@ -353,12 +358,18 @@ class CacheAPIHandler(APIHandler):
         return self._marked(super().handle_text_completions())
 
     def _marked(self, request, image_bytes: Optional[int] = None):
-        namespace = getattr(self, "cache_namespace", None)
-        if namespace is None and image_bytes is None:
+        chat = request.request_type == "chat"
+        # A chat request's session and agent key its foresight (the chat route's answers'
+        # next requests are foreseen too): its fetch drops the job foreseen for it.
+        session = chat_session(self.body, self.headers) if chat else None
+        agent = agent_of(self.headers) if chat else None
+        if self.cache_namespace is None and image_bytes is None and session is None \
+                and agent is None:
             return request
         return MarkedRequest(request.request_type, request.prompt, request.messages,
-                             request.tools, request.role_mapping, namespace=namespace,
-                             image_bytes=image_bytes)
+                             request.tools, request.role_mapping, session=session,
+                             namespace=self.cache_namespace, image_bytes=image_bytes,
+                             agent=agent)
 
     def handle_chat_completions(self):
         # Images: no URL fetched unless the server allows it, none decoded over the pixel
@@ -419,6 +430,8 @@ class CacheAPIHandler(APIHandler):
 
     #: Whether this request's stream was opened while it waited to be taken (`keep_waiting`).
     opened_early = False
+    #: The request's cache namespace (`validate_model_parameters` reads it), None: shared.
+    cache_namespace: Optional[str] = None
 
     def handle_completion(self, request, stop_words):
         # A streamed answer that waits before mlx-lm takes its request is kept alive too
@@ -430,6 +443,19 @@ class CacheAPIHandler(APIHandler):
             return super().handle_completion(request, stop_words)
         finally:
             set_stream_waiting(None)
+            self._after_answer()
+
+    def _after_answer(self) -> None:
+        """A chat answer whose end counted a foresight rendering (`Ticket.epoch`): its
+        route foresees the next request, or the count ends here."""
+        ticket = current_ticket()
+        if ticket is None or ticket.epoch is None:
+            return
+        epoch, ticket.epoch = ticket.epoch, None
+        route = self._post_route()
+        if route is not None and route.followed is not None and not ticket.cut:
+            return route.followed(self, ticket.heard or [], epoch)  # (ends the count)
+        self.response_generator.prompt_cache.foresight.cancel()
 
     def keep_waiting(self) -> None:
         """Called while a streamed answer waits: before mlx-lm takes its request (the

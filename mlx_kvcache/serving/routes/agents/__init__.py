@@ -31,7 +31,8 @@ def _chat_takes(handler, raw: bytes) -> bool:
 
 def post_routes() -> Dict[str, PostRoute]:
     """The agent routes by path, for `CacheAPIHandler`'s ``routes``."""
-    chat_route = PostRoute(chat.serve_chat, chat.refusal, takes=_chat_takes)
+    chat_route = PostRoute(chat.serve_chat, chat.refusal, takes=_chat_takes,
+                           followed=chat.follow_answer)
     return {
         "/v1/messages": PostRoute(anthropic.serve_messages, anthropic.refusal),
         "/v1/messages/count_tokens": PostRoute(anthropic.serve_count_tokens, anthropic.refusal),

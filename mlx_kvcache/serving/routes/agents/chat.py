@@ -9,7 +9,13 @@ The request is the chat format mlx-lm's route takes (``messages`` with ``tool_ca
 ``min_p`` / ``seed``; ``stop``; ``chat_template_kwargs.enable_thinking``; ``stream`` and
 ``stream_options.include_usage``), rendered as the agent routes render a conversation
 (`generation.prepare`: system messages in place, answers given back as the template wants
-them). The answer is OpenAI's: ``message`` (``content``, ``reasoning``, ``tool_calls`` with
+them).
+
+Foresight on the chat route, for every model: when an answer ends — through the front door
+here, or through mlx-lm's route, whose answer the model's output parser reads as it streams
+out (`follow_answer`) — the request the chat client sends next (the answer as it gives it
+back, the reasoning in the field its earlier answers carried it; then tool results or a new
+user message) is rendered as the route that will serve it renders it, and computed ahead. The answer is OpenAI's: ``message`` (``content``, ``reasoning``, ``tool_calls`` with
 their arguments streamed as they are generated), ``finish_reason`` (``stop``, ``length``,
 ``tool_calls``) and ``usage`` with ``prompt_tokens_details.cached_tokens``; streamed, the
 chunks mlx-lm's route sends, ``: keepalive`` comments while nothing else is written, an
@@ -18,19 +24,26 @@ chunks mlx-lm's route sends, ``: keepalive`` comments while nothing else is writ
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ...engine.answer import Failed, Finished
 from ...parsers.base import Call, CallArguments, CallBegin, CallCut, Reasoning, Text, UnreadCall
 from .call import AgentRequestError, ChatCall, keep_reasoning_of, one_shot, restrict_tools
+from . import foresight
 from .generation import Accounting, served_name
+from ..sessions import agent_of, session_header
 from .wire import DONE, Route, serve
 
 __all__ = ["parse_request", "ChatBuilder", "served_here", "follow_up", "serve_chat", "ROUTE",
-           "MLX_ONLY"]
+           "MLX_ONLY", "Heard", "follow_answer"]
+
+log = logging.getLogger("mlx_kvcache")
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
@@ -385,13 +398,58 @@ def follow_up(body: Dict[str, Any], completion: Dict[str, Any],
     return dict(body, messages=[*msgs, answer, *nxt])
 
 
-def session_headers(headers: Mapping[str, str]) -> Optional[str]:
-    """The session a chat client names in its headers (OpenCode's ``x-session-id``)."""
-    for key in ("x-session-id", "x-session-affinity"):
-        v = headers.get(key)
-        if isinstance(v, str) and v:
-            return v
-    return None
+class Heard:
+    """An answer of mlx-lm's chat route as its output parser read it (`Ticket.heard`), as
+    the completion a client got (``whole``) — but the calls' ids, which mlx-lm made up."""
+
+    def __init__(self, outputs: List[Any]) -> None:
+        b = ChatBuilder({}, "")
+        for out in outputs:
+            b.feed(out)
+        self._message = b.message()
+
+    def whole(self) -> Tuple[int, Dict[str, Any]]:
+        return 200, {"choices": [{"index": 0, "message": self._message}]}
+
+
+def _with_ids(completion: Dict[str, Any], text: str) -> Dict[str, Any]:
+    """``completion`` with its calls' ids made from ``text`` (the sentinel of one
+    rendering): ids the client has and the server does not differ between the renderings,
+    so a template that renders them keeps none of them in the foreseen prefix."""
+    msg = dict(completion["choices"][0]["message"])
+    tag = hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
+    msg["tool_calls"] = [dict(c, id=f"call_{tag}_{k}")
+                         for k, c in enumerate(msg.get("tool_calls") or ())] or None
+    if msg["tool_calls"] is None:
+        del msg["tool_calls"]
+    return {"choices": [{"index": 0, "message": msg}]}
+
+
+def follow_answer(handler, heard: List[Any], epoch: int) -> None:
+    """After mlx-lm's chat route answered ``handler``'s request (what it said: ``heard``):
+    foresee the chat client's next request — rendered as mlx-lm's route will render it
+    (`ServerResponseGenerator.render_chat`) — in the foresight ``epoch`` the answer's end
+    counted (always ended: foreseen or cancelled)."""
+    generator = handler.response_generator
+    try:
+        body = handler.body
+        call = parse_request(body)
+        if call.session is None:
+            call.session = session_header(handler.headers)
+        call.agent = agent_of(handler.headers)
+        call.namespace = handler.cache_namespace
+        if call.one_shot:
+            generator.prompt_cache.foresight.cancel()
+            return
+        route = replace(ROUTE, follow=lambda b, c, t: follow_up(b, _with_ids(c, t), t))
+
+        def render(nxt: Dict[str, Any]) -> Optional[List[int]]:
+            return generator.render_chat(nxt["messages"], nxt.get("tools"),
+                                         nxt.get("chat_template_kwargs"))
+        foresight.follow(generator, route, body, Heard(heard), call, epoch, render)
+    except Exception as e:  # noqa: BLE001 - a body the chat form cannot read: none foreseen
+        log.debug("mlx_kvcache: no foresight for this chat answer: %s", e)
+        generator.prompt_cache.foresight.cancel()
 
 
 def _stream_error(e: AgentRequestError) -> List[Tuple[Optional[str], Any]]:
@@ -400,7 +458,7 @@ def _stream_error(e: AgentRequestError) -> List[Tuple[Optional[str], Any]]:
 
 ROUTE = Route(parse=parse_request, answer=_answer, error=_error, follow=follow_up,
               keepalive=b": keepalive\n\n", stream_error=_stream_error,
-              session=session_headers)
+              session=session_header)
 
 
 def serve_chat(handler) -> None:

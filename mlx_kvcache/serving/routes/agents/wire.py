@@ -34,6 +34,7 @@ from .. import body as body_reader
 from ..handler import (KEEPALIVE_ENV, KEEPALIVE_S, keepalive_interval, send_json,
                        watch_client)
 from ..namespace import request_namespace
+from ..sessions import agent_of
 from . import foresight
 from .call import AgentRequestError, ChatCall
 from .generation import Accounting, run as run_call
@@ -106,17 +107,6 @@ def read_body(handler) -> Any:
     if where is not None:
         raise AgentRequestError(body_reader.surrogate_message(where), param=where)
     return out
-
-
-#: The header Claude Code sends with every request of a subagent (the main loop sends none).
-AGENT_HEADER = "x-claude-code-agent-id"
-
-
-def agent_of(headers: Mapping[str, str]) -> Optional[str]:
-    """The agent that sent a request, where the client names it (Claude Code's subagents);
-    None: the session's main loop."""
-    v = headers.get(AGENT_HEADER)
-    return v[:128] if isinstance(v, str) and v else None
 
 
 def _sse(batch: Iterable[SSE]) -> bytes:
