@@ -355,8 +355,9 @@ def _error(e: AgentRequestError) -> Dict[str, Any]:
 
 
 def refusal(message: str) -> Dict[str, Any]:
-    """The body of a request the server refuses while it stops."""
-    return _error(AgentRequestError(message, 503, "server_error", code="server_stopping"))
+    """The body of a request the server refuses while it stops: mlx-lm's chat route's
+    shape (the path is its as much as ours)."""
+    return {"error": message}
 
 
 def _answer(handler, body: Dict[str, Any], start_usage: Callable[[], Any],
