@@ -55,7 +55,8 @@ def dirs(tmp_path_factory):
 def server(dirs):
     root, a, _ = dirs
     with Server.ours(a, root / "log.txt", root / "home", "--no-persist",
-                     "--body-timeout", "1", "--max-body-bytes", "8M") as s:
+                     "--body-timeout", "1", "--max-body-bytes", "8M",
+                     "--allow-model-switch") as s:
         yield s
 
 
@@ -118,8 +119,9 @@ def test_a_model_switch_leaves_the_agent_routes_on_the_served_tokenizer(server, 
     entry = server.entry_since(sent)
     assert _text(again) == _text(cold) and again["usage"]["output_tokens"] == 6
     assert entry["prompt_tokens"] == n
-    # What it stored is A's ids of this prompt: the same request again reads all but the
-    # last token from the cache (the switch to B and back dropped the earlier ones).
+    # What it stored is A's ids of this prompt, and the switch to B and back kept it: the
+    # same request again reads all but the last token from the cache.
+    assert entry["cached_tokens"] == n - 1
     sent = time.time()
     assert _text(_messages(server)) == _text(cold)
     assert server.entry_since(sent)["cached_tokens"] == n - 1

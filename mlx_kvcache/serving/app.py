@@ -172,9 +172,18 @@ def add_options(parser) -> None:
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the id GET /v1/models lists for the served model (default: the "
                    "--model repo id or directory; the embedded model: SmolLM2-135M-Instruct). "
-                   "A request naming a model that is neither this id, a local path nor a "
-                   "Hugging Face repo id (owner/name; offline: a cached one) is answered by the "
-                   "served model")
+                   "A request naming any other model without a '/' is answered by the served "
+                   "model")
+    g.add_argument("--allow-model-switch", action="store_true",
+                   help="let a request name another model to load in place of the served one "
+                   "(a local path or a Hugging Face repo id, as 'model' or 'draft_model'): it "
+                   "never runs its own code, whatever --trust-remote-code says, and such a "
+                   "name tells the client which directories hold models. Default: a request "
+                   "naming a model with a '/' that is not the served one gets a 404")
+    g.add_argument("--switch-model", action="append", default=None, metavar="MODEL",
+                   help="a model requests may switch to by naming it exactly as given here "
+                   "(repeatable; GET /v1/models lists it); like --model and --draft-model it "
+                   "runs its own code under --trust-remote-code")
     g.add_argument("--context-length", type=positive_int, default=None, metavar="TOKENS",
                    help="the model's context length: a longer prompt gets a 400, an answer "
                    "never runs past it, and an agent request without max_tokens (Codex sends "
@@ -269,14 +278,15 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from mlx_lm.server import ThreadingHTTPServer
 
     from ..store import default_root
-    from .guards.admin import AdminPolicy
+    from .guards.admin import AdminPolicy, listens_beyond_loopback
+    from .routes.namespace import sharing_note
     from .cache.agreement import agreement
     from .engine.draft_use import install as install_draft_use
     from .engine.generator import ServerResponseGenerator
     from .routes.agents import post_routes
     from .routes.handler import CacheAPIHandler
     from .guards.lifecycle import Lifecycle
-    from .routes.model_names import batch_key, install as install_model_names
+    from .routes.model_names import batch_key, install as install_model_names, switch_note
     from .cache.prompt_cache import TriePromptCache
     from .cache.profile import from_env as profile_from_env
     from .guards.sharding import sharding_problem
@@ -287,11 +297,13 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from .seam import DraftLoadError
     from .guards.startup import StartCheck, first_line, kv_quant_problem
     from .guards import listen as listener
+    from .guards.log_text import escape_handlers
 
     args = model_provider.cli_args
     life = Lifecycle(args.shutdown_grace)
     if str(getattr(args, "log_level", "INFO")).upper() != "DEBUG":
         logging.getLogger().addFilter(QuietProgress())
+    escape_handlers(logging.getLogger())  # client text never forges a line (`log_text`)
     # Until the model is ready a signal ends the process at once (see the module doc).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
@@ -332,6 +344,11 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
              "%s); /v1/cache: %s", "shown" if cache.excerpts else "left out",
              args.prompt_excerpts, "admin token required" if args.admin_token else
              "clients on this machine's loopback only")
+    log.info("mlx_kvcache: model names: %s", switch_note(args))
+    beyond = listens_beyond_loopback(host)
+    (log.warning if beyond and args.cache_namespace_by == "request" else log.info)(
+        "mlx_kvcache: cache namespaces (--cache-namespace-by %s): %s", args.cache_namespace_by,
+        sharing_note(args.cache_namespace_by, beyond))
     load_default = model_provider.load_default
     started = StartCheck()
 

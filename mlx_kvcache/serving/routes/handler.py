@@ -43,7 +43,7 @@ from ..guards.images import ImagePolicy, image_urls, url_problem
 from ..guards.lifecycle import current_ticket, set_client_watch, set_stream_waiting, set_ticket
 from ..guards.validation import body_problem
 from . import body
-from .model_names import DEFAULT, model_entry, models_listing, resolve
+from .model_names import DEFAULT, Refusal, model_entry, models_listing, refusal, resolve
 from .namespace import request_namespace
 
 
@@ -303,8 +303,16 @@ class CacheAPIHandler(APIHandler):
         self._admitted(lambda: self._admin_route("OPTIONS") if self._is_cache_route()
                        else super(CacheAPIHandler, self).do_OPTIONS(), counted=False)
 
+    #: The refusal of a request naming a model this server does not load (`model_names`):
+    #: answered 404 in OpenAI's error shape (`_set_completion_headers`).
+    model_refusal: Optional[Refusal] = None
+
     def validate_model_parameters(self) -> None:
         super().validate_model_parameters()
+        self.model_refusal = refusal(self.response_generator.cli_args, self.requested_model,
+                                     self.requested_draft_model)
+        if self.model_refusal is not None:
+            raise ValueError(self.model_refusal.message)
         route = "text" if self.path == "/v1/completions" else "chat"  # mlx-lm's two kinds
         problem = body_problem(route, self.body, self._vocab())
         if problem:
@@ -381,7 +389,10 @@ class CacheAPIHandler(APIHandler):
                                     and ticket.refused else None, streamed=True)
             self.close_connection = True
             return
-        if status_code == 404 and ticket is not None and ticket.refused:
+        if status_code == 400 and self.model_refusal is not None:
+            status_code = 404  # OpenAI's status for a model it does not serve
+            self.wfile = _ErrorBody(self, self.wfile, self.model_refusal.error())
+        elif status_code == 404 and ticket is not None and ticket.refused:
             # mlx-lm answers 404 to any error before the answer starts
             status_code = ticket.status
             if ticket.error is not None:  # its body, next, in OpenAI's error shape
