@@ -62,9 +62,10 @@ def plain(dirs):
 
 @pytest.fixture(scope="module")
 def switching(dirs):
-    """The same with --allow-model-switch."""
+    """The same with --allow-model-switch (and a short --header-timeout)."""
     with Server.ours(dirs["a"], dirs["root"] / "switch.log", dirs["root"] / "home2",
-                     "--no-persist", "--trust-remote-code", "--allow-model-switch") as s:
+                     "--no-persist", "--trust-remote-code", "--allow-model-switch",
+                     "--header-timeout", "2") as s:
         yield s
 
 
@@ -153,3 +154,134 @@ def test_a_hostile_session_name_is_escaped_in_the_log(plain):
     assert not any(line.startswith(b"[cache] prompt 1 tok | cached 1 | forged")
                    for line in log.splitlines())
     assert rb"session evil\n[cache] prompt 1 tok | cached 1 | forged\x1b[31m\u2028" in log
+
+
+# -- 2. slow and idle clients -------------------------------------------------------------------
+IDLE = 2100  # more than mlx-lm's 2,048 descriptors
+
+
+def _read_replies(socks, got):
+    """Add to ``got`` (socket index -> bytes) what each socket has received, read without
+    blocking; the indexes of those the server has closed (their reply whole)."""
+    for i, c in enumerate(socks):
+        if got.get(i, b"").endswith(b"<closed>"):
+            continue
+        try:
+            data = c.recv(4096, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            continue
+        except OSError:
+            data = b""
+        got[i] = got.get(i, b"") + (data or b"<closed>")
+    return [i for i, r in got.items() if r.endswith(b"<closed>")]
+
+
+def _trickled_until_answered(s, sock, what):
+    """Send one byte at a time until the server answers ``sock`` (bounded by the
+    server's progress); the answer."""
+    def answered():
+        try:
+            return sock.recv(4096, socket.MSG_DONTWAIT) or b"closed"
+        except BlockingIOError:
+            try:
+                sock.send(b"x")  # still trickling: faster than any timeout per read
+            except OSError:
+                return b"closed"
+            return None
+    return s.watch.wait(what).until(answered, poll=0.2)
+
+
+def test_a_trickled_request_head_gets_408_at_its_deadline(switching):
+    sock = socket.create_connection(("127.0.0.1", switching.port))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nX-Slow: ")
+        reply = _trickled_until_answered(switching, sock, "the trickled head's 408")
+        assert reply.startswith(b"HTTP/1.0 408") and b"--header-timeout" in reply, reply
+    finally:
+        sock.close()
+
+
+def test_idle_and_slow_connections_leave_loopback_clients_served(dirs):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < IDLE + 256:
+        pytest.skip(f"this test opens {IDLE} connections: the open-file limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    socks = []
+    with Server.ours(dirs["a"], dirs["root"] / "idle.log", dirs["root"] / "home3", "--no-persist",
+                     "--body-timeout", "2") as s:
+        try:
+            # A body trickled a byte at a time: held no longer than its deadline although
+            # bytes keep coming (a timeout per read never fires).
+            body = socket.create_connection(("127.0.0.1", s.port))
+            body.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+            reply = _trickled_until_answered(s, body, "the trickled body's 408")
+            assert reply.startswith(b"HTTP/1.0 408") and b"--body-timeout" in reply, reply
+            body.close()
+            for _ in range(IDLE):  # half a request line each, then nothing
+                c = socket.create_connection(("127.0.0.1", s.port))
+                c.sendall(b"POST /v1/chat/compl")
+                socks.append(c)
+                if len(socks) % 100 == 0:
+                    s.watch.wait("opening idle connections").tick()
+            # An SDK client on loopback is served while they are all open.
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="k",
+                                   max_retries=0)
+            answer = []
+            sdk = threading.Thread(target=lambda: answer.append(client.chat.completions.create(
+                model="m", max_tokens=2, messages=[{"role": "user", "content": "Hello"}])),
+                daemon=True)
+            sdk.start()
+            s.watch.wait("the SDK client's answer").until(lambda: not sdk.is_alive())
+            assert answer and answer[0].choices[0].message.content is not None
+            # The oldest idle ones made room (a 503 each, then closed): never more open than
+            # the cap (1,024 here), and no descriptor ran out.
+            got = {}
+            closed = s.watch.wait("the evicted connections' 503s").until(
+                lambda: (lambda done: done if len(done) >= IDLE - 1024 else None)(
+                    _read_replies(socks, got)), poll=0.2)
+            assert all(got[i].startswith(b"HTTP/1.0 503") for i in closed), \
+                {got[i][:20] for i in closed}
+            assert s.request("GET", "/health")[0] == 200
+            log = s.tail(400000)
+            assert "connections: at most 1024 open" in log
+            assert "Too many open files" not in log
+        finally:
+            for c in socks:
+                c.close()
+
+
+# -- 3. what parsing a body may take ----------------------------------------------------------
+def _junk_body(mib: float) -> bytes:
+    """A valid /v1/messages body whose ignored field holds ``mib`` MiB of empty objects."""
+    n = int(mib * (1 << 20)) // 3
+    head = json.dumps({"model": "m", "max_tokens": 1, "temperature": 0,
+                       "messages": [{"role": "user", "content": "Hi"}]})[:-1]
+    return head.encode() + b', "junk": [' + b",".join([b"{}"] * n) + b"]}"
+
+
+def test_bodies_of_small_values_stay_within_the_body_budget(dirs):
+    budget = 512 << 20
+    with Server.ours(dirs["a"], dirs["root"] / "parse.log", dirs["root"] / "home4",
+                     "--no-persist", "--body-budget", "512M") as s:
+        pid = s.proc.pid
+        big = _junk_body(60)
+        before = peak_rss_kib(pid, reset=True)
+        status, out = s.request("POST", "/v1/messages", raw=big)
+        assert status == 413 and "--body-budget" in out["error"]["message"], (status, out)
+        grown = (peak_rss_kib(pid) - before) << 10
+        # the body's bytes, never its parse (it was 1.5 GB parsed)
+        assert grown < len(big) + (48 << 20), grown
+        # Six bodies whose parse takes ~100 MB each: admitted two at a time.
+        body = _junk_body(4)
+        before = peak_rss_kib(pid, reset=True)
+        results = []
+
+        def send():
+            results.append(s.request("POST", "/v1/messages", raw=body))
+        threads = [threading.Thread(target=send, daemon=True) for _ in range(6)]
+        for t in threads:
+            t.start()
+        s.watch.wait("six parses").until(lambda: not any(t.is_alive() for t in threads))
+        assert [st for st, _ in results] == [200] * 6, results
+        grown = (peak_rss_kib(pid) - before) << 10
+        assert grown < budget + (64 << 20), grown  # six at once: over 600 MB

@@ -127,6 +127,7 @@ def add_options(parser) -> None:
     from .guards.lifecycle import DEFAULT_GRACE
     from .guards.images import DEFAULT_MAX_PIXELS
     from .guards.memory import DEFAULT_WAIT, SHARE
+    from .guards.connections import HEADER_TIMEOUT
     from .routes.body import BODY_TIMEOUT, MAX_BODY_BYTES
 
     g = parser.add_argument_group(
@@ -248,8 +249,26 @@ def add_options(parser) -> None:
                    f"({MAX_BODY_BYTES >> 20} MiB by default)")
     g.add_argument("--body-timeout", type=non_negative_float, default=BODY_TIMEOUT,
                    metavar="SECONDS",
-                   help="a client that stops sending its request body for this long gets a 400 "
-                   f"(default: {BODY_TIMEOUT:g})")
+                   help="a request's whole body must arrive within this many seconds of its "
+                   f"headers, else a 408 (a deadline, not a timeout per read; default: "
+                   f"{BODY_TIMEOUT:g}; 0: none)")
+    g.add_argument("--header-timeout", type=non_negative_float, default=HEADER_TIMEOUT,
+                   metavar="SECONDS",
+                   help="a connection's request line and headers must arrive within this many "
+                   f"seconds, else a 408 and it is closed (default: {HEADER_TIMEOUT:g}; 0: none)")
+    g.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
+                   help="the most connections open at once; past it a new connection takes "
+                   "the place of the one that has waited longest for its request line and "
+                   "headers, or gets a 503; clients off loopback hold at most seven eighths "
+                   "(default: the open-file limit, raised to its hard limit at start, less "
+                   "512, at most 1024)")
+    g.add_argument("--body-budget", type=parse_bytes, default=None, metavar="SIZE",
+                   help="memory for request bodies: their bytes as they arrive and an upper "
+                   "bound of what parsing each can build (its size, its characters' width and "
+                   "how many JSON values it can hold), held until each request ends. A body "
+                   "that alone needs more gets a 413, one that does not fit beside the others "
+                   "before --body-timeout a 503; clients off loopback hold at most seven "
+                   "eighths (default: 1G, at most an eighth of the machine's memory)")
     g.add_argument("--prompt-excerpts", choices=("auto", "on", "off"), default="auto",
                    help="show prompt text around where reuse stopped (GET /v1/cache 'recent' "
                    "and the log lines); off: offsets and reasons only. auto (default): off when "
@@ -325,7 +344,8 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     httpd = None
     if agree.rank == 0:  # the only rank that serves HTTP
         try:
-            httpd = listener.bind(host, port, server_class or ThreadingHTTPServer, BACKLOG)
+            httpd = listener.bind(host, port, _limited_server(args, server_class
+                                                               or ThreadingHTTPServer), BACKLOG)
         except listener.ListenError as e:
             sys.stderr.write(f"error: mlx-kvcache serve: {e}\n")
             exit_now(1)
@@ -410,6 +430,32 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     except Exception:  # noqa: BLE001 - mlx-lm's generation thread would keep us alive
         log.exception("mlx_kvcache: the server failed")
         exit_now(1)
+
+
+def _limited_server(args, server_class):
+    """``server_class`` with the connection limits and the body budget of ``args``
+    (`connections`, `body_budget`), the open-file limit raised first; said in the log."""
+    from ..generation.sizing import memory_bytes
+    from ..prefix.stats import human_bytes
+    from .guards.body_budget import BodyBudget, default_body_budget
+    from .guards.connections import (ConnectionLimits, default_max_connections, limited,
+                                     raise_descriptor_limit)
+
+    soft, _ = raise_descriptor_limit()
+    limits = ConnectionLimits(args.max_connections or default_max_connections(soft),
+                              args.header_timeout or None)
+    if limits.max_connections >= soft:
+        log.warning("mlx_kvcache: --max-connections %d is not below the open-file limit "
+                    "(%d): accept() may run out of descriptors", limits.max_connections, soft)
+    budget = BodyBudget(args.body_budget or default_body_budget(memory_bytes()))
+    log.info("mlx_kvcache: connections: at most %d open (%d kept for loopback; open-file "
+             "limit %d); request line and headers within %s, body within %s; request "
+             "bodies may take %s of memory (--body-budget)", limits.max_connections,
+             limits.max_connections - limits.others_max, soft,
+             f"{limits.header_timeout:g} s" if limits.header_timeout else "no limit",
+             f"{args.body_timeout:g} s" if args.body_timeout else "no limit",
+             human_bytes(budget.total))
+    return limited(server_class, limits, budget)
 
 
 def _log_context(args, model_provider, generator) -> None:

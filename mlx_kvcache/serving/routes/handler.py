@@ -38,6 +38,7 @@ from mlx_lm.server import APIHandler
 from ...generation.model_pair import vocab_size
 from ..engine.generator import MarkedRequest
 from ..guards.admin import AdminPolicy
+from ..guards.connections import Connection, DeadlinePassed, Evicted
 from ..guards.context import served_context
 from ..guards.images import ImagePolicy, image_urls, url_problem
 from ..guards.lifecycle import current_ticket, set_client_watch, set_stream_waiting, set_ticket
@@ -202,12 +203,40 @@ class CacheAPIHandler(APIHandler):
         admin: who may use ``/v1/cache`` (from ``--admin-token`` and ``--host``).
     """
 
+    #: The connection as the server tracks it (`connections.limited`: its deadlines, its
+    #: share of the body budget), or None (a server that does not, a captured chat run).
+    tracked: Optional[Connection] = None
+
     def __init__(self, response_generator, *args, routes: Mapping[str, PostRoute] = {},
                  admin: Optional[AdminPolicy] = None, **kwargs) -> None:
         # Set before mlx-lm's __init__, which serves the request.
         self.routes = routes
         self.admin = admin or AdminPolicy.make(None, "127.0.0.1")
         super().__init__(response_generator, *args, **kwargs)
+
+    # -- reading the request: deadlines for its head and body (`connections`) -----------------
+    def setup(self) -> None:
+        super().setup()
+        registry = getattr(self.server, "connections", None)  # (mlx-lm's server has none)
+        self.tracked = registry.of(self.request) if registry is not None else None
+        if self.tracked is not None:
+            self.rfile = self.tracked.reader(self.rbufsize)
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if self.tracked is not None:
+            self.tracked.head_read()
+        return ok
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except Evicted:
+            self.close_connection = True  # (it got its 503 when the server closed it)
+        except DeadlinePassed:
+            self.close_connection = True
+            if self.tracked is not None and self.tracked.in_head:
+                self.tracked.head_late()
 
     # -- admitting requests (a stop refuses new ones) ----------------------------------------
     # Counted per request, not per connection: an idle keep-alive connection waiting for
@@ -239,16 +268,25 @@ class CacheAPIHandler(APIHandler):
 
     def _drain_body(self) -> None:
         # Answering before reading the body makes the kernel reset the connection (unread
-        # data at close), and the client may never see the answer.
+        # data at close), and the client may never see the answer. (Within the body's
+        # deadline: a client that trickles it is not waited for.)
         try:
-            n = int(self.headers.get("Content-Length") or 0)
+            n = min(int(self.headers.get("Content-Length") or 0), _DRAIN_LIMIT)
         except ValueError:
             return
-        while 0 < n:
-            chunk = self.rfile.read(min(n, 1 << 16, _DRAIN_LIMIT))
-            if not chunk:
-                return
-            n -= len(chunk)
+        if self.tracked is not None:
+            self.tracked.body_started(body.body_timeout(self))
+        try:
+            while 0 < n:
+                chunk = self.rfile.read1(min(n, 1 << 16))
+                if not chunk:
+                    return
+                n -= len(chunk)
+        except (DeadlinePassed, OSError):
+            self.close_connection = True
+        finally:
+            if self.tracked is not None:
+                self.tracked.body_read()
 
     # -- mlx-lm's routes and the agent routes ----------------------------------------------
     def _post_route(self) -> Optional[PostRoute]:
@@ -263,22 +301,19 @@ class CacheAPIHandler(APIHandler):
     def _mlx_post(self) -> None:
         """mlx-lm's ``do_POST`` on a body read here first (`body`): its own read has no
         size cap or timeout, and its parse lets `RecursionError` (deeply nested JSON) and
-        `UnicodeDecodeError` escape — no answer, a traceback in the log — and a lone
-        surrogate reaches its tokenizer (a 404 with the tokenizer's words). mlx-lm parses
-        the body again; ours is parsed only where it could nest that deep (`may_nest_deep`)
-        or escapes a surrogate."""
+        `UnicodeDecodeError` escape — no answer, a traceback in the log (its parse error
+        logs the raw body, lines and all) — and a lone surrogate reaches its tokenizer (a
+        404 with the tokenizer's words). Here the body is parsed first under the body
+        budget (`body.parse`), then mlx-lm parses the same bytes again."""
         try:
             raw = body.read_raw(self)
-            if body.may_nest_deep(raw) or body.escapes_surrogate(raw):
-                where = body.lone_surrogate(raw, body.parse(raw))
-                if where is not None:
-                    return self._send_json(400, {"error": body.surrogate_message(where)})
-            else:
-                raw.decode("utf-8")
+            # (reserved in the body budget until the request ends: mlx-lm parses it again,
+            # after this parse is dropped)
+            where = body.lone_surrogate(raw, body.parse(raw, self))
+            if where is not None:
+                return self._send_json(400, {"error": body.surrogate_message(where)})
         except body.BodyError as e:
             return self._send_json(e.status, {"error": e.message})
-        except UnicodeDecodeError as e:
-            return self._send_json(400, {"error": f"the request body is not UTF-8 ({e})"})
         sock = self.rfile
         self.rfile = io.BytesIO(raw)  # what mlx-lm reads; the connection's stream comes back
         done, left = threading.Event(), threading.Event()
