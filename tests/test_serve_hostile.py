@@ -137,6 +137,11 @@ def test_a_model_switch_leaves_the_served_context_and_cache(switching, dirs):
     # A request for B is still fitted to B's own context.
     status, out = _chat(s, model=str(dirs["b"]), messages=[{"role": "user", "content": LONG}])
     assert status == 400 and "context" in json.dumps(out), (status, out)
+    # A DELETE while B is loaded clears A's kept cache too.
+    assert s.request("DELETE", "/v1/cache")[0] == 200
+    sent = time.time()
+    _messages(s, LONG)
+    assert s.entry_since(sent)["cached_tokens"] == 0
 
 
 # -- 7. log lines -------------------------------------------------------------------------------
