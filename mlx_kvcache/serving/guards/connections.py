@@ -32,6 +32,7 @@ import json
 import logging
 import resource
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from typing import Any, Dict, Optional, Tuple
 from .admin import is_loopback
 from .body_budget import BodyBudget, BodyHold
 
-__all__ = ["ConnectionLimits", "Connection", "DeadlinePassed", "Evicted", "limited",
+__all__ = ["ConnectionLimits", "Connection", "DeadlinePassed", "Evicted", "limited", "refuse",
            "raise_descriptor_limit", "default_max_connections", "HEADER_TIMEOUT",
            "BODY_TIMEOUT", "LOOPBACK_SHARE", "BACKOFF_S"]
 
@@ -148,7 +149,7 @@ class Connection:
 
     def head_read(self) -> None:
         """The request line and headers are in: no longer evictable, no deadline until
-        the body's (`deadline`)."""
+        the body's (`body_started`)."""
         self.in_head = False
         self._deadline = None
 
@@ -176,25 +177,14 @@ class Connection:
             self.hold.release()
 
     def refuse(self, status: int, message: str) -> None:
-        """Write a JSON refusal (``{"error": message}``) in at most `_REFUSAL_WRITE_S`,
-        best effort (the client may be gone or not reading), and close for reading and
-        writing; the handler's thread, if it waits on a read, wakes."""
-        reason = {408: "Request Timeout", 503: "Service Unavailable"}.get(status, "Error")
-        body = json.dumps({"error": message}).encode()
-        head = (f"HTTP/1.0 {status} {reason}\r\nContent-Type: application/json\r\n"
-                f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-        try:
-            self.sock.settimeout(_REFUSAL_WRITE_S)
-            self.sock.sendall(head + body)
-        except OSError:
-            pass
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        """`refuse` this connection; the handler's thread, if it waits on a read, wakes."""
+        refuse(self.sock, status, message)
 
     # -- the reader's --------------------------------------------------------------------
     def recv_into(self, buf) -> int:
+        """Receive into ``buf`` (bytes received; 0: the peer closed), waiting at most until
+        the deadline in force (`DeadlinePassed`, and ``expired`` set); `Evicted` once the
+        server closed the connection for another."""
         if self.evicted:
             raise Evicted("the server closed this connection for a newer one")
         deadline = self._deadline
@@ -220,6 +210,25 @@ class Connection:
         if n == 0 and self.evicted:
             raise Evicted("the server closed this connection for a newer one")
         return n
+
+
+def refuse(sock: socket.socket, status: int, message: str) -> None:
+    """Write a JSON refusal (``{"error": message}``) on ``sock`` in at most
+    `_REFUSAL_WRITE_S`, best effort (the client may be gone or not reading), and shut it
+    down for reading and writing."""
+    reason = {408: "Request Timeout", 503: "Service Unavailable"}.get(status, "Error")
+    body = json.dumps({"error": message}).encode()
+    head = (f"HTTP/1.0 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    try:
+        sock.settimeout(_REFUSAL_WRITE_S)
+        sock.sendall(head + body)
+    except OSError:
+        pass
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -338,9 +347,8 @@ def limited(server_class: type, limits: ConnectionLimits,
         def verify_request(self, request, client_address) -> bool:
             if self.connections.admit(request, client_address) is not None:
                 return super().verify_request(request, client_address)
-            refused = Connection(request, False, None)
-            refused.refuse(503, f"too many connections (at most {limits.max_connections} "
-                                "at once, --max-connections); try again")
+            refuse(request, 503, f"too many connections (at most {limits.max_connections} at "
+                                 "once, --max-connections); try again")
             return False
 
         def shutdown_request(self, request) -> None:
@@ -348,9 +356,7 @@ def limited(server_class: type, limits: ConnectionLimits,
             super().shutdown_request(request)
 
         def handle_error(self, request, client_address) -> None:
-            import sys
-
-            if isinstance(sys.exc_info()[1], (OSError, ValueError)):
+            if isinstance(sys.exc_info()[1], OSError):
                 return  # the client went away, or was closed under its thread: no traceback
             super().handle_error(request, client_address)
 
