@@ -159,6 +159,16 @@ def test_a_hostile_session_name_is_escaped_in_the_log(plain):
     assert not any(line.startswith(b"[cache] prompt 1 tok | cached 1 | forged")
                    for line in log.splitlines())
     assert rb"session evil\n[cache] prompt 1 tok | cached 1 | forged\x1b[31m\u2028" in log
+    # The start log says who shares the cache (here: loopback, namespaces per request).
+    assert b"cache namespaces (--cache-namespace-by request): all clients share one cache" in log
+
+
+def test_the_start_log_says_who_shares_the_cache():
+    from mlx_kvcache.serving.routes.namespace import sharing_note
+
+    assert "other machines" in sharing_note("request", beyond_loopback=True)
+    assert "other machines" not in sharing_note("request", beyond_loopback=False)
+    assert "each API key has a cache namespace of its own" in sharing_note("api-key", True)
 
 
 # -- 2. slow and idle clients -------------------------------------------------------------------

@@ -68,7 +68,7 @@ def sharing_note(by: str, beyond_loopback: bool) -> str:
         return ("each API key has a cache namespace of its own (Authorization: Bearer / "
                 "x-api-key; a cache_salt or X-Cache-Namespace names one too); requests with "
                 "none of these share one cache")
-    who = "clients on other machines too" if beyond_loopback else "every client"
+    who = "all clients, on other machines too," if beyond_loopback else "all clients"
     return (f"{who} share one cache unless a request names a namespace (cache_salt, "
             f"X-Cache-Namespace): a client can tell from cached_tokens and answer times how "
             f"much of its prompt another client sent before. --cache-namespace-by api-key "
