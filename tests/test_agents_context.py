@@ -79,7 +79,7 @@ def test_the_memory_limit_bounds_the_served_context(tmp_path):
     args = NS(model=_config_dir(tmp_path / "m", {"max_position_embeddings": 4096}),
               context_length=None)
     gen = NS(model_provider=NS(cli_args=args, model_key=(args.model, None, None), model=None),
-             memory=NS(footprint=fp, limit=2048))
+             memory=NS(footprint=fp, limit=2048), served=lambda: None)
     assert served_context(gen) == 512  # the machine holds less than the model's 4096
     gen.memory.limit = 1 << 20
     assert served_context(gen) == 4096

@@ -102,10 +102,12 @@ def test_first_screen_server_curl_and_openai_sdk(tmp_path):
             model="claude-sonnet-5", max_tokens=4,
             messages=[{"role": "user", "content": "What is the capital of Italy?"}])
         assert r.model == "claude-sonnet-5" and r.choices[0].message.content
-        r = client.chat.completions.create(  # offline, a repo id not in the (absent) Hub cache
-            model="mlx-community/Qwen3-4B-4bit", max_tokens=4,
-            messages=[{"role": "user", "content": "What is the capital of Italy?"}])
-        assert r.model == "mlx-community/Qwen3-4B-4bit" and r.choices[0].message.content
+        import openai  # another model (a repo id): a 404 that says how to allow it
+
+        with pytest.raises(openai.NotFoundError, match="--allow-model-switch"):
+            client.chat.completions.create(
+                model="mlx-community/Qwen3-4B-4bit", max_tokens=4,
+                messages=[{"role": "user", "content": "What is the capital of Italy?"}])
         assert client.models.retrieve("claude-sonnet-5").id == "claude-sonnet-5"
         # What the README says of the embedded model and an agent's tools: answered, and
         # the log carries the warning it quotes.

@@ -144,6 +144,7 @@ def add_options(parser) -> None:
     from .guards.lifecycle import DEFAULT_GRACE
     from .guards.images import DEFAULT_MAX_PIXELS
     from .guards.memory import DEFAULT_WAIT, SHARE
+    from .guards.connections import HEADER_TIMEOUT
     from .routes.body import BODY_TIMEOUT, MAX_BODY_BYTES
 
     g = parser.add_argument_group(
@@ -189,9 +190,18 @@ def add_options(parser) -> None:
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the id GET /v1/models lists for the served model (default: the "
                    "--model repo id or directory; the embedded model: SmolLM2-135M-Instruct). "
-                   "A request naming a model that is neither this id, a local path nor a "
-                   "Hugging Face repo id (owner/name; offline: a cached one) is answered by the "
-                   "served model")
+                   "A request naming any other model without a '/' is answered by the served "
+                   "model")
+    g.add_argument("--allow-model-switch", action="store_true",
+                   help="let a request name another model to load in place of the served one "
+                   "(a local path or a Hugging Face repo id, as 'model' or 'draft_model'): it "
+                   "never runs its own code, whatever --trust-remote-code says, and such a "
+                   "name tells the client which directories hold models. Default: a request "
+                   "naming a model with a '/' that is not the served one gets a 404")
+    g.add_argument("--switch-model", action="append", default=None, metavar="MODEL",
+                   help="a model requests may switch to by naming it exactly as given here "
+                   "(repeatable; GET /v1/models lists it); like --model and --draft-model it "
+                   "runs its own code under --trust-remote-code")
     g.add_argument("--context-length", type=positive_int, default=None, metavar="TOKENS",
                    help="the model's context length: a longer prompt gets a 400, an answer "
                    "never runs past it, and an agent request without max_tokens (Codex sends "
@@ -256,8 +266,26 @@ def add_options(parser) -> None:
                    f"({MAX_BODY_BYTES >> 20} MiB by default)")
     g.add_argument("--body-timeout", type=non_negative_float, default=BODY_TIMEOUT,
                    metavar="SECONDS",
-                   help="a client that stops sending its request body for this long gets a 400 "
-                   f"(default: {BODY_TIMEOUT:g})")
+                   help="a request's whole body must arrive within this many seconds of its "
+                   f"headers, else a 408 (a deadline, not a timeout per read; default: "
+                   f"{BODY_TIMEOUT:g}; 0: none)")
+    g.add_argument("--header-timeout", type=non_negative_float, default=HEADER_TIMEOUT,
+                   metavar="SECONDS",
+                   help="a connection's request line and headers must arrive within this many "
+                   f"seconds, else a 408 and it is closed (default: {HEADER_TIMEOUT:g}; 0: none)")
+    g.add_argument("--max-connections", type=positive_int, default=None, metavar="N",
+                   help="the most connections open at once; past it a new connection takes "
+                   "the place of the one that has waited longest for its request line and "
+                   "headers, or gets a 503; clients off loopback hold at most seven eighths "
+                   "(default: the open-file limit, raised to its hard limit at start, less "
+                   "512, at most 1024)")
+    g.add_argument("--body-budget", type=parse_bytes, default=None, metavar="SIZE",
+                   help="memory for request bodies: their bytes as they arrive and an upper "
+                   "bound of what parsing each can build (its size, its characters' width and "
+                   "how many JSON values it can hold), held until each request ends. A body "
+                   "that alone needs more gets a 413, one that does not fit beside the others "
+                   "before --body-timeout a 503; clients off loopback hold at most seven "
+                   "eighths (default: 1G, at most an eighth of the machine's memory)")
     g.add_argument("--prompt-excerpts", choices=("auto", "on", "off"), default="auto",
                    help="show prompt text around where reuse stopped (GET /v1/cache 'recent' "
                    "and the log lines); off: offsets and reasons only. auto (default): off when "
@@ -286,14 +314,15 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from mlx_lm.server import ThreadingHTTPServer
 
     from ..store import default_root
-    from .guards.admin import AdminPolicy
+    from .guards.admin import AdminPolicy, listens_beyond_loopback
+    from .routes.namespace import sharing_note
     from .cache.agreement import agreement
     from .engine.draft_use import install as install_draft_use
     from .engine.generator import ServerResponseGenerator
     from .routes.agents import post_routes
     from .routes.handler import CacheAPIHandler
     from .guards.lifecycle import Lifecycle
-    from .routes.model_names import batch_key, install as install_model_names
+    from .routes.model_names import batch_key, install as install_model_names, switch_note
     from .cache.prompt_cache import TriePromptCache
     from .cache.profile import from_env as profile_from_env
     from .guards.sharding import sharding_problem
@@ -306,12 +335,14 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     from .seam import DraftLoadError
     from .guards.startup import StartCheck, first_line, kv_quant_problem
     from .guards import listen as listener
+    from .guards.log_text import escape_handlers
 
     args = model_provider.cli_args
     counted = GuardCounters()  # the guards' refusals and queue wait (GET /metrics)
     life = Lifecycle(args.shutdown_grace, counted)
     if str(getattr(args, "log_level", "INFO")).upper() != "DEBUG":
         logging.getLogger().addFilter(QuietProgress())
+    escape_handlers(logging.getLogger())  # client text never forges a line (`log_text`)
     # Until the model is ready a signal ends the process at once (see the module doc).
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
@@ -333,7 +364,8 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     httpd = None
     if agree.rank == 0:  # the only rank that serves HTTP
         try:
-            httpd = listener.bind(host, port, server_class or ThreadingHTTPServer, BACKLOG)
+            httpd = listener.bind(host, port, _limited_server(args, server_class
+                                                               or ThreadingHTTPServer), BACKLOG)
         except listener.ListenError as e:
             sys.stderr.write(f"error: mlx-kvcache serve: {e}\n")
             exit_now(1)
@@ -352,6 +384,11 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
              "%s); /v1/cache: %s", "shown" if cache.excerpts else "left out",
              args.prompt_excerpts, "admin token required" if args.admin_token else
              "clients on this machine's loopback only")
+    log.info("mlx_kvcache: model names: %s", switch_note(args))
+    beyond = listens_beyond_loopback(host)
+    (log.warning if beyond and args.cache_namespace_by == "request" else log.info)(
+        "mlx_kvcache: cache namespaces (--cache-namespace-by %s): %s", args.cache_namespace_by,
+        sharing_note(args.cache_namespace_by, beyond))
     load_default = model_provider.load_default
     started = StartCheck()
 
@@ -414,6 +451,32 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
     except Exception:  # noqa: BLE001 - mlx-lm's generation thread would keep us alive
         log.exception("mlx_kvcache: the server failed")
         exit_now(1)
+
+
+def _limited_server(args, server_class):
+    """``server_class`` with the connection limits and the body budget of ``args``
+    (`connections`, `body_budget`), the open-file limit raised first; said in the log."""
+    from ..generation.sizing import memory_bytes
+    from ..prefix.stats import human_bytes
+    from .guards.body_budget import BodyBudget, default_body_budget
+    from .guards.connections import (ConnectionLimits, default_max_connections, limited,
+                                     raise_descriptor_limit)
+
+    soft, _ = raise_descriptor_limit()
+    limits = ConnectionLimits(args.max_connections or default_max_connections(soft),
+                              args.header_timeout or None)
+    if limits.max_connections >= soft:
+        log.warning("mlx_kvcache: --max-connections %d is not below the open-file limit "
+                    "(%d): accept() may run out of descriptors", limits.max_connections, soft)
+    budget = BodyBudget(args.body_budget or default_body_budget(memory_bytes()))
+    log.info("mlx_kvcache: connections: at most %d open (%d kept for loopback; open-file "
+             "limit %d); request line and headers within %s, body within %s; request "
+             "bodies may take %s of memory (--body-budget)", limits.max_connections,
+             limits.max_connections - limits.others_max, soft,
+             f"{limits.header_timeout:g} s" if limits.header_timeout else "no limit",
+             f"{args.body_timeout:g} s" if args.body_timeout else "no limit",
+             human_bytes(budget.total))
+    return limited(server_class, limits, budget)
 
 
 def _log_context(args, model_provider, generator) -> None:

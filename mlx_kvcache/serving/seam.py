@@ -5,7 +5,9 @@ mlx-lm's server has no plug-in hook for its prompt cache: ``run()`` builds an
 unchanged and replace only that, through module attributes ``main()`` looks up when it
 runs: its ``argparse`` (so our options join the server's own parser, ``--help`` included),
 its ``run`` (so our prompt cache, response generator and HTTP handler are used), its
-``load`` (a draft model loads with the target's ``--trust-remote-code``) — and
+``load`` and ``sharded_load`` (a model runs its own code only when it is one of the
+operator's, under ``--trust-remote-code``: `model_names.trusted`; the ``--draft-model``
+gets the target's flag) — and
 ``stream_generate``, which the sequential path looks up per request (`stream`: mlx-lm's
 own except with a draft model, where ours decodes exactly on every cache kind), and
 ``_make_logits_processors``, which both paths call per request (a request's reasoning
@@ -40,7 +42,8 @@ def check() -> Optional[str]:
     import mlx_lm
     from mlx_lm import server as S
 
-    missing = [name for name in ("main", "run", "argparse", "load", "ResponseGenerator", "APIHandler",
+    missing = [name for name in ("main", "run", "argparse", "load", "sharded_load",
+                                 "ResponseGenerator", "APIHandler",
                                  "ModelProvider", "LRUPromptCache", "ThreadingHTTPServer",
                                  "get_system_fingerprint", "stream_generate",
                                  "CompletionRequest", "process_message_content", "convert_chat")
@@ -150,6 +153,7 @@ def patched(add_options: Callable[[argparse.ArgumentParser], None],
 
     from .engine.reasoning_budget import with_budgets
     from .engine.stream import make_stream_generate
+    from .routes.model_names import trusted
 
     parsed: List[argparse.Namespace] = []
 
@@ -160,31 +164,47 @@ def patched(add_options: Callable[[argparse.ArgumentParser], None],
             parsed.append(out)
             return out
 
-    stock_load = S.load
+    stock_load, stock_sharded_load = S.load, S.sharded_load
+
+    def trust(path, kwargs) -> bool:
+        # Remote code runs only for the operator's models (`model_names.trusted`): a model
+        # a request names loads with it off, model and tokenizer, whatever the flag says.
+        ok = bool(parsed) and trusted(parsed[-1], str(path))
+        kwargs["trust_remote_code"] = ok and bool(kwargs.get("trust_remote_code", True))
+        kwargs["tokenizer_config"] = {**(kwargs.get("tokenizer_config") or {}),
+                                      "trust_remote_code": kwargs["trust_remote_code"]}
+        return ok
 
     def load(path, *args, **kwargs):
         # mlx-lm loads a draft model with no options (``load(draft_model_path)``): it gets
-        # the target's --trust-remote-code, and its failure names it.
+        # the target's --trust-remote-code when it is the operator's, and its failure
+        # names it.
         if args or kwargs or not parsed:
+            if parsed and not args:
+                trust(path, kwargs)
             return stock_load(path, *args, **kwargs)
-        trust = bool(getattr(parsed[-1], "trust_remote_code", False))
+        trust(path, kwargs)
         try:
-            return stock_load(path, trust_remote_code=trust,
-                              tokenizer_config={"trust_remote_code": trust})
+            return stock_load(path, **kwargs)
         except Exception as e:
             raise DraftLoadError(f"the draft model {path} does not load: "
                                  f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}"
                                  ) from e
 
-    saved = (S.argparse, S.run, S.stream_generate, S.load, S._make_logits_processors, sys.argv)
+    def sharded_load(repo, *args, **kwargs):
+        trust(repo, kwargs)
+        return stock_sharded_load(repo, *args, **kwargs)
+
+    saved = (S.argparse, S.run, S.stream_generate, S.load, S.sharded_load,
+             S._make_logits_processors, sys.argv)
     shim = argparse.Namespace(**{k: getattr(argparse, k) for k in dir(argparse)
                                  if not k.startswith("_")})
     shim.ArgumentParser = Parser
-    S.argparse, S.run, S.load, sys.argv = shim, run, load, argv
+    S.argparse, S.run, S.load, S.sharded_load, sys.argv = shim, run, load, sharded_load, argv
     S.stream_generate = make_stream_generate(S.stream_generate)
     S._make_logits_processors = with_budgets(S._make_logits_processors)
     try:
         yield
     finally:
-        (S.argparse, S.run, S.stream_generate, S.load, S._make_logits_processors,
-         sys.argv) = saved
+        (S.argparse, S.run, S.stream_generate, S.load, S.sharded_load,
+         S._make_logits_processors, sys.argv) = saved

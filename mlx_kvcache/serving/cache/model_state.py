@@ -1,6 +1,10 @@
 """The trie (and disk store) of the model mlx-lm's server has loaded: its `CacheCore`.
 
-Made in the generation thread when the model loads. On the ranks of a sharded model every
+Made in the generation thread when the model loads. The served model's (the first one
+opened: the ``--model``) is kept while a request has mlx-lm load another model
+(`ModelStates`): switching back finds its cached prompts as they were — mlx-lm's provider
+holds one model at a time and unloads the served one's weights meanwhile; another model's
+trie is closed (its writes flushed) when the next switch comes. On the ranks of a sharded model every
 choice here is agreed (`mlx_kvcache.prefix.agreement`): whether caching is on at all,
 whether checkpoints are planned (a pipeline rank may hold only attention layers while
 another holds recurrent ones), and what is loaded from disk. Each rank persists its own
@@ -13,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from ...caches import CacheError, KVQuantization
 from ...generation import sizing
@@ -64,6 +68,42 @@ class ModelState:
     @property
     def pair(self) -> ModelPair:
         return self.core.pair
+
+
+class ModelStates:
+    """The `ModelState` of the model loaded now, and the served model's, kept while
+    another is loaded (see the module doc). Generation thread only."""
+
+    def __init__(self) -> None:
+        self.served: Optional[ModelState] = None
+        self.current: Optional[ModelState] = None
+
+    def switch(self, provider, key, open_state: Callable[[Any], ModelState],
+               close_state: Callable[[ModelState], None]) -> ModelState:
+        """The state of the model ``provider`` has just loaded under ``key``: the current
+        one, the served one kept (its budget given back to mlx-lm), or one opened with
+        ``open_state`` — the first one opened is the served model's. A current state
+        other than the served one is closed with ``close_state`` first."""
+        cur = self.current
+        if cur is not None and cur.key == key:
+            return cur
+        if cur is not None and cur is not self.served:
+            self.current = None
+            close_state(cur)
+        if self.served is not None and self.served.key == key:
+            self.current = self.served
+            _share_budget(provider, self.served.max_bytes)
+        else:
+            self.current = open_state(key)
+            if self.served is None:
+                self.served = self.current
+        return self.current
+
+    def held(self) -> List[ModelState]:
+        """Every state held: the current one first, then the served one when it is kept
+        while another model is loaded."""
+        out = [st for st in (self.current, self.served) if st is not None]
+        return out[:1] if len(out) == 2 and out[0] is out[1] else out
 
 
 def open_model(provider, key, agree: Agreement, *, max_bytes: Optional[int],

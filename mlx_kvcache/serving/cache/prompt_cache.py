@@ -68,7 +68,7 @@ from .namespace import namespace_of, salted, scoped_session
 from .extract import release
 from .foresight import Foresight
 from .idle_writes import IdleWrites
-from .model_state import ModelState, open_model
+from .model_state import ModelState, ModelStates, open_model
 from . import native  # called through the module: a profile probes it (`profile`)
 from .padding import was_padded
 from .restored_merge import holds_restored
@@ -133,6 +133,7 @@ class TriePromptCache:
         self.counters = FetchCounters()
         self.guard_counters = guard_counters or GuardCounters()
         self._model: Optional[ModelState] = None
+        self._models = ModelStates()  # the served model's trie and the loaded one's
         self._log = RequestLog()
         #: Each fetch explained for the request log (`layout`).
         self._explain = FetchExplainer(self.excerpts)
@@ -160,13 +161,16 @@ class TriePromptCache:
     def _state(self, model_key) -> ModelState:
         if self._model is not None and self._model.key == model_key:
             return self._model
-        self.close()
+        if self._model is not None:  # its captures go to its own writer before a switch
+            self._settle(self._model)
         with self.profile.phase("open"):
-            self._model = open_model(
-                self.provider, model_key, self.agree, max_bytes=self.asked_max_bytes,
+            # (the served model's trie is kept while another model is loaded: `ModelStates`)
+            self._model = self._models.switch(self.provider, model_key, lambda key: open_model(
+                self.provider, key, self.agree, max_bytes=self.asked_max_bytes,
                 checkpoint_interval=self.checkpoint_interval, pre_end_margin=self.pre_end_margin,
                 cache_dir=self.cache_dir, max_disk_bytes=self.max_disk_bytes,
-                sharding=self.sharding, cold_bits=self.cold_bits)
+                sharding=self.sharding, cold_bits=self.cold_bits),
+                lambda st: st.core.close(None, recapture=False))
         self.max_bytes = self._model.max_bytes
         if self.agree.size == 1:  # (sharded: captured once a turn, `end_turn`)
             self._model.core.capture_deferred = self._capture_inside
@@ -633,10 +637,35 @@ class TriePromptCache:
                             "error": "clearing the prompt cache failed (see the log)"}, "clear")
 
     def _clear_here(self) -> Dict[str, Any]:
+<<<<<<< HEAD
         if self._model is not None:
             self.foresight.clear()
             self.counters.clears += 1
         ranks = [clearing.clear_rank(self._model, self.agree.rank)]
+=======
+        mine: Dict[str, Any] = {"rank": self.agree.rank, "memory_cleared": True,
+                                "disk_cleared": True, "freed_bytes": 0, "freed_files": 0}
+        if self._model is not None:
+            self.foresight.clear()
+            self.clears += 1
+        # (the loaded model's trie, and the served model's kept while another is loaded)
+        for st in self._models.held():
+            st.manager.clear()
+            if st.store is not None:
+                mine.setdefault("directory", str(st.store.directory()))
+                try:
+                    if st.writer is not None:  # a capture taken before the clear lands first
+                        st.writer.flush(timeout=None)
+                    freed = st.store.clear_disk()
+                    mine["freed_bytes"] += freed["bytes"]
+                    mine["freed_files"] += freed["files"]
+                except OSError as e:
+                    mine["disk_cleared"] = False
+                    d = str(st.store.directory())
+                    mine["error"] = str(e) if d in str(e) else f"could not clear {d}: {e}"
+                    log.error("mlx_kvcache: DELETE /v1/cache: %s (memory was cleared)", mine["error"])
+        ranks = [mine]
+>>>>>>> hostile
         if self.agree.size > 1:
             ranks = clearing.gather(self.agree, ranks[0])
             self._share_stats()
@@ -648,14 +677,22 @@ class TriePromptCache:
         st = self._model
         return True if st is None or st.writer is None else st.writer.flush(timeout)
 
-    def close(self, timeout: Optional[float] = None) -> None:
-        """Finish the background writes of the current model (on model switch and stop)."""
-        st = self._model
-        if st is None:
-            return
+    def _settle(self, st: ModelState) -> None:
         if st.writer is not None and self._writes.pending:
+<<<<<<< HEAD
             self._writes.capture(st)  # the generation thread has stopped: nothing else runs MLX
         st.core.close(timeout, recapture=False)
+=======
+            self._capture(st)
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Finish the background writes of every model's trie held (at the stop)."""
+        if self._model is None:
+            return
+        self._settle(self._model)  # the generation thread has stopped: nothing else runs MLX
+        for st in self._models.held():
+            st.core.close(timeout, recapture=False)
+>>>>>>> hostile
 
     # -- the request log line -------------------------------------------------------------
     def _log_request(self, st: ModelState, tokens: np.ndarray, fetch: int, extra: str = "") -> None:

@@ -1,7 +1,8 @@
 """What the server says about each request's reuse: one log line per request and the last
 few requests in ``GET /v1/cache`` (``recent``), each with where reuse stopped and why
 (`mlx_kvcache.prefix.explain`) — so a user sees, for instance, that their client rewrites
-a line at the top of its system prompt every turn.
+a line at the top of its system prompt every turn. A session name and the prompt excerpts
+are client text: escaped (`log_text.printable`), so a line is one line.
 
 Bounded and O(1) per request: a fetch is remembered until its request's final insert
 (at most `PENDING` at once, the oldest forgotten first), and `RECENT` finished requests
@@ -28,6 +29,7 @@ import numpy as np
 
 from ...prefix.explain import Reuse
 from ...prefix.stats import human_bytes
+from ..guards.log_text import printable
 
 __all__ = ["RequestLog", "RECENT"]
 
@@ -111,10 +113,10 @@ class RequestLog:
         if disk_bytes is not None:
             line += f" | disk {human_bytes(disk_bytes)}"
         line += extra
-        if f.session is not None:
-            line += f" | session {f.session[:64]}"
+        if f.session is not None:  # client text: one line, no terminal escapes
+            line += f" | session {printable(f.session[:64])}"
         if f.reuse is not None and f.reuse.kind != "hit":
-            line += f" | {f.reuse.line()}"
+            line += f" | {printable(f.reuse.line())}"
         log.info(line)
         entry: Dict[str, Any] = {"time": round(f.started, 3), "path": f.path,
                                  "prompt_tokens": n, "cached_tokens": f.cached,

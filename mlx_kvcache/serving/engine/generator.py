@@ -36,8 +36,12 @@ from ..cache import extract, sequential
 from ..cache.profile import count_share, loop_phase
 from ..cache.namespace import Namespaced
 from ..cache.prompt_cache import TriePromptCache
+<<<<<<< HEAD
 from ..guards.context import ContextTooLong, answer_tokens, served_context
 from ..guards.counters import Refusal
+=======
+from ..guards.context import ContextTooLong, answer_tokens, loaded_context
+>>>>>>> hostile
 from ..guards.lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
 from ..guards.images import ImagePolicy
 from ..guards.admission import AdmissionQueue, DecodeJob
@@ -443,10 +447,10 @@ class ServerResponseGenerator(ResponseGenerator):
         return prompt, segments, types, state, vision
 
     def _fit_context(self, prompt_tokens: int, args) -> None:
-        """Refuse a prompt over the model's context (`ContextTooLong`, before any work) and
-        clamp the answer to what the context leaves (every route; the agent routes did
-        both in the HTTP thread already)."""
-        limit = answer_tokens(served_context(self), prompt_tokens,
+        """Refuse a prompt over the loaded model's context (`ContextTooLong`, before any
+        work) and clamp the answer to what the context leaves (every route; the agent
+        routes did both in the HTTP thread already, against the served model's)."""
+        limit = answer_tokens(loaded_context(self), prompt_tokens,
                               getattr(args, "max_tokens", None), None)
         if limit is not None:
             args.max_tokens = limit

@@ -8,10 +8,12 @@ model's own arguments; None when none says (then nothing is refused or clamped h
 ``sliding_window`` is not a context length (a sliding-window model attends that far back
 per layer, and its full-attention layers see the whole prompt).
 
-The server's context (`served_context`) is that, or less where the memory guard's limit
-cannot hold it (`memory_tokens`: the most tokens one request alone may hold): a request
-longer than that would never be admitted, and an answer without a client limit would be
-sized, and refused, for a context the machine does not have.
+The server's context (`served_context`) is the served model's, or less where the memory
+guard's limit cannot hold it (`memory_tokens`: the most tokens one request alone may
+hold): a request longer than that would never be admitted, and an answer without a client
+limit would be sized, and refused, for a context the machine does not have. It stays the
+served model's while a request has mlx-lm load another model (``--allow-model-switch``);
+that request is fitted to its own model's (`loaded_context`).
 
 What follows from it (`answer_tokens`): a prompt that leaves no room for one answer token
 is refused before any work (`ContextTooLong`, the number of tokens and the most a prompt
@@ -30,7 +32,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["ContextTooLong", "DefaultMaxTokens", "mark_default_max_tokens",
            "explicit_max_tokens", "config_context_length", "context_length",
-           "memory_tokens", "served_context", "answer_tokens", "client_settings"]
+           "memory_tokens", "served_context", "loaded_context", "answer_tokens",
+           "client_settings"]
 
 #: Keys a model config names its context length with, most specific first.
 _KEYS = ("max_position_embeddings", "max_seq_len", "max_sequence_length", "n_ctx",
@@ -157,15 +160,43 @@ def memory_tokens(memory) -> Optional[int]:
     return lo
 
 
+#: What each model the provider loaded says of its context in its own arguments (by model
+#: key), remembered for when another model is loaded (`served_context`).
+_LOADED: Dict[Any, Optional[int]] = {}
+
+
+def _model_context(provider, key) -> Optional[int]:
+    """`context_length` of the model loaded under ``key`` (mlx-lm's model key), whether
+    mlx-lm's ``provider`` holds it now or not."""
+    model = provider.model if key is not None and provider.model_key == key else None
+    if model is not None and key not in _LOADED:
+        _LOADED[key] = _from_model(model)
+    n = context_length(provider.cli_args, key[0] if key else None)
+    return n if n is not None else _LOADED.get(key)
+
+
 def served_context(generator) -> Optional[int]:
-    """The context the server gives the loaded model (``generator``: the server's response
-    generator): `context_length`, less where the memory guard cannot hold it
-    (`memory_tokens`); None when the model's is unknown."""
+    """The context the server gives the served model (``generator``: the server's
+    response generator; its ``served()`` names the served model once loaded), whichever
+    model mlx-lm's provider holds now (a chat request may have it load another):
+    `context_length`, less where the memory guard cannot hold it (`memory_tokens`); None
+    when the model's is unknown. The agent routes check and clamp against this."""
     provider = generator.model_provider
-    key = provider.model_key
-    n = context_length(provider.cli_args, key[0] if key else None, provider.model)
+    served = generator.served()
+    n = _model_context(provider, served.key if served is not None else provider.model_key)
     held = memory_tokens(getattr(generator, "memory", None))
     return n if n is None or held is None else min(n, held)
+
+
+def loaded_context(generator) -> Optional[int]:
+    """The context of the model mlx-lm's provider holds now: `served_context` when it is
+    the served one, else that model's `context_length` (the memory guard measured the
+    served model only). A request the generation thread runs is fitted to this."""
+    provider = generator.model_provider
+    served = generator.served()
+    if served is None or provider.model_key == served.key:
+        return served_context(generator)
+    return _model_context(provider, provider.model_key)
 
 
 def answer_tokens(context: Optional[int], prompt_tokens: int, requested: Optional[int],

@@ -39,13 +39,14 @@ from mlx_lm.server import APIHandler
 from ...generation.model_pair import vocab_size
 from ..engine.generator import MarkedRequest
 from ..guards.admin import AdminPolicy
+from ..guards.connections import Connection, DeadlinePassed, Evicted
 from ..guards.context import served_context
 from ..guards.images import ImagePolicy, image_urls, url_problem
 from ..guards.counters import Refusal
 from ..guards.lifecycle import current_ticket, set_client_watch, set_stream_waiting, set_ticket
 from ..guards.validation import body_problem
 from . import body, metrics
-from .model_names import DEFAULT, model_entry, models_listing, resolve
+from .model_names import DEFAULT, ModelRefusal, model_entry, models_listing, refusal, resolve
 from .namespace import request_namespace
 from .sessions import agent_of, chat_session
 
@@ -212,12 +213,40 @@ class CacheAPIHandler(APIHandler):
         admin: who may use ``/v1/cache`` (from ``--admin-token`` and ``--host``).
     """
 
+    #: The connection as the server tracks it (`connections.limited`: its deadlines, its
+    #: share of the body budget), or None (a server that does not, a captured chat run).
+    tracked: Optional[Connection] = None
+
     def __init__(self, response_generator, *args, routes: Mapping[str, PostRoute] = {},
                  admin: Optional[AdminPolicy] = None, **kwargs) -> None:
         # Set before mlx-lm's __init__, which serves the request.
         self.routes = routes
         self.admin = admin or AdminPolicy.make(None, "127.0.0.1")
         super().__init__(response_generator, *args, **kwargs)
+
+    # -- reading the request: deadlines for its head and body (`connections`) -----------------
+    def setup(self) -> None:
+        super().setup()
+        registry = getattr(self.server, "connections", None)  # (mlx-lm's server has none)
+        self.tracked = registry.of(self.request) if registry is not None else None
+        if self.tracked is not None:
+            self.rfile = self.tracked.reader(self.rbufsize)
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if self.tracked is not None:
+            self.tracked.head_read()
+        return ok
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except Evicted:
+            self.close_connection = True  # (it got its 503 when the server closed it)
+        except DeadlinePassed:
+            self.close_connection = True
+            if self.tracked is not None and self.tracked.in_head:
+                self.tracked.head_late()
 
     # -- admitting requests (a stop refuses new ones) ----------------------------------------
     # Counted per request, not per connection: an idle keep-alive connection waiting for
@@ -249,16 +278,25 @@ class CacheAPIHandler(APIHandler):
 
     def _drain_body(self) -> None:
         # Answering before reading the body makes the kernel reset the connection (unread
-        # data at close), and the client may never see the answer.
+        # data at close), and the client may never see the answer. (Within the body's
+        # deadline: a client that trickles it is not waited for.)
         try:
-            n = int(self.headers.get("Content-Length") or 0)
+            n = min(int(self.headers.get("Content-Length") or 0), _DRAIN_LIMIT)
         except ValueError:
             return
-        while 0 < n:
-            chunk = self.rfile.read(min(n, 1 << 16, _DRAIN_LIMIT))
-            if not chunk:
-                return
-            n -= len(chunk)
+        if self.tracked is not None:
+            self.tracked.body_started(body.body_timeout(self))
+        try:
+            while 0 < n:
+                chunk = self.rfile.read1(min(n, 1 << 16))
+                if not chunk:
+                    return
+                n -= len(chunk)
+        except (DeadlinePassed, OSError):
+            self.close_connection = True
+        finally:
+            if self.tracked is not None:
+                self.tracked.body_read()
 
     # -- mlx-lm's routes and the agent routes ----------------------------------------------
     def _post_route(self) -> Optional[PostRoute]:
@@ -290,24 +328,21 @@ class CacheAPIHandler(APIHandler):
     def _mlx_post(self, raw: Optional[bytes] = None) -> None:
         """mlx-lm's ``do_POST`` on a body read here first (`body`): its own read has no
         size cap or timeout, and its parse lets `RecursionError` (deeply nested JSON) and
-        `UnicodeDecodeError` escape — no answer, a traceback in the log — and a lone
-        surrogate reaches its tokenizer (a 404 with the tokenizer's words). mlx-lm parses
-        the body again; ours is parsed only where it could nest that deep (`may_nest_deep`)
-        or escapes a surrogate."""
+        `UnicodeDecodeError` escape — no answer, a traceback in the log (its parse error
+        logs the raw body, lines and all) — and a lone surrogate reaches its tokenizer (a
+        404 with the tokenizer's words). Here the body is parsed first under the body
+        budget (`body.parse`), then mlx-lm parses the same bytes again."""
         try:
             raw = body.read_raw(self) if raw is None else raw
-            if body.may_nest_deep(raw) or body.escapes_surrogate(raw):
-                where = body.lone_surrogate(raw, body.parse(raw))
-                if where is not None:
-                    return self._send_json(400, {"error": body.surrogate_message(where)})
-            else:
-                raw.decode("utf-8")
+            # (reserved in the body budget until the request ends: mlx-lm parses it again,
+            # after this parse is dropped)
+            where = body.lone_surrogate(raw, body.parse(raw, self))
+            if where is not None:
+                return self._send_json(400, {"error": body.surrogate_message(where)})
         except body.BodyError as e:
-            self.response_generator.lifecycle.counters.refused(Refusal.BAD_INPUT)
+            if e.status < 500:
+                self.response_generator.lifecycle.counters.refused(Refusal.BAD_INPUT)
             return self._send_json(e.status, {"error": e.message})
-        except UnicodeDecodeError as e:
-            self.response_generator.lifecycle.counters.refused(Refusal.BAD_INPUT)
-            return self._send_json(400, {"error": f"the request body is not UTF-8 ({e})"})
         sock = self.rfile
         self.rfile = io.BytesIO(raw)  # what mlx-lm reads; the connection's stream comes back
         done, left = threading.Event(), threading.Event()
@@ -333,9 +368,17 @@ class CacheAPIHandler(APIHandler):
                        else self._metrics("OPTIONS") if self._is_metrics_route()
                        else super(CacheAPIHandler, self).do_OPTIONS(), counted=False)
 
+    #: The refusal of a request naming a model this server does not load (`model_names`):
+    #: answered 404 in OpenAI's error shape (`_set_completion_headers`).
+    model_refusal: Optional[ModelRefusal] = None
+
     def validate_model_parameters(self) -> None:
         try:
             super().validate_model_parameters()
+            self.model_refusal = refusal(self.response_generator.cli_args, self.requested_model,
+                                         self.requested_draft_model)
+            if self.model_refusal is not None:
+                raise ValueError(self.model_refusal.message)
             route = "text" if self.path == "/v1/completions" else "chat"  # mlx-lm's two kinds
             problem = body_problem(route, self.body, self._vocab())
             if problem:
@@ -421,7 +464,10 @@ class CacheAPIHandler(APIHandler):
                                     and ticket.refused else None, streamed=True)
             self.close_connection = True
             return
-        if status_code == 404 and ticket is not None and ticket.refused:
+        if status_code == 400 and self.model_refusal is not None:
+            status_code = 404  # OpenAI's status for a model it does not serve
+            self.wfile = _ErrorBody(self, self.wfile, self.model_refusal.error())
+        elif status_code == 404 and ticket is not None and ticket.refused:
             # mlx-lm answers 404 to any error before the answer starts
             status_code = ticket.status
             if ticket.error is not None:  # its body, next, in OpenAI's error shape

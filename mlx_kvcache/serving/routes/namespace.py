@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Mapping, Optional
 
-__all__ = ["HEADER", "MAX_SALT", "request_namespace"]
+__all__ = ["HEADER", "MAX_SALT", "request_namespace", "sharing_note"]
 
 #: The header that names a namespace.
 HEADER = "X-Cache-Namespace"
@@ -59,3 +59,17 @@ def request_namespace(body: Any, headers: Mapping[str, str], by_api_key: bool = 
         if key is not None:
             return "key:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
     return None
+
+
+def sharing_note(by: str, beyond_loopback: bool) -> str:
+    """What the start log says of who shares the cache under ``--cache-namespace-by
+    by`` (``request`` or ``api-key``), for a server reached beyond loopback or not."""
+    if by == "api-key":
+        return ("each API key has a cache namespace of its own (Authorization: Bearer / "
+                "x-api-key; a cache_salt or X-Cache-Namespace names one too); requests with "
+                "none of these share one cache")
+    who = "all clients, on other machines too," if beyond_loopback else "all clients"
+    return (f"{who} share one cache unless a request names a namespace (cache_salt, "
+            f"X-Cache-Namespace): a client can tell from cached_tokens and answer times how "
+            f"much of its prompt another client sent before. --cache-namespace-by api-key "
+            f"gives each API key its own")

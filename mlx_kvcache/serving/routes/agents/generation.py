@@ -49,12 +49,13 @@ log = logging.getLogger("mlx_kvcache")
 
 
 def served_name(generator: ServerResponseGenerator) -> str:
-    """The name of the model the server serves (what answers any model name)."""
-    provider = generator.model_provider
-    key = provider.model_key
+    """The name of the model the server serves (what answers any model name) — the served
+    one, also while mlx-lm's provider holds another a chat request switched to."""
+    served = generator.served()
+    key = served.key if served is not None else generator.model_provider.model_key
     if key and key[0]:
         return str(key[0])
-    return str(provider.cli_args.model or "default_model")
+    return str(generator.cli_args.model or "default_model")
 
 
 @dataclass

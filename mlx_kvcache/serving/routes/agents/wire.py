@@ -95,13 +95,15 @@ class Route:
 
 def read_body(handler) -> Any:
     """The request's JSON body (an object); `AgentRequestError` naming the problem when it
-    has none, is over the server's cap (413), shorter than its Content-Length, not JSON,
-    nested too deeply, or holds a string no tokenizer can encode (`body`)."""
+    has none, is over the server's cap or the body budget (413), shorter than its
+    Content-Length, late (408), not JSON, nested too deeply, or holds a string no tokenizer
+    can encode (`body`); 503 when the body budget has no room for it now."""
     try:
         raw = body_reader.read_raw(handler)
-        out = body_reader.parse(raw)
+        out = body_reader.parse(raw, handler)  # (reserved in the body budget till the end)
     except body_reader.BodyError as e:
-        kind = "request_too_large" if e.status == 413 else "invalid_request_error"
+        kind = {413: "request_too_large", 503: "overloaded_error"}.get(
+            e.status, "invalid_request_error")
         raise AgentRequestError(e.message, e.status, kind) from None
     where = body_reader.lone_surrogate(raw, out)
     if where is not None:
