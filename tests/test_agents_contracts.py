@@ -57,6 +57,7 @@ class _Handler:
         self.rfile, self.wfile = io.BytesIO(data), io.BytesIO()
         self.status = None
         self.response_generator = ScriptedGenerator()
+        self.raw_body = None
         self.path = "/v1/messages"
 
     def send_response(self, code, message=None):

@@ -498,6 +498,7 @@ class FakeHandler:
         self.rfile, self.wfile = io.BytesIO(data), io.BytesIO()
         self.status, self.sent = None, {}
         self.response_generator = ScriptedGenerator()
+        self.raw_body = None
         self.path = "/v1/responses"
 
     def send_response(self, code, message=None):

@@ -318,11 +318,11 @@ class CacheAPIHandler(APIHandler):
         except body.BodyError as e:
             return self._send_json(e.status, {"error": e.message})
         if route.takes(self, raw):
-            self.rfile, sock = io.BytesIO(raw), self.rfile  # (what Content-Length says)
+            self.raw_body = raw  # (read once: its bytes are in the body budget already)
             try:
                 return route.serve(self)
             finally:
-                self.rfile = sock
+                self.raw_body = None
         self._mlx_post(raw)
 
     def _mlx_post(self, raw: Optional[bytes] = None) -> None:
@@ -478,6 +478,9 @@ class CacheAPIHandler(APIHandler):
     opened_early = False
     #: The request's cache namespace (`validate_model_parameters` reads it), None: shared.
     cache_namespace: Optional[str] = None
+    #: The request's body where it was read before its route ran (a path both mlx-lm and
+    #: a route of ours serve); None: the route reads it.
+    raw_body: Optional[bytes] = None
 
     def handle_completion(self, request, stop_words):
         # A streamed answer that waits before mlx-lm takes its request is kept alive too

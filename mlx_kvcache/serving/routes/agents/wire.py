@@ -99,7 +99,7 @@ def read_body(handler) -> Any:
     Content-Length, late (408), not JSON, nested too deeply, or holds a string no tokenizer
     can encode (`body`); 503 when the body budget has no room for it now."""
     try:
-        raw = body_reader.read_raw(handler)
+        raw = handler.raw_body if handler.raw_body is not None else body_reader.read_raw(handler)
         out = body_reader.parse(raw, handler)  # (reserved in the body budget till the end)
     except body_reader.BodyError as e:
         kind = {413: "request_too_large", 503: "overloaded_error"}.get(
