@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from ...prefix.agreement import Agreement
 from .model_state import ModelState
@@ -22,23 +22,25 @@ __all__ = ["answer", "clear_rank", "gather"]
 log = logging.getLogger("mlx_kvcache")
 
 
-def clear_rank(st: Optional[ModelState], rank: int) -> Dict[str, Any]:
-    """Clear this rank's trie and disk tier (``st``; None: no model yet, nothing to
-    clear). Returns its row: ``rank``, ``memory_cleared``, ``disk_cleared``,
-    ``freed_bytes`` / ``freed_files`` (what the disk got back), ``directory`` (with a disk
-    tier) and ``error`` (a directory that could not be cleared)."""
+def clear_rank(states: List[ModelState], rank: int) -> Dict[str, Any]:
+    """Clear this rank's tries and disk tiers (``states``: the loaded model's, and the
+    served model's kept while another is loaded; none before a model loads). Returns its
+    row: ``rank``, ``memory_cleared``, ``disk_cleared``, ``freed_bytes`` / ``freed_files``
+    (what the disk got back), ``directory`` (the first with a disk tier) and ``error`` (a
+    directory that could not be cleared)."""
     mine: Dict[str, Any] = {"rank": rank, "memory_cleared": True, "disk_cleared": True,
                             "freed_bytes": 0, "freed_files": 0}
-    if st is None:
-        return mine
-    st.manager.clear()
-    if st.store is not None:
-        mine["directory"] = str(st.store.directory())
+    for st in states:
+        st.manager.clear()
+        if st.store is None:
+            continue
+        mine.setdefault("directory", str(st.store.directory()))
         try:
             if st.writer is not None:  # a capture taken before the clear lands first
                 st.writer.flush(timeout=None)
             freed = st.store.clear_disk()
-            mine["freed_bytes"], mine["freed_files"] = freed["bytes"], freed["files"]
+            mine["freed_bytes"] += freed["bytes"]
+            mine["freed_files"] += freed["files"]
         except OSError as e:
             mine["disk_cleared"] = False
             d = str(st.store.directory())

@@ -637,35 +637,11 @@ class TriePromptCache:
                             "error": "clearing the prompt cache failed (see the log)"}, "clear")
 
     def _clear_here(self) -> Dict[str, Any]:
-<<<<<<< HEAD
         if self._model is not None:
             self.foresight.clear()
             self.counters.clears += 1
-        ranks = [clearing.clear_rank(self._model, self.agree.rank)]
-=======
-        mine: Dict[str, Any] = {"rank": self.agree.rank, "memory_cleared": True,
-                                "disk_cleared": True, "freed_bytes": 0, "freed_files": 0}
-        if self._model is not None:
-            self.foresight.clear()
-            self.clears += 1
         # (the loaded model's trie, and the served model's kept while another is loaded)
-        for st in self._models.held():
-            st.manager.clear()
-            if st.store is not None:
-                mine.setdefault("directory", str(st.store.directory()))
-                try:
-                    if st.writer is not None:  # a capture taken before the clear lands first
-                        st.writer.flush(timeout=None)
-                    freed = st.store.clear_disk()
-                    mine["freed_bytes"] += freed["bytes"]
-                    mine["freed_files"] += freed["files"]
-                except OSError as e:
-                    mine["disk_cleared"] = False
-                    d = str(st.store.directory())
-                    mine["error"] = str(e) if d in str(e) else f"could not clear {d}: {e}"
-                    log.error("mlx_kvcache: DELETE /v1/cache: %s (memory was cleared)", mine["error"])
-        ranks = [mine]
->>>>>>> hostile
+        ranks = [clearing.clear_rank(list(self._models.held()), self.agree.rank)]
         if self.agree.size > 1:
             ranks = clearing.gather(self.agree, ranks[0])
             self._share_stats()
@@ -679,11 +655,7 @@ class TriePromptCache:
 
     def _settle(self, st: ModelState) -> None:
         if st.writer is not None and self._writes.pending:
-<<<<<<< HEAD
-            self._writes.capture(st)  # the generation thread has stopped: nothing else runs MLX
-        st.core.close(timeout, recapture=False)
-=======
-            self._capture(st)
+            self._writes.capture(st)
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Finish the background writes of every model's trie held (at the stop)."""
@@ -692,7 +664,6 @@ class TriePromptCache:
         self._settle(self._model)  # the generation thread has stopped: nothing else runs MLX
         for st in self._models.held():
             st.core.close(timeout, recapture=False)
->>>>>>> hostile
 
     # -- the request log line -------------------------------------------------------------
     def _log_request(self, st: ModelState, tokens: np.ndarray, fetch: int, extra: str = "") -> None:

@@ -36,12 +36,8 @@ from ..cache import extract, sequential
 from ..cache.profile import count_share, loop_phase
 from ..cache.namespace import Namespaced
 from ..cache.prompt_cache import TriePromptCache
-<<<<<<< HEAD
-from ..guards.context import ContextTooLong, answer_tokens, served_context
-from ..guards.counters import Refusal
-=======
 from ..guards.context import ContextTooLong, answer_tokens, loaded_context
->>>>>>> hostile
+from ..guards.counters import Refusal
 from ..guards.lifecycle import Control, Lifecycle, ServerStopping, Ticket, current_ticket, set_ticket
 from ..guards.images import ImagePolicy
 from ..guards.admission import AdmissionQueue, DecodeJob
