@@ -357,7 +357,7 @@ class ServerResponseGenerator(ResponseGenerator):
             self._sized.clear()
         self._sized[id(request)] = (request, tokenizer, out)
         vision = out[4]
-        return (len(out[0]), int(getattr(args, "max_tokens", 0) or 0),
+        return (len(out[0]), int(args.max_tokens or 0),
                 sequential.image_sizes(vision.cache_key) if vision is not None else ())
 
     def _image_bytes(self, item) -> int:
@@ -365,7 +365,7 @@ class ServerResponseGenerator(ResponseGenerator):
         the handler checked them, where it did): 0 for a text request, or where the model
         has no image processor (mlx-lm drops the images)."""
         request = item[1]
-        if getattr(request, "request_type", None) != "chat" \
+        if not isinstance(request, CompletionRequest) or request.request_type != "chat" \
                 or self.model_provider.processor is None:
             return 0
         known = request.image_bytes if isinstance(request, MarkedRequest) else None
@@ -408,23 +408,22 @@ class ServerResponseGenerator(ResponseGenerator):
         if problem:
             raise ValueError(problem)
         self._fit_context(len(prompt), args)
-        namespace = getattr(request, "namespace", None)
+        mr = request if isinstance(request, MarkedRequest) else None
+        namespace = mr.namespace if mr is not None else None
         if namespace:  # the prompt cache keys this request's fetch and inserts apart
             prompt = Namespaced(prompt, namespace)
             if vision is not None:
                 vision.cache_key = Namespaced(vision.cache_key, namespace)
         self._make_state_machine(self.model_provider.model_key, tokenizer, args.stop_words)
-        budget = getattr(request, "reasoning_budget", None)
+        budget = mr.reasoning_budget if mr is not None else None
         if budget:  # mlx-lm makes this request's logits processors next (`reasoning_budget`)
             args.reasoning_budget = ReasoningBudget.for_tokenizer(tokenizer, budget)
         # An agent request's layout is offsets in the vocabulary it was encoded with: read
         # only on the model it was encoded for (mlx-lm encoded it again otherwise).
-        laid_out = (not isinstance(request, MarkedRequest)
-                    or request.encoded_for(self.model_provider.model_key))
-        marked = [c for c in getattr(request, "cuts", None) or () if 0 < c < len(prompt)] \
-            if laid_out else []
+        laid_out = mr is None or mr.encoded_for(self.model_provider.model_key)
+        marked = [c for c in mr.cuts if 0 < c < len(prompt)] if mr is not None and laid_out \
+            else []
         # This request's layout, for its fetch's explanation.
-        mr = request if isinstance(request, MarkedRequest) else None
         self.prompt_cache.expect(prompt, mr.marks if mr is not None and laid_out else (),
                                  mr.session if mr is not None else None,
                                  mr.agent if mr is not None else None,
@@ -446,8 +445,7 @@ class ServerResponseGenerator(ResponseGenerator):
         """Refuse a prompt over the loaded model's context (`ContextTooLong`, before any
         work) and clamp the answer to what the context leaves (every route; the agent
         routes did both in the HTTP thread already, against the served model's)."""
-        limit = answer_tokens(loaded_context(self), prompt_tokens,
-                              getattr(args, "max_tokens", None), None)
+        limit = answer_tokens(loaded_context(self), prompt_tokens, args.max_tokens, None)
         if limit is not None:
             args.max_tokens = limit
 
@@ -455,13 +453,12 @@ class ServerResponseGenerator(ResponseGenerator):
         """Whether this chat request's next turn will extend its prompt and answer (the
         template's generation prompt re-renders as the answer's turn: `templates`), so
         the prompt cache need not guess a stop before the prompt's end."""
-        if getattr(request, "request_type", None) != "chat":
+        if request.request_type != "chat":
             return False
-        template_args = getattr(request, "template_kwargs", None)
+        template_args = request.template_kwargs if isinstance(request, MarkedRequest) else None
         if template_args is None:  # as mlx-lm's own ``_tokenize`` merges them
-            template_args = dict(getattr(self.model_provider.cli_args, "chat_template_args",
-                                         None) or {})
-            template_args.update(getattr(args, "chat_template_kwargs", None) or {})
+            template_args = dict(self.model_provider.cli_args.chat_template_args or {})
+            template_args.update(args.chat_template_kwargs or {})
         # (a continued last message is this request's rendering, not the template's)
         template_args = {k: v for k, v in template_args.items() if k != "continue_final_message"}
         return answer_extends_prompt(tokenizer, template_args)
@@ -472,7 +469,7 @@ class ServerResponseGenerator(ResponseGenerator):
         return self.requests.qsize() > 0 or self._stop or self.lifecycle.cut.is_set()
 
     def _prefill_step(self) -> int:
-        return int(getattr(self.cli_args, "prefill_step_size", None) or 2048)
+        return int(self.cli_args.prefill_step_size or 2048)
 
     def _serve_single(self, request, stream):
         # The fetch inside is sequential: it prefills through the planned stops, storing
@@ -594,8 +591,8 @@ class ServerResponseGenerator(ResponseGenerator):
         except ContextTooLong as e:  # the client's to fix: a 400, not mlx-lm's 404
             self.lifecycle.counters.refused(Refusal.CONTEXT)
             ticket.refuse(400, {"message": str(e), "type": "invalid_request_error",
-                                "param": "prompt" if getattr(request, "request_type", None)
-                                == "text" else "messages",
+                                "param": "prompt" if request.request_type == "text"
+                                else "messages",
                                 "code": "context_length_exceeded"})
             raise
         if self.lifecycle.cut.is_set():  # it started just as the stop cut everything

@@ -255,9 +255,7 @@ class CacheAPIHandler(APIHandler):
         """Run ``serve`` as an admitted request, or answer 503 while the server stops
         (``counted``: see `Lifecycle.admit`)."""
         set_ticket(None)
-        life = getattr(self.response_generator, "lifecycle", None)
-        if life is None:
-            return serve()
+        life = self.response_generator.lifecycle
         if not life.admit(counted):
             return self._refuse_while_stopping()
         try:
@@ -361,7 +359,7 @@ class CacheAPIHandler(APIHandler):
             self.close_connection = True
             ticket = current_ticket()
             log.info("mlx_kvcache: %s: its client left; the answer stopped after %d tokens",
-                     self.path, getattr(ticket, "answered", 0))
+                     self.path, ticket.answered if ticket is not None else 0)
 
     def do_OPTIONS(self):
         self._admitted(lambda: self._admin_route("OPTIONS") if self._is_cache_route()
@@ -393,7 +391,7 @@ class CacheAPIHandler(APIHandler):
     def by_api_key(self) -> bool:
         """Whether a request's API key is its cache namespace (``--cache-namespace-by``)."""
         args = self.response_generator.cli_args
-        return getattr(args, "cache_namespace_by", None) == "api-key"
+        return args.cache_namespace_by == "api-key"
 
     # mlx-lm's two request kinds, with the request's cache namespace (`namespace`) and what
     # decoding its images takes.
@@ -431,7 +429,7 @@ class CacheAPIHandler(APIHandler):
 
     def _vocab(self) -> Optional[int]:
         provider = self.response_generator.model_provider
-        requested = resolve(provider.cli_args, getattr(self, "requested_model", DEFAULT))
+        requested = resolve(provider.cli_args, self.requested_model)  # (mlx-lm set it)
         if requested != DEFAULT and provider.model_key is not None \
                 and requested != provider.model_key[0]:
             return None  # another model: checked in the generation thread once loaded
@@ -569,9 +567,7 @@ class CacheAPIHandler(APIHandler):
         if refusal is not None:
             status, message, headers = refusal
             return self._send_admin(status, {"error": message}, headers)
-        cache = getattr(self.response_generator, "prompt_cache", None)
-        if cache is None or not hasattr(cache, "report"):
-            return self._send_admin(503, {"error": "the prompt cache is not available"})
+        cache = self.response_generator.prompt_cache
         if method == "GET":
             if getattr(self.response_generator, "_is_distributed", False):
                 try:  # every rank's counters, gathered now (not at every request)
@@ -582,9 +578,7 @@ class CacheAPIHandler(APIHandler):
             # Requests not yet taken by the generation thread, and answers open: what an
             # operator waits on before a stop.
             report["queued_requests"] = self.response_generator.requests.qsize()
-            life = getattr(self.response_generator, "lifecycle", None)
-            if life is not None:
-                report["open_requests"] = life.inflight
+            report["open_requests"] = self.response_generator.lifecycle.inflight
             return self._send_admin(200, report)
         try:
             result = self.response_generator.command("clear")

@@ -30,7 +30,7 @@ import logging
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ...engine.answer import Failed, Finished
 from ...parsers.base import Call, CallArguments, CallBegin, CallCut, Reasoning, Text, UnreadCall
