@@ -285,7 +285,7 @@ def add_options(parser) -> None:
                    "how many JSON values it can hold), held until each request ends. A body "
                    "that alone needs more gets a 413, one that does not fit beside the others "
                    "before --body-timeout a 503; clients off loopback hold at most seven "
-                   "eighths (default: 1G, at most an eighth of the machine's memory)")
+                   "eighths (by default 1G, at most an eighth of the machine's memory)")
     g.add_argument("--prompt-excerpts", choices=("auto", "on", "off"), default="auto",
                    help="show prompt text around where reuse stopped (GET /v1/cache 'recent' "
                    "and the log lines); off: offsets and reasons only. auto (default): off when "

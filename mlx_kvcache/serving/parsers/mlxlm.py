@@ -91,11 +91,12 @@ class MlxLmParser:
             calls = parsed if isinstance(parsed, list) else [parsed]
             if calls and all(isinstance(c, dict) and isinstance(c.get("name"), str)
                              and "arguments" in c for c in calls):
+                ids = [c.get("id") for c in calls]  # (the parser's own, not one made up)
                 formatted = ToolCallFormatter(lambda _text, _tools: parsed, self._tools)([text])
                 out: List[Output] = []
-                for f in formatted:
+                for f, cid in zip(formatted, ids):
                     fn = f["function"]
-                    out.append(Call(self._index, fn["name"], fn["arguments"], f.get("id")))
+                    out.append(Call(self._index, fn["name"], fn["arguments"], cid))
                     self._index += 1
                 self._made = True
                 return out
