@@ -195,12 +195,11 @@ class Waited:
     def note(self, restored_now: int) -> str:
         """Its part of the request's ``[cache]`` line, given what its fetch restored."""
         shared = max(0, restored_now - self.restored)
-        line = f" | waited {self.seconds:.2f} s for a prefix in flight"
-        if shared:
-            return line + f": read {shared} tok computed for another request"
-        why = {"ended": "its request ended first", "bound": "waited as long as computing it takes",
-               "stored": "not stored"}[self.how]
-        return line + f" ({why}; computed here)"
+        why = {"stored": "", "ended": "; its request ended first",
+               "bound": "; as long as computing it takes"}[self.how]
+        read = (f": read {shared} tok computed for another request" if shared
+                else ": computed here")
+        return f" | waited {self.seconds:.2f} s for a prefix in flight{why}{read}"
 
 
 class InFlight:

@@ -225,6 +225,10 @@ def fetch(manager, pair: ModelPair, live, plan, key, seq: SequentialRequest, fli
     # model's queued requests restore anywhere in what this request stores at its end.
     flight = (flights.begin(key, start, seq.model)
               if seq.vision is None and manager.whole_state else None)
+    if flight is not None and flights.enabled and end is None:
+        # The prompt is computed here, but its last token (as with --kv-bits): a request
+        # queued behind it can ask for a stop until then, not only up to the planned ones.
+        end = len(key) - 1
     try:
         seq.handed = prefill(
             live, pair, prompt, start, stops, step=seq.prefill_step,
