@@ -118,7 +118,8 @@ def _prompt(server, usage=None, tokens=None):
     this is) the server finished, as it rendered it: its token log, written at the
     request's last insert — just after its answer reached the client (waited for)."""
     if usage is not None:
-        tokens = usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+        tokens = (usage.input_tokens + usage.cache_read_input_tokens
+                  + usage.cache_creation_input_tokens)
 
     def logged():
         lines = server.tokens.read_text().splitlines() if server.tokens.exists() else []

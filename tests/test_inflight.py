@@ -235,3 +235,37 @@ def _run_short(gen, uid):
             n += 1
             if r.finish_reason is not None:
                 return n
+
+
+def test_a_cut_made_before_a_request_is_prefilled_stops_its_first_chunks_there():
+    m = model("qwen3_next")
+    prompt = [random.Random(13).randrange(1, V) for _ in range(40)]
+    store = _Store()
+    with attached(_hooks(store)):
+        gen = FlightBatchGenerator(m, max_tokens=2, prefill_step_size=16, prefill_batch_size=4)
+    gen.insert_segments([[prompt]], max_tokens=[2], all_tokens=[[]])
+    (flight,) = gen.hooks.flights._flights
+    # Inserted, not prefilled yet (two requests fetched before either prefills): a cut.
+    assert flight.steps_to(21, 16) == 2 and flight.cut(21)
+    gen.next()
+    assert flight.at == 16 and not store.stored
+    gen.next()
+    assert flight.at == 21 and [t for t, _ in store.stored] == [prompt[:21]]
+    got = m(mx.array(prompt[21:30])[None], cache=store.stored[0][1])[0, -1]
+    assert float(mx.max(mx.abs(got - _cold_logits(m, prompt[:30])))) < 1e-4
+
+
+def test_the_admission_line_shows_what_waits_without_taking_it():
+    from queue import Queue
+
+    from mlx_kvcache.serving.guards.admission import AdmissionQueue, DecodeJob
+    from mlx_kvcache.serving.guards.memory import MemoryGuard
+
+    for guard in (MemoryGuard(limit=None), MemoryGuard(limit=1 << 40)):
+        q = AdmissionQueue(guard, lambda item: (10, 1), lambda item: item[1] == "cmd")
+        for what in ("a", "cmd", "b"):
+            q.put((Queue(), what, None))
+        q.put((Queue(), DecodeJob(lambda: 1, 0), None))
+        assert [item[1] for item in q.waiting()] == ["a", "b"]
+        got = [q.get(timeout=1)[1] for _ in range(3)]
+        assert sorted(got, key=str) == ["a", "b", "cmd"] and q.waiting() == []

@@ -266,7 +266,7 @@ class InFlight:
             if offset - restored < self.min_shared or f.at < restored:
                 continue  # too little to wait for, or it would compute what the trie has
             budget = f.steps_to(offset, step) + steps_for(f.at - restored, step)
-            if best is None or offset > best.offset or (offset == best.offset and f.at > best.flight.at):
+            if best is None or (offset, f.at) > (best.offset, best.flight.at):
                 best = Share(f, offset, restored, budget)
         return best
 

@@ -28,7 +28,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from queue import Empty, Queue
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mlx_lm.server import CompletionRequest, GenerationContext, ResponseGenerator
 
