@@ -2,7 +2,8 @@
 prompt's remaining segments cut in place (`engine.segments`), and mlx-lm's own
 `BatchGenerator` whose running requests are flights (`engine.flight_batch`) — a cut made
 while a request prefills stops it exactly there and stores caches equal to a cold
-prefill's, and changes nothing of its answer. The servers: test_agents_inflight.py."""
+prefill's (KV, hybrid and sliding-window layers), and changes nothing of its answer. The
+servers: test_agents_inflight.py."""
 
 from __future__ import annotations
 
@@ -167,7 +168,7 @@ def _cold_logits(m, tokens):
     return m(mx.array(tokens)[None], cache=make_prompt_cache(m))[0, -1]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_next", "gemma3_text"])
 def test_a_cut_made_while_a_request_prefills_stores_its_caches_there_exactly(kind):
     m = model(kind)
     prompt = [random.Random(11).randrange(1, V) for _ in range(90)]

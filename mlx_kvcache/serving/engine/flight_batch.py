@@ -141,7 +141,7 @@ class FlightBatchGenerator(BatchGenerator):
         will be (its prefill stops there), are now, or are already (a segment end: the
         server stores there); False when it cannot be done (it passed the offset on a model
         that restores only where a state was stored, or it prefills no more)."""
-        where = self._remaining(uid)
+        where = self._remaining(uid) if self.hooks is not None else None
         if where is None:
             return False
         segments, pos, prompting = where
@@ -178,8 +178,25 @@ class FlightBatchGenerator(BatchGenerator):
     # -- progress and ends ----------------------------------------------------------------
     def next(self):
         prompt_responses, generation_responses = super().next()
-        if self.hooks is None or not prompt_responses:
-            return prompt_responses, generation_responses
+        if self.hooks is not None and prompt_responses:
+            try:
+                self._followed(prompt_responses)
+            except Exception:  # never into the generation loop: the batch goes on as mlx-lm's
+                log.exception("mlx_kvcache: following the batch's prompts failed; work in "
+                              "flight is no longer shared by this batch")
+                self.stop_following()
+        return prompt_responses, generation_responses
+
+    def stop_following(self) -> None:
+        """From now on this batch is mlx-lm's own: its flights end (their followers compute
+        for themselves) and no cut is taken (a cut already made is a segment end)."""
+        for uid in list(self._flight):
+            self._forget(uid)
+        self.hooks = None
+
+    def _followed(self, prompt_responses) -> None:
+        """A step's prompt responses: the flights' progress and ends, the caches stored at
+        the cuts the step reached."""
         self.hooks.flights.prefill_step()
         cut_here: Dict[int, int] = {}  # uid -> the offset it stopped at for a cut of ours
         for r in prompt_responses:
@@ -199,7 +216,6 @@ class FlightBatchGenerator(BatchGenerator):
             self._store(list(cut_here))
             for uid, at in cut_here.items():
                 self._flight[uid].advanced(at)  # (only now: stored)
-        return prompt_responses, generation_responses
 
     def remove(self, uids, *args: Any, **kwargs: Any):
         for uid in uids:

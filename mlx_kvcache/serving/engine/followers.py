@@ -96,9 +96,18 @@ class Followers:
     def hold(self, item: Tuple[Any, Any, Any]) -> bool:
         """Keep ``item`` (mlx-lm's ``(queue, request, args)``) aside when a flight in the
         batch computes enough of its prompt (the flight is cut at their shared point);
-        False: it goes to mlx-lm now."""
+        False: it goes to mlx-lm now (also when anything here fails: logged, never raised
+        into the generation loop)."""
         if not self.flights.enabled or not self.flights.running():
             return False
+        try:
+            return self._hold(item)
+        except Exception:
+            log.exception("mlx_kvcache: looking for a prefix in flight failed; the request "
+                          "goes on")
+            return False
+
+    def _hold(self, item: Tuple[Any, Any, Any]) -> bool:
         prompt = self._prompt_of(item)
         if prompt is None or not prompt.batchable:
             return False
@@ -163,6 +172,12 @@ class Followers:
         than the trie holds has it stop where they diverge."""
         if not self.flights.enabled or not self.flights.running():
             return
+        try:
+            self._scan(queued)
+        except Exception:  # (never into the prefill: the queued requests only lose a stop)
+            log.exception("mlx_kvcache: looking at the queue for a prefix in flight failed")
+
+    def _scan(self, queued: Iterable[Tuple[Any, Any, Any]]) -> None:
         for item in queued:
             if self._scanned.get(id(item[1])) is item[1]:
                 continue
