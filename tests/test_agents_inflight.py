@@ -109,6 +109,20 @@ def _mid_prefill(server, sent: float):
     return server.watch.wait("a leader part-way through its prompt").until(seen, poll=0.02)
 
 
+def _held(server, before):
+    """Until the follower was held (counted: it may be released before a look sees it
+    held); fails when it finished without (the leader's prompt was done first)."""
+    def held():
+        r = server.cache()
+        if r["in_flight"]["held"] > before["in_flight"]["held"]:
+            return True
+        if r["requests"] >= before["requests"] + 2 and not r["in_flight"]["holding"]:
+            pytest.fail("the follower was fetched without waiting: the leader's prompt was "
+                        "computed first (too short for this machine)")
+        return False
+    _until(server, "the follower held", held)
+
+
 def _until(server, what, cond):
     return server.watch.wait(what).until(cond, poll=0.02)
 
@@ -149,7 +163,7 @@ def test_a_request_sharing_a_prefix_in_flight_computes_only_its_tail(served, kin
     leader = _in_thread(_ask, server, TASKS[0])
     _mid_prefill(server, sent)
     follower = _in_thread(_ask, server, TASKS[1])
-    _until(server, "the follower held", lambda: server.cache()["in_flight"]["holding"] == 1)
+    _held(server, before)
     # A request sharing nothing in flight goes straight in (counted below: not held).
     other = _ask(server, UNRELATED, system="Be brief.")
     lead, follow = leader(), follower()
@@ -222,7 +236,7 @@ def test_a_follower_whose_leader_left_mid_prefill_computes_for_itself(served, ki
         leave = _post_and_leave(server, body)
         _mid_prefill(server, sent)
         follower = _in_thread(_ask, server, TASKS[1])
-        _until(server, "the follower held", lambda: server.cache()["in_flight"]["holding"] == 1)
+        _held(server, before)  # (and, unless the leader was quicker, held still)
         leave()
         follow = follower()
         released = server.cache()["in_flight"]["released"]
