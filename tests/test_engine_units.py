@@ -10,7 +10,7 @@ import types
 import pytest
 
 from mlx_kvcache.serving import TriePromptCache
-from mlx_kvcache.serving.engine.generator import split_segments
+from mlx_kvcache.serving.engine.segments import split_segments
 from models import build
 
 

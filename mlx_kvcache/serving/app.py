@@ -221,6 +221,10 @@ def add_options(parser) -> None:
                    "as the client returns it, then the opening of a tool result or user "
                    "message, as the chat template renders them) while the server is idle "
                    "(default: computed ahead, lowest priority; docs/agents.md)")
+    g.add_argument("--no-share-in-flight", dest="share_in_flight", action="store_false",
+                   help="compute every request's prompt for itself, even where another request "
+                   "is computing the same prefix right now (default: a request sharing a prefix "
+                   "in flight waits for it to be stored and reads it; docs/request-path.md)")
     g.add_argument("--keep-reasoning", action="store_true",
                    help="agent routes: render earlier assistant turns with their reasoning "
                    "as generated (the template's preserve_thinking / clear_thinking switches "
@@ -379,7 +383,8 @@ def run(host: str, port: int, model_provider, server_class=None, handler_class=N
                             excerpts=excerpts_shown(args.prompt_excerpts, host, args.admin_token),
                             # the prompt cache gives way to requests
                             memory=memory if args.memory_limit != 0 else None,
-                            foresight=args.foresight, guard_counters=counted)
+                            foresight=args.foresight, share_in_flight=args.share_in_flight,
+                            guard_counters=counted)
     log.info("mlx_kvcache: prompt excerpts in the log and GET /v1/cache: %s (--prompt-excerpts "
              "%s); /v1/cache: %s", "shown" if cache.excerpts else "left out",
              args.prompt_excerpts, "admin token required" if args.admin_token else

@@ -132,6 +132,20 @@ def check() -> Optional[str]:
             or "sti += ti" not in gen_src or "sti.append(ti)" not in gen_src:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: the batch path no longer keeps each "
                         f"request's token list from its admission to its inserts")
+    # Work in flight (`engine.flight_batch`): the server builds its batch by the module's
+    # name, in the thread `_run_generate` runs; a request's remaining segments are one list,
+    # unprocessed and in the prompt batch, cut by the step and reported at each end.
+    run_gen = getattr(S.ResponseGenerator, "_run_generate", None)
+    batch_src = "".join(inspect.getsource(getattr(G.BatchGenerator, name, len))
+                        for name in ("_next", "_make_batch", "insert_segments"))
+    if run_gen is None or list(inspect.signature(run_gen).parameters) != ["self"] \
+            or "= BatchGenerator(" not in batched or "r.end_of_segment" not in batched \
+            or any(needle not in batch_src for needle in (
+                "self._currently_processing.append(", "[sequence[1], 0,", "segments = seq[0]",
+                "segments[0] = segments[0][n:]", "response.progress = (seq[1], seq[2])",
+                "self._prompt_batch.uids[i]", "self._unprocessed_sequences.extend(pending)")):
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx-lm's batch no longer keeps each "
+                        f"request's remaining prompt segments the way work in flight reads them")
     src = inspect.getsource(S.main)
     if "argparse.ArgumentParser(" not in src or "run(" not in src:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server.main no longer builds "

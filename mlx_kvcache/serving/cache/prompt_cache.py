@@ -67,6 +67,7 @@ from .layout import FetchExplainer, Layout
 from .namespace import namespace_of, salted, scoped_session
 from .extract import release
 from .foresight import Foresight
+from .inflight import InFlight, Waited
 from .idle_writes import IdleWrites
 from .model_state import ModelState, ModelStates, open_model
 from . import native  # called through the module: a profile probes it (`profile`)
@@ -105,6 +106,9 @@ class TriePromptCache:
             generation loop is idle (one process; ``--no-foresight``: False).
         guard_counters: the guards' refusals and queue wait, read into `counters_now`
             (the server's one `GuardCounters`; None: none counted here).
+        share_in_flight: a request whose prefix another is computing right now reads it
+            once stored instead of computing it again (`flights`; one process;
+            ``--no-share-in-flight``: False).
     """
 
     def __init__(self, model_provider, *, max_bytes: Optional[int] = None,
@@ -114,7 +118,7 @@ class TriePromptCache:
                  agree: Agreement = SOLO, sharding: str = "",
                  cold_bits: Optional[int] = None, profile: Optional[Profile] = None,
                  excerpts: bool = True, memory: Optional[MemoryGuard] = None,
-                 foresight: bool = True,
+                 foresight: bool = True, share_in_flight: bool = True,
                  guard_counters: Optional[GuardCounters] = None) -> None:
         self.provider = model_provider
         self.excerpts = bool(excerpts)
@@ -156,6 +160,10 @@ class TriePromptCache:
         #: The next prompts the agent routes foresee, computed in idle time (`ahead`); off on
         #: the ranks of a sharded model (running would need the ranks to agree per chunk).
         self.foresight = Foresight(enabled=foresight and agree.size == 1)
+        #: The prompts being computed now (`inflight`): off on the ranks of a sharded model
+        #: (holding a request would need the ranks to agree per turn).
+        self.flights = InFlight(enabled=share_in_flight and agree.size == 1)
+        self._waited: Optional[Waited] = None  # the next fetch's wait (`expect`)
 
     # -- the model's trie, made when the model loads (in the generation thread) ----------
     def _state(self, model_key) -> ModelState:
@@ -248,19 +256,21 @@ class TriePromptCache:
 
     def expect(self, tokens: Sequence[int], marks: Sequence[Tuple[int, str]],
                session: Optional[str] = None, agent: Optional[str] = None,
-               one_shot: bool = False) -> None:
+               one_shot: bool = False, waited: Optional[Waited] = None) -> None:
         """The next fetch (in this generation thread) is for ``tokens``, whose parts start
         at ``marks`` (``(offset, name)``, ascending): its miss explanation names the part
         where the prompt diverged; ``session`` (the client's session name) is listed with
-        the request. Eviction stays least-recently-used: each request touches its
-        session's whole path, so the leaves that go first are those of the sessions idle
-        longest, with no second order for the ranks of a sharded model to agree on.
+        the request; ``waited``: it was held for a prefix in flight (`inflight`). Eviction
+        stays least-recently-used: each request touches its session's whole path, so the
+        leaves that go first are those of the sessions idle longest, with no second order
+        for the ranks of a sharded model to agree on.
         ``agent``: the agent in the session that sent it (a subagent's id; None: the main
         loop): foresight's key is the agent's. ``one_shot``: a request with no next one (a
         title): it takes and settles no agent's foreseen prefix."""
         scoped = None if one_shot else scoped_session(session, namespace_of(tokens), agent)
         self._explain.expect(Layout(len(tokens), tuple(marks), session, scoped)
                              if marks or session else None)
+        self._waited = waited
         self.foresight.request_for(scoped)  # this request is the session's next prompt
 
     def stores_prompts(self) -> bool:
@@ -268,6 +278,25 @@ class TriePromptCache:
         and the model's caches can be snapshotted)."""
         st = self._model
         return st is not None and st.why_not is None
+
+    def key_of(self, tokens: Sequence[int]) -> Optional[np.ndarray]:
+        """What the trie keys ``tokens`` by (`_key`), or None where they are not cached (a
+        prompt that cannot be keyed apart, or no trie storing prompts)."""
+        return self._key(tokens) if self.stores_prompts() else None
+
+    def restorable(self, key: np.ndarray) -> int:
+        """The tokens a fetch of the trie key ``key`` would restore now (no MLX; any
+        thread; 0 without a trie)."""
+        st = self._model
+        if st is None or st.why_not is not None or not len(key):
+            return 0
+        return self._guard("planning a fetch", lambda: st.manager.preview(key).restored, 0)
+
+    def restores_anywhere(self) -> bool:
+        """Whether every layer of the loaded model restores at any offset (KV caches): a
+        prefix in flight can then be stored from wherever its request is past it."""
+        st = self._model
+        return st is not None and not st.manager.whole_state
 
     @staticmethod
     def _key(tokens: Sequence[int]) -> Optional[np.ndarray]:
@@ -310,7 +339,9 @@ class TriePromptCache:
                 return None, rest
             return out, rest
         try:
-            handed = self._sequential(st, live, plan, ids, seq)
+            handed = sequential.fetch(  # prefilled through its stops
+                mgr, st.pair, live, plan, ids, seq, self.flights,
+                lambda start: self._fetched(st, ids, plan, start, "sequential"))
         except Exception:
             seq.restored = seq.handed = 0  # mlx-lm recomputes the prompt (see `_guard`)
             raise
@@ -323,29 +354,13 @@ class TriePromptCache:
         reuse, layout = self._explain.explain(st.manager, tokens, plan, restored,
                                               self.counters.clears)
         foreseen = self.foresight.read(layout.scoped if layout else None, tokens, restored)
+        waited, self._waited = self._waited, None
+        if waited is not None:
+            self.flights.fetched(waited, restored)
         self._log.fetched(tokens, plan.matched, restored, path, reuse,
                           from_disk=plan.from_disk if st.store is not None else None,
-                          session=layout.session if layout else None, foreseen=foreseen)
-
-    def _sequential(self, st: ModelState, live, plan, key: np.ndarray,
-                    seq: "sequential.SequentialRequest") -> int:
-        """Prefill a sequential request through its stops (see `sequential`); returns the
-        offset its caches are handed over at."""
-        mgr = st.manager
-        start, stops = sequential.plan_stops(live, plan, key, seq, mgr.kv_quant)
-        self._fetched(st, key, plan, start, "sequential")
-        seq.restoring(start)
-        prompt = seq.prompt if seq.prompt is not None and len(seq.prompt) == len(key) else key
-        pair = st.pair
-        # With --kv-bits the prompt but its last token is prefilled here, not by mlx-lm:
-        # our passes attend over the quantized rows dequantized (`attention_views`), several
-        # times faster than mlx-lm's quantized attention for many tokens on MLX's CPU build.
-        end = len(key) - 1 if mgr.kv_quant is not None and seq.vision is None else None
-        seq.handed = sequential.prefill(
-            live, pair, prompt, start, stops, step=seq.prefill_step,
-            checkpoint=lambda at: mgr.checkpoint(live, key[:at]), progress=seq.progress,
-            stream=seq.stream, end=end)
-        return seq.handed
+                          session=layout.session if layout else None, foreseen=foreseen,
+                          waited=waited)
 
     def _insert(self, model_key, tokens: np.ndarray, prompt_cache: List[Any], cache_type: str,
                 final: Optional[int] = None) -> None:
@@ -607,6 +622,7 @@ class TriePromptCache:
             else None,
             "recent": self._log.listing(), "prompt_excerpts": self.excerpts,
             "foresight": self.foresight.report(),
+            "in_flight": self.flights.report(),
             "profile": self.profile.snapshot(), "counters": now.as_dict(),
         }
         if st is not None and st.store is not None:

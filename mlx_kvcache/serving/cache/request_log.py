@@ -30,6 +30,7 @@ import numpy as np
 from ...prefix.explain import Reuse
 from ...prefix.stats import human_bytes
 from ..guards.log_text import printable
+from .inflight import Waited
 
 __all__ = ["RequestLog", "RECENT"]
 
@@ -54,6 +55,7 @@ class _Fetch:
     from_disk: Optional[int] = None  # of the cached tokens, read back from disk (a disk tier)
     session: Optional[str] = None  # the client's session name (an agent route's)
     foreseen: int = 0  # of the cached tokens, computed ahead for it (`foresight`)
+    waited: Optional[Waited] = None  # it was held for a prefix in flight (`inflight`)
 
 
 class RequestLog:
@@ -67,13 +69,15 @@ class RequestLog:
 
     def fetched(self, prompt, matched: int, cached: int, path: str,
                 reuse: Optional[Reuse], from_disk: Optional[int] = None,
-                session: Optional[str] = None, foreseen: int = 0) -> None:
+                session: Optional[str] = None, foreseen: int = 0,
+                waited: Optional[Waited] = None) -> None:
         """A request's fetch (``from_disk``: None without a disk tier; ``session``: the
         client's session name, if it gave one; ``foreseen``: cached tokens that were
-        computed ahead for it, in idle time)."""
+        computed ahead for it, in idle time; ``waited``: it was held for a prefix another
+        request was computing)."""
         self._pending[next(self._seq)] = _Fetch(np.asarray(prompt, dtype=np.int64), matched,
                                                cached, path, reuse, time.time(), from_disk,
-                                               session, int(foreseen))
+                                               session, int(foreseen), waited)
         while len(self._pending) > PENDING:
             self._pending.popitem(last=False)
 
@@ -110,6 +114,8 @@ class RequestLog:
             line += f" | from disk {f.from_disk}"
         if f.foreseen:
             line += f" | computed ahead {f.foreseen}"
+        if f.waited is not None:
+            line += f.waited.note(f.cached)
         if disk_bytes is not None:
             line += f" | disk {human_bytes(disk_bytes)}"
         line += extra
@@ -125,6 +131,10 @@ class RequestLog:
             entry["disk_tokens"] = f.from_disk
         if f.foreseen:
             entry["foreseen_tokens"] = f.foreseen
+        if f.waited is not None:
+            entry["in_flight"] = {"waited_seconds": round(f.waited.seconds, 3),
+                                  "shared_tokens": max(0, f.cached - f.waited.restored),
+                                  "released": f.waited.how}
         if f.session is not None:
             entry["session"] = f.session
         if f.reuse is not None:

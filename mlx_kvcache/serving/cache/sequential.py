@@ -19,6 +19,12 @@ text ids the same way with or without images); from the first image on, the rows
 the image's pixels, which only mlx-lm's prefill computes. So: stops only up to the first
 image, and a restore never lands inside an image (mlx-lm counts an image as cached only
 when its first patch is; a part of an image would be fed twice).
+
+Work in flight (`inflight`): the prompt being fetched is a flight while its stops are
+prefilled; between its chunks the generator looks at the requests queued behind it
+(`SequentialRequest.between`), and each one sharing more of the prompt than the trie holds
+adds a stop where the two diverge — so it restores exactly there once its turn comes, on
+a hybrid or sliding-window model too.
 """
 
 from __future__ import annotations
@@ -35,9 +41,10 @@ from ...generation.model_pair import ModelPair
 from ...generation.prefill import Feed, on_stream
 from ...generation.prefill import prefill as run_prefill
 from ...prefix.stats import RequestStats
+from .inflight import Flight, InFlight
 
 __all__ = ["SequentialRequest", "current", "serving", "image_runs", "image_sizes", "outside_images",
-           "plan_stops", "prefill"]
+           "plan_stops", "prefill", "fetch"]
 
 _local = threading.local()
 
@@ -76,6 +83,12 @@ class SequentialRequest:
     draft_lengths: Optional[DraftLengths] = None
     #: Told what the fetch restores, once it knows (before it computes the rest).
     on_restored: Optional[Callable[[int], None]] = None
+    #: What names its model (mlx-lm's ``args.model``): a queued request on another model
+    #: shares nothing with it.
+    model: Any = None
+    #: Called between the chunks of its prefill: the generator looks at the queue behind it
+    #: (requests sharing its prompt ask its flight for stops, `inflight`).
+    between: Optional[Callable[[], None]] = None
 
     def restoring(self, n: int) -> None:
         """The fetch restores ``n`` tokens of the prompt (0: it computes it all)."""
@@ -162,16 +175,66 @@ def outside_images(live, start: int, runs: Sequence[Tuple[int, int]]) -> int:
 def prefill(live, pair: ModelPair, tokens: Sequence[int], start: int, stops: Sequence[int], *,
             step: int, checkpoint: Callable[[int], bool],
             progress: Optional[Callable[[int, int], None]] = None, stream: Any = None,
-            end: Optional[int] = None) -> int:
+            end: Optional[int] = None, flight: Optional[Flight] = None,
+            between: Optional[Callable[[], None]] = None) -> int:
     """Feed ``tokens[start:stops[-1]]`` (or on to ``end`` when it is further) to ``live``
     (a live set holding ``tokens[:start]``; with a draft model its caches follow the
     target's) on ``stream`` through the one chunked prefill (`generation.prefill`: chunks
     of at most ``step`` ending exactly at each stop, the ``kv_bits`` switch at its start),
-    calling ``checkpoint(offset)`` at each stop. Returns the offset the caches hold."""
+    calling ``checkpoint(offset)`` at each stop. With a ``flight`` the stops asked of it
+    join, ``between()`` (when given) is called before each chunk to let them be asked, and
+    the flight follows the prefill. Returns the offset the caches hold."""
     total = len(tokens) - start
-    last = max([start, *stops] + ([] if end is None else [end]))
-    return run_prefill(
-        Feed(pair, live, tokens[:start]), tokens, start, last, step=step, stops=stops,
-        checkpoint=checkpoint,
-        progress=None if progress is None else lambda at: progress(at - start, total),
-        run=on_stream(stream))
+    feed = Feed(pair, live, tokens[:start])
+    report = None if progress is None else lambda at: progress(at - start, total)
+    if flight is None:
+        last = max([start, *stops] + ([] if end is None else [end]))
+        return run_prefill(feed, tokens, start, last, step=step, stops=stops,
+                           checkpoint=checkpoint, progress=report, run=on_stream(stream))
+    pos = start
+    while True:
+        if between is not None:
+            between()
+        planned = sorted(set(stops) | set(flight.stops_in(pos, len(tokens))))
+        last = max([pos, *planned] + ([] if end is None else [end]))
+        if pos >= last:
+            return pos
+        nxt = min(pos + step, last)  # one chunk, cut at the stops inside it
+        pos = run_prefill(feed, tokens, pos, nxt, step=step,
+                          stops=[s for s in planned if pos < s <= nxt], checkpoint=checkpoint,
+                          progress=report, run=on_stream(stream))
+        flight.advanced(pos)
+
+
+def fetch(manager, pair: ModelPair, live, plan, key, seq: SequentialRequest, flights: InFlight,
+          fetched: Callable[[int], None]) -> int:
+    """The sequential fetch after its restore: ``live`` (restored by ``manager`` to
+    ``plan``) prefilled through its stops, storing the caches at each (`plan_stops`,
+    `prefill`), while the requests queued behind it may ask for more (it is a flight of
+    ``flights`` meanwhile); ``fetched(start)`` is told where it starts computing. Returns
+    the offset its caches are handed to mlx-lm at (`SequentialRequest.handed`)."""
+    start, stops = plan_stops(live, plan, key, seq, manager.kv_quant)
+    fetched(start)
+    seq.restoring(start)
+    prompt = seq.prompt if seq.prompt is not None and len(seq.prompt) == len(key) else key
+    # With --kv-bits the prompt but its last token is prefilled here, not by mlx-lm:
+    # our passes attend over the quantized rows dequantized (`attention_views`), several
+    # times faster than mlx-lm's quantized attention for many tokens on MLX's CPU build.
+    end = len(key) - 1 if manager.kv_quant is not None and seq.vision is None else None
+    # Only where a state is restored at stored points alone (hybrid, sliding window): a KV
+    # model's queued requests restore anywhere in what this request stores at its end.
+    flight = (flights.begin(key, start, seq.model)
+              if seq.vision is None and manager.whole_state else None)
+    if flight is not None and flights.enabled and end is None:
+        # The prompt is computed here, but its last token (as with --kv-bits): a request
+        # queued behind it can ask for a stop until then, not only up to the planned ones.
+        end = len(key) - 1
+    try:
+        seq.handed = prefill(
+            live, pair, prompt, start, stops, step=seq.prefill_step,
+            checkpoint=lambda at: manager.checkpoint(live, key[:at]), progress=seq.progress,
+            stream=seq.stream, end=end, flight=flight, between=seq.between)
+    finally:
+        if flight is not None:
+            flight.end()
+    return seq.handed

@@ -10,6 +10,9 @@ at the offsets the prompt cache asks for (`TriePromptCache.checkpoints`: every
 diverges inside a long message restores to within one interval of the divergence, and
 exactly from the second time.
 
+Work in flight (`cache.inflight`): the batch's requests are flights (`flight_batch`); a request
+sharing one is held until it stored their shared point (`followers`, `_next_request`).
+
 The rest (see `lifecycle`): `_next_request` is where mlx-lm's generation thread of every
 rank receives each request in lockstep (rank 0 reads its queue and shares the request), so
 a `Control` put on that queue reaches every rank at the same turn of its loop; one small
@@ -26,7 +29,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from queue import Empty, Queue
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mlx_lm.server import (CompletionRequest, GenerationContext, ResponseGenerator,
                            process_message_content)
@@ -44,6 +47,9 @@ from ..guards.admission import AdmissionQueue, DecodeJob
 from ..guards.memory import MemoryGuard, MemoryNeverFits, MemoryRefused
 from ..guards.validation import generation_problem
 from ..parsers.registry import Chosen, parser_for
+from . import flight_batch
+from .segments import split_segments
+from .followers import Followers, prompt_reader
 from .templates import answer_extends_prompt
 from .reasoning_budget import ReasoningBudget
 
@@ -176,28 +182,6 @@ class Fetched:
     restored: int
 
 
-def split_segments(segments: List[List[int]], types: List[str],
-                   cuts: Sequence[int]) -> Tuple[List[List[int]], List[str]]:
-    """Cut ``segments`` (consecutive pieces of one prompt) at the absolute offsets
-    ``cuts``; each piece keeps its segment's type. No piece is empty."""
-    out, out_types = [], []
-    start = 0
-    cuts = sorted(set(cuts))
-    for seg, kind in zip(segments, types):
-        end = start + len(seg)
-        pos = start
-        for c in cuts:
-            if pos < c < end:
-                out.append(seg[pos - start: c - start])
-                out_types.append(kind)
-                pos = c
-        if pos < end:
-            out.append(seg[pos - start:])
-            out_types.append(kind)
-        start = end
-    return out, out_types
-
-
 def _watched(response, ticket: Ticket, parser=None, ending: Optional[Callable[[], int]] = None):
     """mlx-lm's answer, keeping its last tokens on ``ticket`` — and, given a ``parser``
     (the model's output parser), what it says (`Ticket.heard`), with ``ending`` called as
@@ -284,7 +268,17 @@ class ServerResponseGenerator(ResponseGenerator):
         # The prompt cache copies only the rows it lacks: mlx-lm's extraction as views.
         extract.install()
         self.prompt_cache: TriePromptCache = prompt_cache
+        # Work in flight: the batch's requests are flights; requests sharing one are held.
+        self._admitting: Any = None  # ``args.model`` of the request the batch takes next
+        self.followers = Followers(prompt_cache, self._prefill_step, prompt_reader(
+            prompt_cache, self._tokenized, self._image_bytes, self._is_batchable))
+        self._hooks = flight_batch.hooks(prompt_cache, lambda: self.model_provider.model_key,
+                                         lambda: self._admitting)
         super().__init__(model_provider, prompt_cache)
+
+    def _run_generate(self):
+        with flight_batch.attached(self._hooks):  # the batch this thread builds: flights
+            super()._run_generate()
 
     def served(self) -> Optional[ServedModel]:
         """The served model (`ServedModel`) once the generation thread loaded it, else
@@ -344,10 +338,23 @@ class ServerResponseGenerator(ResponseGenerator):
         """``(prompt tokens, max tokens, tokens of each image)`` of a queued request,
         tokenized as mlx-lm will (kept for its `_tokenize`), or None when it cannot be told
         here."""
+        out = self._tokenized(item)
+        if out is None:
+            return None
+        vision = out[4]
+        return (len(out[0]), int(item[2].max_tokens or 0),
+                sequential.image_sizes(vision.cache_key) if vision is not None else ())
+
+    def _tokenized(self, item) -> Optional[tuple]:
+        """mlx-lm's tokenizing of a queued request (kept for its `_tokenize`), or None when
+        it cannot be done here."""
         _, request, args = item
         tokenizer = self.model_provider.tokenizer
         if tokenizer is None:
             return None
+        kept = self._sized.get(id(request))
+        if kept is not None and kept[0] is request and kept[1] is tokenizer:
+            return kept[2]
         try:
             out = super()._tokenize(_known(tokenizer, request, self.model_provider.model_key),
                                     request, args)
@@ -356,9 +363,7 @@ class ServerResponseGenerator(ResponseGenerator):
         if len(self._sized) > 1024:  # requests that ended before mlx-lm tokenized them
             self._sized.clear()
         self._sized[id(request)] = (request, tokenizer, out)
-        vision = out[4]
-        return (len(out[0]), int(args.max_tokens or 0),
-                sequential.image_sizes(vision.cache_key) if vision is not None else ())
+        return out
 
     def _image_bytes(self, item) -> int:
         """What decoding a queued request's images takes (`images.decode_bytes`: read as
@@ -427,13 +432,15 @@ class ServerResponseGenerator(ResponseGenerator):
         self.prompt_cache.expect(prompt, mr.marks if mr is not None and laid_out else (),
                                  mr.session if mr is not None else None,
                                  mr.agent if mr is not None else None,
-                                 mr.one_shot if mr is not None else False)
+                                 mr.one_shot if mr is not None else False,
+                                 self.followers.waited(request))
         guess_end = not self._goes_on_past_answer(tokenizer, request, args)
         seq = sequential.current()
         if seq is not None:  # the sequential fetch plans its own stops
             seq.prompt, seq.vision, seq.extra_stops = prompt, vision, marked
             seq.guess_end = guess_end
             return prompt, segments, types, state, vision
+        self._admitting = args.model  # the batch inserts it next: a flight on this model
         if vision is None and self.model_provider.model is not None:
             cuts = self.prompt_cache.checkpoints(self.model_provider.model_key, prompt, marked,
                                                  guess_end)
@@ -480,7 +487,10 @@ class ServerResponseGenerator(ResponseGenerator):
             progress=lambda done, total: rqueue.put((done, total)), stream=stream,
             prefill_step=self._prefill_step(),
             draft_lengths=self._draft_lengths,
-            on_restored=(lambda n: rqueue.put(Fetched(n))) if announce else None)
+            on_restored=(lambda n: rqueue.put(Fetched(n))) if announce else None,
+            model=args.model, between=None if self._is_distributed else
+            lambda: self.followers.scan(self.requests.waiting()))
+        self.followers.begin_scan()
         with sequential.serving(seq):
             super()._serve_single((_SequentialQueue(rqueue, seq, self._is_distributed), req, args),
                                   stream)
@@ -503,13 +513,19 @@ class ServerResponseGenerator(ResponseGenerator):
 
     def _next_request(self, timeout=None):
         if not (self._is_distributed and self._agree is not None):
-            if timeout is not None:  # no request in flight: work that waited for that
-                # foreseen prompts, a chunk at a time (`foresight`)
+            released = self.followers.release()  # held for a prefix in flight, free now
+            if released is not None:
+                return released
+            if timeout is not None and not self.followers.holding():
+                # no request in flight: work that waited for that: foreseen prompts, a
+                # chunk at a time (`foresight`)
                 self.prompt_cache.ahead(self._request_waiting, self._prefill_step())
                 self.prompt_cache.idle()
             request = super()._next_request(timeout)
             if request is not None and not isinstance(request[1], Control):
                 self.prompt_cache.busy()  # from here to the next idle loop, the disk writer waits
+                if self.followers.hold(request):
+                    return None  # kept aside: the loop goes on with its batch
         else:
             with self._phase(loop_phase(timeout)):
                 # One tiny collective a turn: a stop signal on any rank reaches rank 0,
@@ -528,6 +544,8 @@ class ServerResponseGenerator(ResponseGenerator):
 
     def _run_control(self, rqueue: Queue, control: Control) -> None:
         if control.kind == "stop":
+            self.followers.refuse_all(ServerStopping("the server is stopping; this request "
+                                                     "was not started"))
             if not self._is_distributed:
                 self.prompt_cache.idle()  # what waited for an idle batch is captured here, on this thread
             self._stop = True

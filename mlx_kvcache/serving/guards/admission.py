@@ -175,6 +175,15 @@ class AdmissionQueue(Queue):
                 continue
             self._arrive(queued, got)
 
+    def waiting(self) -> List[Tuple[Any, Any, Any]]:
+        """The requests waiting to be handed out, oldest first within the line; nothing is
+        taken (the generation thread's look at what is queued behind the request it runs:
+        work in flight, `engine.followers`)."""
+        self._arrivals()
+        return [w.item for w in self._line] + [
+            item for item in self._commands
+            if not self._is_command(item) and not isinstance(item[1], DecodeJob)]
+
     # -- the line -------------------------------------------------------------------------
     def _arrivals(self) -> None:
         while True:
