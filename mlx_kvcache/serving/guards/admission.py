@@ -181,7 +181,7 @@ class AdmissionQueue(Queue):
         work in flight, `engine.followers`)."""
         self._arrivals()
         return [w.item for w in self._line] + [
-            item for item in self._commands
+            item for _, item in self._commands
             if not self._is_command(item) and not isinstance(item[1], DecodeJob)]
 
     # -- the line -------------------------------------------------------------------------
