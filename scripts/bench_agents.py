@@ -480,7 +480,7 @@ def fixed_cost(work: Path, words: int = 4200, reps: int = 20) -> None:
     from mlx_lm.utils import load_tokenizer
 
     from mlx_kvcache.serving.routes.agents import conversation as cv
-    from mlx_kvcache.serving.engine.generator import MarkedRequest
+    from mlx_kvcache.serving.engine.requests import MarkedRequest
 
     d = smollm2_dir(work)
     if d is None:

@@ -57,15 +57,14 @@ class EndlessAnswer(ScriptedAnswer):
 
 
 class ScriptedCache:
-    """The prompt cache a scripted run stands in for: foresight off, nothing retired."""
+    """The prompt cache a scripted run stands in for: foresight off, its idle work real
+    (nothing is cached: nothing is foreseen or retired)."""
 
     def __init__(self) -> None:
         from mlx_kvcache.serving.cache.foresight import Foresight
+        from mlx_kvcache.serving.cache.idle_work import IdleWork
         self.foresight = Foresight(enabled=False)
-        self.retired: List[Any] = []
-
-    def retire(self, tokens: Any) -> None:
-        self.retired.append(tokens)
+        self.idle_work = IdleWork(self.foresight, lambda tokens: None, lambda: None)
 
 
 class ScriptedGenerator:
@@ -100,7 +99,7 @@ class FakeGenerator:
         import argparse
 
         from mlx_kvcache.serving.app import add_options
-        from mlx_kvcache.serving.engine.generator import ServedModel
+        from mlx_kvcache.serving.engine.requests import ServedModel
 
         parser = argparse.ArgumentParser()
         add_options(parser)

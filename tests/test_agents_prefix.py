@@ -402,7 +402,7 @@ def test_mlx_lm_takes_the_prompt_the_layout_encoded(tokenizers):
 
     from mlx_lm.server import ResponseGenerator
 
-    from mlx_kvcache.serving.engine.generator import MarkedRequest
+    from mlx_kvcache.serving.engine.requests import MarkedRequest
 
     tok = tokenizers["in_place"]
     conv = cv.Conversation.from_call([{"role": "system", "content": LONG_SYSTEM},

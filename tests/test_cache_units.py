@@ -90,7 +90,7 @@ def test_caching_off_stores_nothing_and_says_why(tmp_path):
         pc.end_turn(pc.turn_flags())
         pc.idle()
     assert not pc.stores_prompts() and pc.nbytes == 0 and len(pc) == 0
-    pc.foresee("s", prompt + [1, 2])  # nothing is computed ahead where nothing is stored
+    pc.idle_work.foresee("s", prompt + [1, 2])  # nothing is computed ahead where nothing is stored
     pc.ahead(lambda: False, 8)
     assert pc.report()["foresight"]["queued"] == 0 and len(pc) == 0
     assert pc.turn_flags() == [0, 0]

@@ -50,7 +50,6 @@ request log (`request_log`), the prompts foreseen (`foresight`).
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -67,6 +66,7 @@ from .layout import FetchExplainer, Layout
 from .namespace import namespace_of, salted, scoped_session
 from .extract import release
 from .foresight import Foresight
+from .idle_work import IdleWork
 from .inflight import InFlight, Waited
 from .idle_writes import IdleWrites
 from .model_state import ModelState, ModelStates, open_model
@@ -150,8 +150,6 @@ class TriePromptCache:
         #: The server's memory guard (`MemoryGuard`), when it has one: the cache holds at
         #: most what its limit leaves beside the running requests, and gives way to them.
         self.memory = memory
-        self._retiring: List[np.ndarray] = []  # prompts to age at the next idle moment
-        self._retiring_lock = threading.Lock()
         if memory is not None:
             memory.hold(self)
         self._turn = RankTurn()
@@ -160,6 +158,8 @@ class TriePromptCache:
         #: The next prompts the agent routes foresee, computed in idle time (`ahead`); off on
         #: the ranks of a sharded model (running would need the ranks to agree per chunk).
         self.foresight = Foresight(enabled=foresight and agree.size == 1)
+        #: Foresight's offers and runs, and retention (`idle_work`).
+        self.idle_work = IdleWork(self.foresight, self.key_of, self._per_token)
         #: The prompts being computed now (`inflight`): off on the ranks of a sharded model
         #: (holding a request would need the ranks to agree per turn).
         self.flights = InFlight(enabled=share_in_flight and agree.size == 1)
@@ -415,37 +415,16 @@ class TriePromptCache:
             # the batch is idle (`idle`), or now when too much has waited
             self._writes.capture(st)
 
-    # -- foresight: the next prompt, computed while the client is busy -------------------
-    def foresee(self, session: str, tokens: Sequence[int], expected: bool = True,
-                model_key: Any = None, epoch: Optional[int] = None,
-                agent: Optional[str] = None) -> None:
-        """The next prompt of ``session`` (an agent's key: `scoped_session`) starts with
-        ``tokens`` (rendered by a route when an answer ended; ``expected``: it ends a
-        `Foresight.expect`, whose ``epoch`` it is — a clear since drops it): the part the
-        trie lacks is computed while the generation loop is idle (`ahead`) — only on the
-        model ``model_key`` (whose tokenizer encoded ``tokens``; None: any). Any thread.
-        Dropped where nothing is cached (the cache off, or this model's caches cannot be
-        stored). ``tokens`` may carry a cache namespace: computed into it."""
-        key = self._key(tokens)
-        if not self.stores_prompts() or key is None:
-            if expected:
-                self.foresight.cancel()
-            return
-        self.foresight.offer(scoped_session(session, namespace_of(tokens), agent),
-                             as_tokens(tokens), expected, model_key, trie_key=key, epoch=epoch)
-
+    # -- idle work: foresight, retention --------------------------------------------------
     def ahead(self, waiting, step: int, stream=None) -> None:
         """The generation loop is idle: compute foreseen prefixes until ``waiting()`` says a
-        request came (asked before every chunk of ``step`` tokens). Generation thread."""
+        request came (`IdleWork.ahead`). Generation thread."""
         st = self._model
         if st is None or st.why_not is not None or not self.foresight.pending():
             return  # (caching off: nothing is computed ahead, as nothing is stored)
-        before = self.foresight.computed
-        self._guard("computing a foreseen prefix",
-                    lambda: self.foresight.run(st.manager, st.pair, step, waiting, stream,
-                                               st.key, self._per_token()),
-                    None, "foresight")
-        if self.foresight.computed != before and self.agree.size == 1 and self._writes.changed():
+        if self._guard("computing a foreseen prefix",
+                       lambda: self.idle_work.ahead(st, waiting, step, stream), False,
+                       "foresight") and self.agree.size == 1 and self._writes.changed():
             self._writes.capture(st)
         self._give_way()  # what it computed is cache: within the memory guard's room too
 
@@ -463,28 +442,14 @@ class TriePromptCache:
         if st is not None and st.writer is not None and self.agree.size == 1:
             st.writer.busy()
 
-    def retire(self, tokens: Sequence[int]) -> None:
-        """A prompt whose conversation will not go on (a one-shot's, a finished subagent's
-        last): what it alone holds in the trie — past the last point another prompt
-        branches off, its answer included — goes first under the budget
-        (`PrefixManager.age_tail`), at the generation loop's next idle moment. Any thread."""
-        key = self._key(tokens)
-        if key is not None and len(key):
-            with self._retiring_lock:
-                self._retiring.append(key)
-
     def idle(self) -> None:
         """The generation loop has no request in flight (and before it stops): age what
-        was retired (`retire`), capture what the inserts changed for the disk writer,
+        was retired (`IdleWork.retire`), capture what the inserts changed for the disk writer,
         which writes once the loop has stayed idle a moment (one process; `idle_writes`,
         `store.autosave`)."""
         st = self._model
-        with self._retiring_lock:
-            retired, self._retiring = self._retiring, []
         if st is not None and st.why_not is None:
-            for key in retired:
-                self._guard("ageing a finished prompt", lambda: st.manager.age_tail(key),
-                            None, "idle")
+            self._guard("ageing finished prompts", lambda: self.idle_work.age(st), None, "idle")
         if st is not None and st.writer is not None:
             st.writer.idle()
         if not self._writes.pending or st is None:

@@ -45,7 +45,8 @@ from ..guards.lifecycle import ServerStopping
 from ..guards.memory import MemoryNeverFits, MemoryRefused
 from ..parsers.base import (Call, CallArguments, CallBegin, CallCut, Output, Reasoning, Text,
                             UnreadCall)
-from .generator import Fetched, MarkedRequest, ServerResponseGenerator
+from .generator import ServerResponseGenerator
+from .requests import Fetched, MarkedRequest
 
 __all__ = ["Sampling", "AnswerRequest", "Started", "Progress", "Finished", "Failed",
            "AnswerEvent", "Answer", "Refused", "start", "NOTHING"]

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 from mlx_lm.server import APIHandler
 
 from ...generation.model_pair import vocab_size
-from ..engine.generator import MarkedRequest
+from ..engine.requests import MarkedRequest
 from ..guards.admin import AdminPolicy
 from ..guards.connections import Connection, DeadlinePassed, Evicted
 from ..guards.context import served_context

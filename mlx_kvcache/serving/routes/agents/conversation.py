@@ -26,7 +26,7 @@ length is ``count_tokens``) and, where the tokenizer reports character offsets, 
 each message and content part starts (``marks``: the miss explanation names the part a
 request diverged in) and where each part, tool or tool call the client marked with
 ``cache_control`` ends (``cuts``: checkpoint offsets). Its ids are the prompt mlx-lm
-then tokenizes without rendering it again (`generator.MarkedRequest.tokenizer_for`).
+then tokenizes without rendering it again (`requests.MarkedRequest.tokenizer_for`).
 """
 
 from __future__ import annotations

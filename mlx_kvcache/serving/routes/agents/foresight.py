@@ -124,7 +124,7 @@ def _render(generator, cache, fs, route, body, answer, call: ChatCall, epoch: Op
         known = common_prefix(renders)
         if known:
             ns = call.namespace
-            cache.foresee(session_of(call), Namespaced(known, ns) if ns else known,
+            cache.idle_work.foresee(session_of(call), Namespaced(known, ns) if ns else known,
                           model_key=served_key(generator), epoch=epoch, agent=call.agent)
             offered = True
     except AgentRequestError as e:  # the route would refuse its own follow-up: say why once

@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional
 
 from ...engine.answer import Answer, AnswerRequest, Refused, Sampling, start
-from ...engine.generator import MarkedRequest, ServedModel, ServerResponseGenerator
+from ...engine.generator import ServerResponseGenerator
+from ...engine.requests import MarkedRequest, ServedModel
 from ...engine.templates import (REASONING_SWITCHES, answer_extends_prompt, arguments_as_text,
                                  honours_thinking, one_call_per_message, reasoning_or_content,
                                  reasoning_switches, system_policy)

@@ -189,7 +189,7 @@ def serve(handler, route: Route, run: Optional[Callable[..., Any]] = None) -> No
         # without calls (it reports and is done), go first under the budget.
         if finished and (call.one_shot or (call.agent is not None
                                            and finished[0].reason != "tool_calls")):
-            generator.prompt_cache.retire(events.prompt)
+            generator.prompt_cache.idle_work.retire(events.prompt)
 
 
 class Events(Protocol):
