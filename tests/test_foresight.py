@@ -236,13 +236,20 @@ def test_a_waiting_request_takes_the_thread_at_the_next_chunk(dirs):
     # On a loaded machine the other request may reach the server only after the job ended on
     # its own: that attempt shows nothing, and a fresh session tries again (bounded).
     with _serve(dirs, "qwen3", "chunks", "--prefill-step-size", "2") as server:
+        mid = None
         for attempt in range(4):
             a = _session(server, "anthropic", name=f"long{attempt}", settle=False,
-                         result_len=900)
+                         result_len=2500)
+            finished = server.cache()["foresight"]["finished"]
             a.turn("Read the notes, please.")
+            # (a loaded machine may starve these looks until the job has ended: then this
+            # attempt shows nothing, and a fresh session tries again)
             running = server.watch.wait("foresight to start computing").until(
-                lambda: (lambda f: f if f["running"] else None)(server.cache()["foresight"]),
-                poll=0.005)
+                lambda: (lambda f: f if f["running"] or f["finished"] > finished else None)(
+                    server.cache()["foresight"]), poll=0.005)
+            if not running["running"]:
+                _settled(server)
+                continue
             b = _session(server, "anthropic", name=f"other{attempt}", settle=False)
             b.user("Hello.")
             b.ask()
