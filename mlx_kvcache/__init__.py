@@ -7,6 +7,9 @@ The folders are the layers (docs/design.md); each imports only the ones before i
 ``prefix``      2-3 the prefix trie and the manager (restore, snapshot, evict decisions)
 ``store``       4  the trie on disk, keyed by model identity
 ``generation``  5  `PrefixCache`: generation that reuses cached prefixes
+``serving``     5  ``mlx-kvcache serve``: mlx-lm's OpenAI-compatible server with the trie
+                   behind its prompt cache, the agent APIs (Anthropic Messages, OpenAI
+                   Responses) through one typed front door, output parsers, foresight
 ``models``, ``cli``  6  front ends: model loading, the ``mlx-kvcache`` commands
 """
 
