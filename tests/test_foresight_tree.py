@@ -56,10 +56,10 @@ def test_an_offer_rendered_before_a_clear_is_dropped():
 def test_an_idle_chunk_takes_about_the_yield_time_at_the_measured_rate():
     fs = Foresight()
     assert fs.chunk(2048) == fs_mod.FIRST_CHUNK  # nothing measured yet
-    fs._measured(1000, 10.0)  # 10 ms a token
+    fs.measured(1000, 10.0)  # 10 ms a token
     assert fs.chunk(2048) == int(fs_mod.YIELD_S / 0.01)
     assert fs.chunk(8) == 8  # never past the prefill step
-    fs._measured(10, 100.0)  # a very slow rate: never below the smallest chunk
+    fs.measured(10, 100.0)  # a very slow rate: never below the smallest chunk
     assert fs.chunk(2048) == fs_mod.MIN_CHUNK
 
 

@@ -269,7 +269,9 @@ class Foresight:
         n = FIRST_CHUNK if rate is None else int(YIELD_S / max(rate, 1e-9))
         return max(1, min(step, max(MIN_CHUNK, n)))
 
-    def _measured(self, tokens: int, seconds: float) -> None:
+    def measured(self, tokens: int, seconds: float) -> None:
+        """``tokens`` of idle prefill took ``seconds``: the rate the next chunks are sized
+        by (a running average)."""
         if tokens <= 0:
             return
         rate = seconds / tokens
@@ -314,7 +316,7 @@ class Foresight:
                     live, pair, tokens, pos, [s for s in stops if pos < s <= nxt] + [nxt],
                     step=step, checkpoint=lambda at: at < end and at in stops
                     and manager.checkpoint(live, ids[:at]), stream=stream)
-                self._measured(done - pos, time.perf_counter() - t0)
+                self.measured(done - pos, time.perf_counter() - t0)
                 pos = done
         except Exception:  # never into the generation loop; the request path recomputes
             log.exception("mlx_kvcache: computing a foreseen prefix failed")
