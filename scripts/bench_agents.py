@@ -913,8 +913,8 @@ def clients_bench(work: Path, clients: List[str], turns: int, npm: Path,
             ref = _class_sum(o, k, "ref")
             cells = []
             for who in ("ours", "no-foresight", "vllm-mlx", "stock"):
-                r = res.get(who)
-                cells.append("-" if r is None else
+                r = res.get(who)  # (none of the class: that server refused them, e.g. 400)
+                cells.append("-" if r is None or k not in r["classes"] else
                              f"{_class_sum(r, k, 'computed') / max(1, _class_sum(r, k, 'ref')):.3f}")
             print(f"  | {name} | {'on' if thinking else 'off'} | {k} | "
                   f"{o['classes'].count(k)} | {ref} | " + " | ".join(cells) + " |")
