@@ -72,9 +72,11 @@ class Client:
     question: str = "{q}"
 
     def turn(self, bins: Dict[str, Path], base: str, cwd: Path, home: Path, prompt: str,
-             first: bool, timeout: float = 7200) -> str:
-        """One headless CLI turn against the server at ``base`` (``http://127.0.0.1:PORT``);
-        its output. Raises on a failed turn."""
+             first: bool, timeout: float = 7200, model: str = "local") -> str:
+        """One headless CLI turn against the server at ``base`` (``http://127.0.0.1:PORT``),
+        asking for ``model`` (the name the server serves: stock ``mlx_lm.server`` serves
+        ``default_model``, and loads any other name from the Hugging Face hub); its output.
+        Raises on a failed turn."""
         home.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, HOME=str(home), PWD=str(cwd), XDG_CONFIG_HOME=str(home / ".config"),
                    XDG_DATA_HOME=str(home / ".local" / "share"),
@@ -82,7 +84,7 @@ class Client:
         exe = str(bins[self.cli])
         if self.cli == "claude":
             env.update(ANTHROPIC_BASE_URL=base, ANTHROPIC_AUTH_TOKEN="local",
-                       ANTHROPIC_MODEL="local", ANTHROPIC_SMALL_FAST_MODEL="local",
+                       ANTHROPIC_MODEL=model, ANTHROPIC_SMALL_FAST_MODEL=model,
                        CLAUDE_CODE_MAX_CONTEXT_TOKENS="262144")
             if self.name == "claude":
                 env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
@@ -90,7 +92,7 @@ class Client:
                     "--allowedTools", "Read", "Agent"]
         elif self.cli == "codex":
             (home / "config.toml").write_text(
-                'model = "local"\nmodel_provider = "bench"\n[model_providers.bench]\n'
+                f'model = "{model}"\nmodel_provider = "bench"\n[model_providers.bench]\n'
                 f'name = "bench"\nbase_url = "{base}/v1"\nwire_api = "responses"\n'
                 'stream_idle_timeout_ms = 3600000\n')
             env.update(CODEX_HOME=str(home), OPENAI_API_KEY="local")
@@ -102,20 +104,20 @@ class Client:
             provider = {
                 "npm": "@ai-sdk/anthropic" if anthropic else "@ai-sdk/openai-compatible",
                 "name": "local", "options": {"baseURL": f"{base}/v1", "apiKey": "local"},
-                "models": {"local": {"name": "local", "reasoning": True, "tool_call": True,
-                                     "limit": {"context": 262144, "output": 32000}}}}
+                "models": {model: {"name": "local", "reasoning": True, "tool_call": True,
+                                   "limit": {"context": 262144, "output": 32000}}}}
             cfg = home / "opencode.json"
             cfg.write_text(json.dumps({"$schema": "https://opencode.ai/config.json",
-                                       "model": "local/local", "autoupdate": False,
+                                       "model": f"local/{model}", "autoupdate": False,
                                        "share": "disabled", "provider": {"local": provider}}))
             env.update(OPENCODE_CONFIG=str(cfg), OPENCODE_DISABLE_AUTOUPDATE="1",
                        OPENCODE_DISABLE_MODELS_FETCH="1",
                        OPENCODE_EXPERIMENTAL_CACHE_STABILIZATION="1")
-            argv = [exe, "run", "--model", "local/local", "--dir", str(cwd),
+            argv = [exe, "run", "--model", f"local/{model}", "--dir", str(cwd),
                     *([] if first else ["--continue"]), prompt]
         elif self.cli == "qwen":
             env.update(OPENAI_BASE_URL=f"{base}/v1", OPENAI_API_KEY="local",
-                       OPENAI_MODEL="local", QWEN_CODE_SUPPRESS_YOLO_WARNING="1")
+                       OPENAI_MODEL=model, QWEN_CODE_SUPPRESS_YOLO_WARNING="1")
             argv = [exe, *([] if first else ["--continue"]), "-p", prompt, "--auth-type",
                     "openai", "--yolo"]
         else:

@@ -776,7 +776,8 @@ def _thinking_off(d: Path) -> None:
 
 
 def _contender(who: str, d: Path, work: Path, tag: str, vllm: Optional[Path],
-               env: Optional[Dict[str, str]] = None) -> Server:
+               env: Optional[Dict[str, str]] = None, tree: Optional[Path] = None) -> Server:
+    """Contender ``who``'s server on the model ``d``; ``tree``: ours from that checkout."""
     log = work / f"{tag}_{who}.log"
     if who == "vllm-mlx":
         return Server([str(vllm), "serve", str(d), "--served-model-name", "local",
@@ -788,7 +789,10 @@ def _contender(who: str, d: Path, work: Path, tag: str, vllm: Optional[Path],
         return Server([sys.executable, str(ROOT / "scripts" / "stock_server.py"), "--model",
                        str(d), "--trust-remote-code"], log, work / "home")
     extra = ["--no-foresight"] if who in ("no-foresight", "replay") else []
-    return Server([sys.executable, "-m", "mlx_kvcache.cli", "serve", "--model", str(d),
+    if tree is not None and who != "replay":  # its package first on the path, not ours
+        env = {**(env or {}), "PYTHONPATH": str(tree)}
+    return Server([sys.executable, *(["-P"] if tree is not None and who != "replay" else []),
+                   "-m", "mlx_kvcache.cli", "serve", "--model", str(d),
                    "--no-persist", "--trust-remote-code", *extra], log, work / "home",
                   env=env)
 
@@ -843,8 +847,11 @@ def _turns(sess: Dict[str, Any], live: List[Tuple[int, int]], classes: List[str]
 
 def clients_bench(work: Path, clients: List[str], turns: int, npm: Path,
                   vllm: Optional[Path] = None, thinking_modes=(True,), stock: bool = True,
-                  no_foresight: bool = True) -> None:
-    """The ``--clients`` benchmark (see the module doc)."""
+                  no_foresight: bool = True, hybrid: bool = False,
+                  tree: Optional[Path] = None) -> None:
+    """The ``--clients`` benchmark (see the module doc); ``hybrid``: the scripted model
+    with its recurrent layer; ``tree``: ours (with and without foresight) served from
+    that checkout (the replay's reference stays this one's)."""
     from mlx_kvcache.testing.agent_replay import classify
     from bench_agent_clients import CLIENTS, install_clients, versions
     bins = install_clients(npm)
@@ -862,22 +869,24 @@ def clients_bench(work: Path, clients: List[str], turns: int, npm: Path,
     for thinking in thinking_modes:
         for name in clients:
             client = CLIENTS[name]
-            tag = f"{name}_{'think' if thinking else 'nothink'}"
+            tag = f"{name}_{'think' if thinking else 'nothink'}{'_hybrid' if hybrid else ''}"
             d = write_scripted_dir(work / f"scripted_{tag}", "qwen3",
                                    step_calls=client.steps(files),
-                                   sub_calls=client.sub(files) if client.sub else None)
+                                   sub_calls=client.sub(files) if client.sub else None,
+                                   hybrid=hybrid)
             if not thinking:
                 _thinking_off(d)
             who_all = ["ours"] + (["no-foresight"] if no_foresight else []) \
                 + (["vllm-mlx"] if vllm is not None else []) \
                 + (["stock"] if stock and client.route == "chat" else [])
-            print(f"\n  {name}, Qwen3 template, thinking {'on' if thinking else 'off'}:",
-                  flush=True)
+            print(f"\n  {name}, Qwen3 template, thinking {'on' if thinking else 'off'}"
+                  f"{', hybrid model' if hybrid else ''}:", flush=True)
             res = {}
             for who in who_all:
                 turn_starts: List[float] = []
                 try:
-                    sess = _run_turns(client, who, d, work, tag, bins, turns, vllm, turn_starts)
+                    sess = _run_turns(client, who, d, work, tag, bins, turns, vllm, turn_starts,
+                                      tree)
                     live = _live(who, sess)
                     classes = [classify(e) for e in sess["exchanges"]]
                     ref = _replay(sess, d, work, tag)
@@ -904,8 +913,8 @@ def clients_bench(work: Path, clients: List[str], turns: int, npm: Path,
             ref = _class_sum(o, k, "ref")
             cells = []
             for who in ("ours", "no-foresight", "vllm-mlx", "stock"):
-                r = res.get(who)
-                cells.append("-" if r is None else
+                r = res.get(who)  # (none of the class: that server refused them, e.g. 400)
+                cells.append("-" if r is None or k not in r["classes"] else
                              f"{_class_sum(r, k, 'computed') / max(1, _class_sum(r, k, 'ref')):.3f}")
             print(f"  | {name} | {'on' if thinking else 'off'} | {k} | "
                   f"{o['classes'].count(k)} | {ref} | " + " | ".join(cells) + " |")
@@ -923,11 +932,13 @@ def clients_bench(work: Path, clients: List[str], turns: int, npm: Path,
               + f" | {fs.get('computed_tokens', 0)} ({fs.get('wasted_tokens', 0)}) |")
 
 
-def _run_turns(client, who, d, work, tag, bins, turns, vllm, turn_starts) -> Dict[str, Any]:
-    """`client_session`, noting each turn's start in ``turn_starts``."""
+def _run_turns(client, who, d, work, tag, bins, turns, vllm, turn_starts,
+               tree=None) -> Dict[str, Any]:
+    """One client session against contender ``who``, noting each turn's start in
+    ``turn_starts``."""
     from mlx_kvcache.testing.agent_replay import Recorder
     from bench_agent_clients import prompt_of
-    server = _contender(who, d, work, tag, vllm)
+    server = _contender(who, d, work, tag, vllm, tree=tree)
     rec = Recorder(server.port)
     try:
         for t in range(turns):
@@ -936,7 +947,7 @@ def _run_turns(client, who, d, work, tag, bins, turns, vllm, turn_starts) -> Dic
             client.turn(bins, f"http://127.0.0.1:{rec.port}", work / "project",
                         work / f"{tag}_{who}_home",
                         prompt_of(client, QUESTIONS[t % len(QUESTIONS)] + f" (turn {t + 1})"),
-                        t == 0)
+                        t == 0, model="default_model" if who == "stock" else "local")
             if who == "ours":
                 _settle(server)  # a person reads the answer
             got = [e for e in rec.since(t0) if e.generation]
@@ -1031,6 +1042,12 @@ def main(argv=None):
                     help="with --clients: leave out stock mlx_lm.server (chat-route clients)")
     ap.add_argument("--no-no-foresight", action="store_true",
                     help="with --clients: leave out ours with --no-foresight")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="with --clients: the scripted model with a recurrent layer too "
+                         "(restored only at checkpoints; a wrong restore changes its answers)")
+    ap.add_argument("--server-tree", default=None, metavar="DIR",
+                    help="with --clients: serve ours from the checkout DIR (e.g. the code "
+                         "before a change); the replay's reference stays this checkout's")
     args = ap.parse_args(argv)
     if args.clients is not None:
         print(f"command: python scripts/bench_agents.py {shlex.join(argv or sys.argv[1:])}")
@@ -1042,7 +1059,9 @@ def main(argv=None):
                              work.parent / "bench_agents_clients",
                              vllm=vllm_mlx_bin(Path(args.vllm_mlx)) if args.vllm_mlx else None,
                              thinking_modes=[m == "on" for m in args.thinking_modes],
-                             stock=not args.no_stock, no_foresight=not args.no_no_foresight)
+                             stock=not args.no_stock, no_foresight=not args.no_no_foresight,
+                             hybrid=args.hybrid,
+                             tree=Path(args.server_tree).resolve() if args.server_tree else None)
     if args.thinking:
         print(f"command: python scripts/bench_agents.py {shlex.join(argv or sys.argv[1:])}")
         work = Path(tempfile.mkdtemp(prefix="bench_agents_"))

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from mlx_kvcache.testing import scripted_model
-from mlx_kvcache.testing.agent_replay import Recorder, classify, perfect, usage_of
+from mlx_kvcache.testing.agent_replay import (Exchange, Recorder, classify, perfect,
+                                              replay_ids, usage_of)
 from mlx_kvcache.testing.agent_templates import CUE, SUBCUE, write_scripted_dir
 
 
@@ -134,6 +135,40 @@ def test_recorder_forwards_streams_and_records_each_request():
             assert [e.path for e in ex] == ["/v1/chat/completions"] * 2
             assert all(e.generation and e.usage == (3, 1) for e in ex)
             assert [classify(e) for e in ex] == ["main", "subagent"]
+    finally:
+        up.shutdown()
+        up.server_close()
+
+
+def test_the_replay_reads_a_token_log_line_only_once_it_parses(tmp_path):
+    log = tmp_path / "tokens.jsonl"
+    line = json.dumps({"prompt": [1, 2, 3], "answer": [4]}) + "\n"
+
+    class Up(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            with open(log, "a") as f:  # as a read racing a long append once saw it: a gap
+                f.write(line[:12] + " " * (len(line) - 13) + "\n")
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+    up = ThreadingHTTPServer(("127.0.0.1", 0), Up)
+    threading.Thread(target=up.serve_forever, daemon=True).start()
+    looks = []
+
+    def logged(ready):
+        looks.append(ready())  # the line with a gap is not one yet
+        log.write_text(line)   # the append completes
+        looks.append(ready())
+    try:
+        ex = Exchange(0.0, "POST", "/v1/chat/completions", {}, {"messages": []}, status=200)
+        assert replay_ids([ex], up.server_address[1], log, logged) == [([1, 2, 3], [4])]
+        assert looks == [False, True]
     finally:
         up.shutdown()
         up.server_close()

@@ -209,12 +209,20 @@ def classify(ex: Exchange) -> str:
     return "main"
 
 
-def _lines(path: Path) -> List[str]:
-    """The file's whole lines (a line still being written, with no newline yet, is not)."""
+def _rows(path: Path) -> List[Dict[str, Any]]:
+    """The file's JSON lines, up to the first that does not parse: a line still being
+    written is not one yet (a read racing the server's append of a long line has been
+    seen to return a newline past a gap in it)."""
     if not path.exists():
         return []
     text = path.read_text()
-    return text[: text.rfind("\n") + 1].splitlines()
+    out = []
+    for line in text[: text.rfind("\n") + 1].splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            break
+    return out
 
 
 def replay_ids(exchanges: Sequence[Exchange], port: int, token_log: Path,
@@ -235,7 +243,7 @@ def replay_ids(exchanges: Sequence[Exchange], port: int, token_log: Path,
 
     logged = logged or wait
     out = []
-    seen = len(_lines(token_log))
+    seen = len(_rows(token_log))
     for ex in exchanges:
         heads = {k: v for k, v in ex.headers.items() if k not in _HOP}
         heads["content-type"] = "application/json"
@@ -246,13 +254,12 @@ def replay_ids(exchanges: Sequence[Exchange], port: int, token_log: Path,
         c.close()
         if r.status != 200:
             raise RuntimeError(f"the replay of a {ex.path} request got {r.status}")
-        logged(lambda: len(_lines(token_log)) > seen)
-        lines = _lines(token_log)
-        if len(lines) != seen + 1:
-            raise RuntimeError(f"the replay server logged {len(lines) - seen} requests for one")
-        seen = len(lines)
-        row = json.loads(lines[-1])
-        out.append((row["prompt"], row["answer"]))
+        logged(lambda: len(_rows(token_log)) > seen)
+        rows = _rows(token_log)
+        if len(rows) != seen + 1:
+            raise RuntimeError(f"the replay server logged {len(rows) - seen} requests for one")
+        seen = len(rows)
+        out.append((rows[-1]["prompt"], rows[-1]["answer"]))
     return out
 
 

@@ -27,12 +27,15 @@ from . import scripted_model
 from .dirs import CHARS, SPECIALS
 
 __all__ = ["Family", "FAMILIES", "QWEN3_TEMPLATE", "GLM45_TEMPLATE", "CUE", "SUBCUE",
-           "write_scripted_dir", "STEP_PATHS"]
+           "WRONG", "write_scripted_dir", "STEP_PATHS"]
 
 #: What every user message of a scripted session carries (the model's cue: a new user turn).
 CUE = "<|q|>"
 #: What a task handed to a subagent carries (the cue of the script's ``sub`` part).
 SUBCUE = "<|t|>"
+#: What the hybrid scripted model answers (then it ends) where its recurrent state does not
+#: agree with its KV layer's history: a wrong restore (one character token).
+WRONG = "#"
 #: The file each tool step reads (the scripted model's calls, in order).
 STEP_PATHS = ("notes/a.txt", "notes/b.txt", "notes/c.txt", "notes/d.txt", "notes/e.txt")
 
@@ -304,7 +307,7 @@ def write_scripted_dir(path, family: str = "qwen3", steps: int = 3, tool: str = 
                        arg: str = "path", paths: Sequence[str] = STEP_PATHS,
                        fixed: Optional[Dict[str, Any]] = None,
                        step_calls: Optional[Calls] = None,
-                       sub_calls: Optional[Calls] = None) -> Path:
+                       sub_calls: Optional[Calls] = None, hybrid: bool = False) -> Path:
     """A model directory: the scripted agent model (`scripted_model`: ``steps`` tool calls
     per user turn, each after reasoning, then a text answer) with ``family``'s template.
     Step k calls ``tool`` with ``{arg: paths[k]}`` (and ``fixed``'s arguments: a real
@@ -315,7 +318,11 @@ def write_scripted_dir(path, family: str = "qwen3", steps: int = 3, tool: str = 
     ``step_calls`` instead gives each step's calls (several at once: parallel subagents;
     a step of n calls gets n results, so the next step taken is k + n). ``sub_calls``: the
     steps of a task that carries `SUBCUE` (a subagent's prompt; a fork's instruction after
-    its parent's conversation), then the same final answer."""
+    its parent's conversation), then the same final answer.
+
+    ``hybrid``: the model has a recurrent layer too (mlx-lm's ``ArraysCache``, restored
+    only at checkpoints), whose state must agree with the KV layer's history: where a
+    restore gets them out of step the model answers `WRONG` (see `scripted_model`)."""
     fam = FAMILIES[family]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -348,6 +355,8 @@ def write_scripted_dir(path, family: str = "qwen3", steps: int = 3, tool: str = 
     shutil.copyfile(scripted_model.__file__, path / "scripted_model.py")
     config = {"model_type": "scripted_agent", "model_file": "scripted_model.py",
               "vocab_size": vocab, "script": script, "eos_token_id": script["eos"]}
+    if hybrid:
+        config.update(hybrid=True, wrong=tok.convert_tokens_to_ids(WRONG))
     (path / "config.json").write_text(json.dumps(config))
     mx.save_safetensors(str(path / "model.safetensors"), {"w": mx.zeros((1,))},
                         metadata={"format": "mlx"})

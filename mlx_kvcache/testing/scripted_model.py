@@ -24,6 +24,17 @@ shaped as an agent loop (several tool steps per user turn) comes out of any temp
 renders the cue, the results and the generation prompt. Everything decided is plain token
 ids in the config (`Script`).
 
+``hybrid`` (config): a second layer, recurrent — mlx-lm's ``ArraysCache(2)``, as Mamba's
+and gated delta nets' layers — whose state is a function of the tokens it absorbed (slot 0:
+the last token; slot 1, float32: `checksum` — their count and two running sums modulo
+`MOD`, each exact in float32), so the server treats the model as a hybrid (its state
+cannot rewind: restores only at checkpoints; batch padding masked as real hybrids mask it,
+`ArraysCache.make_mask`). Each step compares the state with the checksum of the history its
+KV layer holds: where they differ (a state restored from another offset than the KV
+layer's) it answers the config's ``wrong`` token once, then ends
+the answer, instead of the script. Token id 0 (the tokenizer's ``<unk>``, never in a
+prompt; what mlx-lm pads batches with) counts in neither layer.
+
 A second kind of script (`plan_answers`) spells out each step's whole answer in a family's
 own markup (gpt-oss's harmony, Llama 3.x's JSON calls, DeepSeek's call tokens), where
 the turn opens and what a tool result looks like: `family_dirs` writes those.
@@ -51,15 +62,39 @@ class ModelArgs:
     #: and ``calls``, then ``final_thought`` and ``final``; optionally ``sub``, a
     #: subagent's script (its ``cue`` and the same four).
     script: Dict[str, Any] = field(default_factory=dict)
+    #: A recurrent layer too (see the module doc); ``wrong`` is then the token answered
+    #: where its state and the KV layer's history disagree.
+    hybrid: bool = False
+    wrong: int = 0
 
     @classmethod
     def from_dict(cls, params: Dict[str, Any]) -> "ModelArgs":
         return cls(**{k: v for k, v in params.items() if k in ("model_type", "vocab_size",
-                                                                 "script")})
+                                                                 "script", "hybrid", "wrong")})
 
 
 class _Layer(nn.Module):
-    """Stands where mlx-lm counts layers (one KV cache)."""
+    """Stands where mlx-lm counts layers (one per cache)."""
+
+
+#: The recurrent state's running sums are kept modulo this prime (below 2**16: a sum plus
+#: a chunk's tokens stays far below 2**53 in the int64 arithmetic, and the state's values
+#: are exact in float32).
+MOD = 65521
+
+
+def checksum(tokens: np.ndarray, start: Optional[np.ndarray] = None) -> np.ndarray:
+    """The recurrent state after absorbing ``tokens`` (ids, token 0 skipped) from
+    ``start`` (``[count, s1, s2]``; zeros by default): count + 1, s1 += t, s2 += s1 per
+    token, the sums modulo `MOD` (s2 depends on the order). float64 ``[count, s1, s2]``."""
+    t = np.asarray(tokens, dtype=np.int64)
+    t = t[t != 0]
+    c0, a0, b0 = (np.zeros(3, dtype=np.int64) if start is None
+                  else np.asarray(start, dtype=np.float64).astype(np.int64))
+    s1 = (a0 + np.cumsum(t % MOD)) % MOD
+    s2 = (b0 + int(np.sum(s1 % MOD))) % MOD if len(t) else b0
+    s1_end = int(s1[-1]) if len(t) else a0
+    return np.array([c0 + len(t), s1_end, s2], dtype=np.float64)
 
 
 def _find_last(hay: np.ndarray, needle: List[int]) -> int:
@@ -152,8 +187,36 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.layers = [_Layer()]
+        self.layers = [_Layer(), _Layer()] if args.hybrid else [_Layer()]
         self.w = mx.zeros((1,))
+
+    def make_cache(self) -> List[Any]:
+        """mlx-lm's caches: the KV layer's, and (hybrid) the recurrent layer's."""
+        from mlx_lm.models.cache import ArraysCache, KVCache
+        return [KVCache(), ArraysCache(2)] if self.args.hybrid else [KVCache()]
+
+    def _absorb(self, inputs: mx.array, rc: Any) -> Optional[np.ndarray]:
+        """The recurrent layer's step: ``inputs`` (less the batch's padding, as its mask
+        says) absorbed into ``rc``'s state; the state after it, per row (None: no cache)."""
+        if rc is None:
+            return None
+        toks = np.array(inputs.astype(mx.int32))
+        mask = rc.make_mask(toks.shape[1]) if hasattr(rc, "make_mask") else None
+        keep = np.ones(toks.shape, dtype=bool) if mask is None else np.array(mask)
+        keep = np.broadcast_to(keep, toks.shape)
+        prev = None if rc[1] is None else np.array(rc[1])
+        last = None if rc[0] is None else np.array(rc[0])
+        state = np.zeros((toks.shape[0], 3), dtype=np.float64)
+        tail = np.zeros((toks.shape[0], 1), dtype=np.float64)
+        for row in range(toks.shape[0]):
+            got = toks[row][keep[row]]
+            state[row] = checksum(got, None if prev is None else prev[row])
+            got = got[got != 0]
+            tail[row, 0] = got[-1] if len(got) else (0 if last is None else last[row, 0])
+        rc[0] = mx.array(tail.astype(np.float32))
+        rc[1] = mx.array(state.astype(np.float32))
+        rc.advance(toks.shape[1])
+        return state
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None, **kwargs) -> mx.array:
         b, n = inputs.shape
@@ -162,12 +225,20 @@ class Model(nn.Module):
             keys, _ = cache[0].update_and_fetch(ids, ids)
         else:
             keys = ids
+        state = (self._absorb(inputs, cache[1] if cache is not None else None)
+                 if self.args.hybrid else None)
         hist = np.array(keys[:, 0, :, 0].astype(mx.int32))  # (id + 1), 0 = padding
         logits = np.zeros((b, n, self.args.vocab_size), dtype=np.float32)
         for row in range(b):
             h = hist[row]
             h = h[h > 0] - 1
-            logits[row, -1, plan(self.args.script, h)] = 30.0
+            if state is not None and not np.array_equal(checksum(h), state[row]):
+                # the recurrent state is not the one this history gives: a wrong restore
+                nxt = self.args.script["eos"] if len(h) and h[-1] == self.args.wrong \
+                    else self.args.wrong
+            else:
+                nxt = plan(self.args.script, h)
+            logits[row, -1, nxt] = 30.0
         return mx.array(logits) + self.w[0]
 
     def sanitize(self, weights):
