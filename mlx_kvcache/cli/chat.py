@@ -38,6 +38,7 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``chat`` and its options on the command's subparsers."""
     from ..generation.draft_length import POLICIES
+    from ..generation.lookup import DEFAULT_MOST
 
     c = sub.add_parser("chat", help="chat with a model, reusing the conversation prefix",
                        description="Chat in the terminal (or from a pipe, one turn per line); "
@@ -67,7 +68,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="decode without prompt lookup (on by default: where an answer repeats "
                    "text of the conversation, the model verifies several copied tokens in one "
                    "pass; the answers are the same either way)")
-    c.add_argument("--prompt-lookup-num-tokens", type=_non_negative, default=None, metavar="N",
+    c.add_argument("--prompt-lookup-num-tokens", type=_non_negative, default=DEFAULT_MOST,
+                   metavar="N",
                    help="the most tokens prompt lookup proposes per step (default 10; fewer "
                    "where they would not pay)")
     c.add_argument("--system", default=None, help="system prompt")
@@ -121,9 +123,8 @@ def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO, d
     ``--no-persist``. Prints how many cached tokens were loaded."""
     import inspect
 
-    kw = {"max_bytes": args.max_cache_bytes, "prompt_lookup": args.prompt_lookup}
-    if args.prompt_lookup_num_tokens is not None:
-        kw["prompt_lookup_num_tokens"] = args.prompt_lookup_num_tokens
+    kw = {"max_bytes": args.max_cache_bytes, "prompt_lookup": args.prompt_lookup,
+          "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens}
     if args.kv_bits is not None:
         kw.update(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                   quantized_kv_start=args.quantized_kv_start)
