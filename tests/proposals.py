@@ -12,7 +12,7 @@ from mlx_kvcache.generation.pass_cost import PassCost
 
 class ScriptedDrafter:
     """Proposes ``ref`` (the prompt and plain decoding's answer) from the current
-    position: ``agree(pos)`` tokens of it, then a wrong one (``agree`` None: all right).
+    position: ``agree(pos)`` tokens of it, then wrong ones.
     Checks that what it is told was emitted is ``ref``'s."""
 
     def __init__(self, ref: Sequence[int], tokens: Sequence[int],
@@ -22,6 +22,9 @@ class ScriptedDrafter:
         assert list(tokens) == self.ref[: self.n]
         self.calls: List[int] = []
 
+    def __len__(self) -> int:
+        return self.n
+
     def extend(self, tokens: Sequence[int]) -> None:
         for t in tokens:
             assert self.n < len(self.ref) and t == self.ref[self.n], (self.n, t)
@@ -30,9 +33,7 @@ class ScriptedDrafter:
     def propose(self, most: int):
         right = self.ref[self.n: self.n + most]
         j = min(self.agree(self.n), len(right))
-        out = right[:j]
-        if j < len(right):
-            out.append((right[j] + 1) % self.vocab)
+        out = right[:j] + [(t + 1) % self.vocab for t in right[j:]]  # wrong from j on
         self.calls.append(self.n)
         return out[:most], 8  # (a "match" long enough for any policy)
 
