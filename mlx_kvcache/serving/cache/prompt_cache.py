@@ -51,10 +51,11 @@ import numpy as np
 
 from ...prefix.agreement import SOLO, Agreement
 from ...prefix.explain import Explainer, Reuse
+from ...prefix.stats import RequestStats
 from ...prefix.tokens import as_tokens
 from ..guards.lifecycle import exit_now
 from ..guards.memory import MemoryGuard
-from . import sequential
+from . import decoding, sequential
 from .namespace import namespace_of, salted, unsalted
 from .extract import release
 from .foresight import Foresight
@@ -346,11 +347,14 @@ class TriePromptCache:
             return
         seq = sequential.current()
         note, key = "", tokens  # prompt + answer; ``tokens`` what the caches hold
+        decoded = None  # the request's proposals and passes (`decoding`)
         if seq is not None and seq.absorbed is not None:
-            # A draft-model generation: its caches hold a prefix of the key (both models
-            # at one committed offset), or nothing consistent (-1).
+            # Our decoder's generation (prompt lookup, a draft model): its caches hold a
+            # prefix of the key (both models at one committed offset), or nothing
+            # consistent (-1).
             tokens = key[: max(seq.absorbed, 0)]
-            note = f" | drafted {seq.stats.drafted_tokens} accepted {seq.stats.accepted_tokens}"
+            decoded = seq.stats
+            note = decoding.note(seq.stats)
             length = None if seq.draft_lengths is None else seq.draft_lengths.current
             if length is not None and not seq.stats.drafted_tokens:
                 note += (f" (--draft-policy adaptive: a draft step costs "
@@ -371,10 +375,13 @@ class TriePromptCache:
                 log.warning("mlx_kvcache: not caching: a %s cache list does not hold exactly "
                             "the tokens it is stored under, or cannot be snapshotted",
                             "/".join(kinds))
+        if seq is None and final is not None:  # a batch row's end
+            decoded = decoding.take(prompt_cache)
+            note = decoding.note(decoded) if decoded is not None else note
         sharded = self.agree.size > 1
         if caches is None and (not sharded or not len(tokens)):
             if final is not None:
-                self._log_request(st, key, final, note + " | not stored")
+                self._log_request(st, key, final, note + " | not stored", decoded)
             return
         # On a sharded model every rank records (the node without state where its caches
         # cannot be stored), with no collective; the turn settles the rest (`rank_turn`).
@@ -394,7 +401,8 @@ class TriePromptCache:
             # a request's end (segment ends are its prefixes)
             self._explainer.remember(tokens, st.manager.evicted_bytes, self.clears)
         if final is not None:
-            self._log_request(st, key, final, note if caches is not None else note + " | not stored")
+            self._log_request(st, key, final,
+                              note if caches is not None else note + " | not stored", decoded)
         if not sharded and self._writes.changed():
             # sharded: once a turn, after the budget is settled (`end_turn`); else while
             # the batch is idle (`idle`), or now when too much has waited
@@ -660,14 +668,17 @@ class TriePromptCache:
         st.core.close(timeout, recapture=False)
 
     # -- the request log line -------------------------------------------------------------
-    def _log_request(self, st: ModelState, tokens: np.ndarray, fetch: int, extra: str = "") -> None:
+    def _log_request(self, st: ModelState, tokens: np.ndarray, fetch: int, extra: str = "",
+                     decoded: Optional[RequestStats] = None) -> None:
         """One line per request, at its final insert (``tokens``: prompt plus answer;
-        ``fetch``: its fetch in the log, `RequestLog.final_of`)."""
+        ``fetch``: its fetch in the log, `RequestLog.final_of`; ``decoded``: its
+        proposals and passes, where our decoder counted them)."""
         mgr = st.manager
         held = mgr.peek(lambda: mgr.trie.nbytes)
         disk = st.store.disk_bytes if st.store is not None else None
         self._log.finished(fetch, tokens, held, self.max_bytes,
-                           self.agree.rank if self.agree.size > 1 else None, extra, disk)
+                           self.agree.rank if self.agree.size > 1 else None, extra, disk,
+                           decoding=None if decoded is None else decoding.summary(decoded))
         if self.profile.timing:
             log.info(self.profile.line(self.agree.rank))
 

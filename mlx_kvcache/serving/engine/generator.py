@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from mlx_lm.server import CompletionRequest, GenerationContext, ResponseGenerator
 
 from ...generation.draft_length import DraftLengths
+from ...generation.lookup import DEFAULT_MOST
+from ...prefix.stats import RequestStats
 from ..cache import extract, sequential
 from ..cache.profile import count_share, loop_phase
 from ..cache.namespace import Namespaced
@@ -40,6 +42,7 @@ from ..guards.images import ImagePolicy
 from ..guards.memory import (AdmissionQueue, DecodeJob, MemoryGuard, MemoryNeverFits,
                              MemoryRefused)
 from ..guards.validation import generation_problem
+from .lookup_request import RequestLookup, attach, lookup_of
 from .templates import answer_extends_prompt
 from .reasoning_budget import ReasoningBudget
 
@@ -77,6 +80,8 @@ class MarkedRequest(CompletionRequest):
     #: What decoding its images takes (`images.decode_bytes`), read by the HTTP thread as
     #: it checked them; None: not read there (the generation thread reads it).
     image_bytes: Optional[int] = None
+    #: The request's own ``prompt_lookup_num_tokens`` (0: off), or None: the server's.
+    prompt_lookup_num_tokens: Optional[int] = None
 
     def encoded_for(self, model_key: Any) -> bool:
         """Whether `tokens`, `cuts` and `marks` are in the vocabulary of the model
@@ -392,10 +397,12 @@ class ServerResponseGenerator(ResponseGenerator):
         # The fetch inside is sequential: it prefills through the planned stops, storing
         # the caches at each, reporting progress on the request's queue (`sequential`).
         rqueue, req, args = request
+        lookup = lookup_of(args)
         seq = sequential.SequentialRequest(
             progress=lambda done, total: rqueue.put((done, total)), stream=stream,
             prefill_step=self._prefill_step(),
-            draft_lengths=self._draft_lengths)
+            draft_lengths=self._draft_lengths,
+            stats=lookup.stats if lookup is not None else RequestStats())
         with sequential.serving(seq):
             super()._serve_single((_SequentialQueue(rqueue, seq, self._is_distributed), req, args),
                                   stream)
@@ -494,6 +501,8 @@ class ServerResponseGenerator(ResponseGenerator):
         ticket = Ticket()
         set_ticket(ticket)
         generation_args = self._same_model(generation_args)
+        lookup = RequestLookup(self._lookup_tokens(request, generation_args))
+        attach(generation_args, lookup)  # (its sampler carries it on either path)
         if self.lifecycle.cut.is_set():
             self._refuse(ticket)
         try:
@@ -514,7 +523,22 @@ class ServerResponseGenerator(ResponseGenerator):
             self._refuse(ticket)
         ticket.started = True
         ticket.ctx = ctx
+        attach(ctx, lookup)  # usage reads its counters (`lookup_request.lookup_of(ctx)`)
         return ctx, _watched(response, ticket)
+
+    def _lookup_tokens(self, request, args) -> int:
+        """How many tokens a round of this request's prompt lookup may verify: its own
+        ``prompt_lookup_num_tokens`` or the server's (0: off — ``--no-prompt-lookup``, or
+        XTC sampling, whose one coin per call would tie the positions of a round)."""
+        cli = self.cli_args
+        if not getattr(cli, "prompt_lookup", True):
+            return 0
+        own = request.prompt_lookup_num_tokens if isinstance(request, MarkedRequest) else None
+        most = int(getattr(cli, "prompt_lookup_num_tokens", DEFAULT_MOST)) if own is None else own
+        sampling = getattr(args, "sampling", None)
+        if getattr(sampling, "xtc_probability", 0.0):
+            return 0
+        return most
 
     @staticmethod
     def _refuse(ticket: Ticket) -> None:

@@ -27,7 +27,11 @@ from ...generation.lookup import LookupPlan, PromptLookup
 from ...prefix.stats import RequestStats
 
 __all__ = ["RequestLookup", "LookupSampler", "attach", "lookup_of", "with_lookup",
-           "lengths_for", "plan_for"]
+           "lengths_for", "plan_for", "lookup_tokens", "with_predictions", "BODY_FIELD"]
+
+#: A request's own setting, named as mlx-lm's server names its draft options
+#: (``num_draft_tokens``) and as Hugging Face's ``generate`` names prompt lookup.
+BODY_FIELD = "prompt_lookup_num_tokens"
 
 #: The attribute of mlx-lm's per-request ``GenerationArguments`` (and of its
 #: ``GenerationContext``, for the routes) that holds the request's `RequestLookup`.
@@ -117,3 +121,31 @@ def plan_for(model: Any, sampler: Any) -> Optional[LookupPlan]:
         return None
     req = sampler.request
     return LookupPlan(req.most, req.length_on(model), req.make_drafter)
+
+
+def lookup_tokens(body: Any) -> Optional[int]:
+    """A request body's `BODY_FIELD` (None: absent); ValueError naming a bad one."""
+    if not isinstance(body, dict) or body.get(BODY_FIELD) is None:
+        return None
+    v = body[BODY_FIELD]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{BODY_FIELD} must be an integer >= 0 (0 turns prompt lookup off "
+                         f"for this request), got {v!r}")
+    return v
+
+
+def with_predictions(response: Any, ctx: Any) -> Any:
+    """An OpenAI response whose ``usage`` gains the request's proposals (from its context
+    ``ctx``): ``completion_tokens_details.accepted_prediction_tokens`` (proposed and
+    emitted) and ``rejected_prediction_tokens`` (proposed and not), as OpenAI reports
+    Predicted Outputs — here the proposals are prompt lookup's or a draft model's."""
+    lookup = lookup_of(ctx) if ctx is not None else None
+    usage = response.get("usage") if isinstance(response, dict) else None
+    if lookup is None or not isinstance(usage, dict):
+        return response
+    st = lookup.stats
+    details = dict(usage.get("completion_tokens_details") or {})
+    details.update(accepted_prediction_tokens=st.accepted_tokens,
+                   rejected_prediction_tokens=st.drafted_tokens - st.accepted_tokens)
+    usage["completion_tokens_details"] = details
+    return response

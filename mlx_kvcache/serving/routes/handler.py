@@ -37,6 +37,7 @@ from mlx_lm.server import APIHandler
 
 from ...generation.model_pair import vocab_size
 from ..engine.generator import MarkedRequest
+from ..engine.lookup_request import lookup_tokens, with_predictions
 from ..guards.admin import AdminPolicy
 from ..guards.context import served_context
 from ..guards.images import ImagePolicy, image_urls, url_problem
@@ -312,6 +313,7 @@ class CacheAPIHandler(APIHandler):
         if isinstance(self.stream_options, dict):  # mlx-lm reads the key without a default
             self.stream_options = {"include_usage": False, **self.stream_options}
         self.cache_namespace = request_namespace(self.body, self.headers, self.by_api_key())
+        self.prompt_lookup_num_tokens = lookup_tokens(self.body)
 
     def by_api_key(self) -> bool:
         """Whether a request's API key is its cache namespace (``--cache-namespace-by``)."""
@@ -325,11 +327,12 @@ class CacheAPIHandler(APIHandler):
 
     def _marked(self, request, image_bytes: Optional[int] = None):
         namespace = getattr(self, "cache_namespace", None)
-        if namespace is None and image_bytes is None:
+        lookup = getattr(self, "prompt_lookup_num_tokens", None)
+        if namespace is None and image_bytes is None and lookup is None:
             return request
         return MarkedRequest(request.request_type, request.prompt, request.messages,
                              request.tools, request.role_mapping, namespace=namespace,
-                             image_bytes=image_bytes)
+                             image_bytes=image_bytes, prompt_lookup_num_tokens=lookup)
 
     def handle_chat_completions(self):
         # Images: no URL fetched unless the server allows it, none decoded over the pixel
@@ -372,7 +375,12 @@ class CacheAPIHandler(APIHandler):
         ticket = current_ticket()
         if finish_reason is not None and ticket is not None and ticket.cut:
             finish_reason = "length"  # the stop cut the answer short
-        return super().generate_response(text, finish_reason, *args, **kwargs)
+        return with_predictions(super().generate_response(text, finish_reason, *args, **kwargs),
+                                getattr(ticket, "ctx", None))
+
+    def completion_usage_response(self, *args, **kwargs):
+        return with_predictions(super().completion_usage_response(*args, **kwargs),
+                                getattr(current_ticket(), "ctx", None))
 
     def _set_completion_headers(self, status_code: int = 200):
         ticket = current_ticket()
