@@ -358,3 +358,46 @@ def test_sampling_keeps_the_models_distribution():
     # The statistic has the power to see a wrong rule: always emitting the proposal.
     wrong = Counter({most_likely: n})
     assert sum(abs(wrong[k] / n - q) for k, q in p.items()) > eps
+
+
+# -- real lookups on a model that copies: drafts where it copies, none where it does not --------
+def copying(tmp_path, kind, chain):
+    from pathlib import Path
+
+    from mlx_lm.utils import load_model
+
+    from mlx_kvcache.testing.copy_dirs import chain_table, write_copy_dir
+
+    d = write_copy_dir(Path(tmp_path) / kind, kind, succ=chain_table([chain], 103))
+    return load_model(d, trust_remote_code=True)[0]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+def test_copied_text_drafts_and_fresh_text_falls_back_at_once(tmp_path, kind):
+    """The real drafter and policy (a fixed cost: no timing). An answer that copies the
+    prompt with two changes is mostly accepted drafts; an answer whose every token the
+    prompt follows with another (a wrong match at every step) drafts a few times until
+    the failures are learned, then only probes — and both are plain decoding's."""
+    rng = random.Random(9)
+    text = rng.sample(range(8, 103), 80)
+    copy = text[:30] + [5] + text[31:60] + text[61:]
+    fresh = list(text)
+    while any(b == fresh[fresh.index(a) + 1] if fresh.index(a) + 1 < len(fresh) else False
+              for a, b in zip(text, text[1:])):
+        rng.shuffle(fresh)  # no pair of the prompt's follows in the answer
+    for answer_chain, copied in ((copy, True), (fresh, False)):
+        m = copying(tmp_path / str(copied), kind, [1] + answer_chain + [2])
+        prompt = [3] + text + [4, 1]
+        n = len(answer_chain) + 1
+        ref = cold(m, prompt, n)
+        assert [t for t, _ in ref] == answer_chain + [2]
+        pc = mk.PrefixCache(m)
+        pc.lookup = LookupPlan(10, LookupLength(fixed_cost(1.1, 0.05)))
+        rs = list(pc.stream_generate(mk.testing.TokenIdTokenizer(eos=[2]), prompt, n + 5))
+        assert_same(ref, [(r.token, r.logprobs) for r in rs])
+        st = rs[-1].cache
+        if copied:
+            assert st.lookup_accepted_tokens >= 0.8 * n and st.target_passes <= n // 3, st
+        else:
+            assert st.lookup_accepted_tokens == 0 and st.lookup_drafted_tokens <= 8, st
+            assert st.target_passes == n

@@ -18,7 +18,10 @@ token being computed: the pipeline stays as mlx-lm runs it while nothing is draf
 and what a round fed past the accepted tokens is taken back before it returns: KV layers
 and a window that did not wrap are trimmed; any other layer (a recurrent state, a window
 that wrapped) returns to a snapshot taken before the pass, the trimmed KV layers with
-it, and the accepted tokens are fed again at once.
+it, and the accepted tokens are *carried*: fed again at the front of the row's next
+round (so a rejection costs no pass of its own). A carry is the one thing a step may
+leave behind, and it never meets mlx-lm: it is fed before anything of mlx-lm's reads or
+merges the caches (`extend`, `extract_cache`, the row's end), or when it grows long.
 
 Several rows at once are stepped by mlx-lm alone: their caches share one write offset
 (left-padded), so rows accepting different numbers of tokens would need re-padding every
@@ -52,6 +55,11 @@ class LookupBatch(GenerationBatch):
     """mlx-lm's ``GenerationBatch`` whose single row may verify prompt-lookup proposals
     (see the module doc). Every other step is mlx-lm's own."""
 
+    #: Tokens the row emitted that its caches lack (after a return to a snapshot).
+    _carry: Tuple[int, ...] = ()
+    #: A carry longer than this is fed on its own (bounds a pass's length).
+    MAX_CARRY = 32
+
     def next(self):
         rows = self._lookups()
         plan = self._plan(rows)
@@ -61,6 +69,31 @@ class LookupBatch(GenerationBatch):
             return out
         return self._round(*plan)
 
+    # -- what mlx-lm reads finds the caches whole -----------------------------------------
+    def extend(self, batch):
+        self._feed_carry()
+        super().extend(batch)
+
+    def extract_cache(self, idx: int):
+        self._feed_carry()
+        return super().extract_cache(idx)
+
+    def filter(self, keep):
+        if not keep:
+            self._carry = ()
+        super().filter(keep)
+
+    def _feed_carry(self) -> None:
+        """Feed the carry, if any: the caches then hold every token the row emitted."""
+        if not self._carry:
+            return
+        self.model(mx.array([list(self._carry)], mx.uint32), cache=self.prompt_cache)
+        mx.eval([c.state for c in layers_of(self.prompt_cache)])
+        rows = self._lookups()
+        if self.uids and self.uids[0] in rows:
+            rows[self.uids[0]].stats.target_passes += 1
+        self._carry = ()
+
     # -- which step -----------------------------------------------------------------------
     def _lookups(self) -> Dict[int, RequestLookup]:
         """The `RequestLookup` of each row, by uid."""
@@ -68,23 +101,24 @@ class LookupBatch(GenerationBatch):
                 if isinstance(s, LookupSampler)}
 
     def _plan(self, rows: Dict[int, RequestLookup]) -> Optional[Tuple[RequestLookup, List[int], int]]:
-        """``(lookup, proposal, match)`` when this step is a verify round."""
+        """``(lookup, proposal, match)`` when this step is our round (one with proposals,
+        or one that feeds a carry)."""
         if len(self.uids) != 1 or self.uids[0] not in rows or self._next_tokens is None:
             return None
         req = rows[self.uids[0]]
         left = self.max_tokens[0] - self._num_tokens[0] - 1  # (the pending token comes first)
         most = min(req.most, left)
-        if most <= 0:
-            return None
-        fed = self.tokens[0]
-        if req.drafter is None:
-            req.drafter = req.make_drafter(fed)
-        elif len(req.drafter) < len(fed):
-            req.drafter.extend(fed[len(req.drafter):])
-        toks, match = req.drafter.propose(most + 1)
-        toks = toks[1:]  # (its first token guesses the pending one)
-        k = req.length_on(self.model).next(match, len(toks)) if toks else 0
-        return (req, toks[:k], match) if k else None
+        k, toks, match = 0, [], 0
+        if most > 0:
+            fed = self.tokens[0]
+            if req.drafter is None:
+                req.drafter = req.make_drafter(fed)
+            elif len(req.drafter) < len(fed):
+                req.drafter.extend(fed[len(req.drafter):])
+            toks, match = req.drafter.propose(most + 1)
+            toks = toks[1:]  # (its first token guesses the pending one)
+            k = req.length_on(self.model).next(match, len(toks)) if toks else 0
+        return (req, toks[:k], match) if k or self._carry else None
 
     def _count(self, rows: Dict[int, RequestLookup], out: List[Any]) -> None:
         """A step of mlx-lm's own: one pass for each row, one token for each response."""
@@ -102,22 +136,25 @@ class LookupBatch(GenerationBatch):
             if r.finish_reason is not None:
                 decoding.ended(r.prompt_cache, st)
 
-    # -- a verify round ------------------------------------------------------------------
+    # -- our round ------------------------------------------------------------------------
     def _round(self, req: RequestLookup, drafts: List[int], match: int) -> List[Any]:
-        k = len(drafts)
+        k, carry = len(drafts), list(self._carry)
         pending = self._next_tokens
         pending_logprobs = self._next_logprobs[0]
-        inputs = mx.concatenate([pending.astype(mx.uint32), mx.array(drafts, mx.uint32)])
+        inputs = mx.concatenate([mx.array(carry, mx.uint32), pending.astype(mx.uint32),
+                                 mx.array(drafts, mx.uint32)])
         leaves = layers_of(self.prompt_cache)
         snaps = {i: ForeignRollback(c).rollback_point() for i, c in enumerate(leaves)
-                 if not _kv(c)}
-        logits = self.model(inputs[None], cache=self.prompt_cache)[0]
+                 if not _kv(c)} if k else {}
+        logits = self.model(inputs[None], cache=self.prompt_cache)[0, len(carry):]
+        self._carry = ()
         processors = (self.logits_processors[0] if self.logits_processors else None) or ()
+        ours = inputs[len(carry):]
         if processors:
             head = self._token_context[0].tokens
             rows = []
             for i in range(k + 1):
-                hist = mx.concatenate([head, inputs[: i + 1].astype(head.dtype)])
+                hist = mx.concatenate([head, ours[: i + 1].astype(head.dtype)])
                 row = logits[i:i + 1]
                 for p in processors:
                     row = p(hist, row)
@@ -144,16 +181,18 @@ class LookupBatch(GenerationBatch):
             if finish is not None:
                 emitted = emitted[: j + 1]
                 break
-        replayed = self._take_back(leaves, snaps, k + 1, emitted)
+        self._take_back(leaves, snaps, len(inputs), carry + emitted)
+        if finish is not None or len(self._carry) > self.MAX_CARRY:
+            self._feed_carry()  # (before the row's cache is read, or a pass grows long)
         self.tokens[0].extend(emitted)
         if processors:
             self._token_context[0].update_and_fetch(mx.array(emitted, mx.int32))
         row_logprobs = [pending_logprobs] + [logprobs[i] for i in range(len(emitted) - 1)]
-        self._current_tokens = inputs[len(emitted) - 1: len(emitted)]
+        self._current_tokens = ours[len(emitted) - 1: len(emitted)]
         self._current_logprobs = row_logprobs[-1:]
         self._next_tokens = sampled[n: n + 1]
         self._next_logprobs = [logprobs[n]]
-        self._counted(req, k, n, match, emitted, replayed)
+        self._counted(req, k, n, match, emitted)
         uid = self.uids[0]
         out = []
         for j, tok in enumerate(emitted):
@@ -169,27 +208,26 @@ class LookupBatch(GenerationBatch):
         return out
 
     def _take_back(self, leaves: List[Any], snaps: Dict[int, Any], fed: int,
-                   kept: List[int]) -> bool:
-        """The caches hold ``fed`` tokens past the row's: keep ``kept`` of them. Whether
-        that took a pass (the kept tokens fed again)."""
+                   kept: List[int]) -> None:
+        """The pass fed ``fed`` tokens past what the caches held: keep ``kept`` of them,
+        trimming the rest — or, where a layer cannot trim, every layer back to before the
+        pass, the kept tokens carried."""
         drop = fed - len(kept)
         if not drop:
-            return False
+            return
         if all(i not in snaps or c.is_trimmable() for i, c in enumerate(leaves)):
             for c in leaves:
                 c.trim(drop)
-            return False
-        for i, c in enumerate(leaves):  # back to the snapshot, then the kept tokens again
+            return
+        for i, c in enumerate(leaves):
             if i in snaps:
                 ForeignRollback(c).return_to(snaps[i], 0)
             else:
                 c.trim(fed)
-        self.model(mx.array([kept], mx.uint32), cache=self.prompt_cache)
-        mx.eval([c.state for c in leaves])
-        return True
+        self._carry = tuple(kept)
 
     def _counted(self, req: RequestLookup, k: int, n: int, match: int,
-                 emitted: List[int], replayed: bool) -> None:
+                 emitted: List[int]) -> None:
         st: RequestStats = req.stats
         accepted = len(emitted) - 1
         st.drafted_tokens += k
@@ -197,9 +235,10 @@ class LookupBatch(GenerationBatch):
         st.lookup_drafted_tokens += k
         st.lookup_accepted_tokens += accepted
         st.generated_tokens += len(emitted)
-        st.target_passes += 1 + replayed
+        st.target_passes += 1
         length = req.length_on(self.model)
-        length.observe(match, k, n)
+        if k:
+            length.observe(match, k, n)
         now = time.perf_counter()
         if req.last is not None:
             length.cost.observe(k, now - req.last)
