@@ -24,9 +24,10 @@ its prompt cache — and, for ours, measuring what its passes cost), as a server
 been running does.
 
 Reported per row: decode time per output token (first token to last: prefill excluded)
-for each server, the ratio of prompt lookup's to stock's, and forward passes per output
-token (``GET /v1/cache``; stock and plain decoding run one per token). Medians of the
-repeats.
+for each server (medians of the repeats), prompt lookup's time over stock's and over
+plain decoding's (the median of each repeat's ratio: the three run back to back, so the
+drift of a shared machine cancels), and forward passes per output token (``GET
+/v1/cache``; stock and plain decoding run one per token).
 
     python scripts/bench_lookup.py                         # llama and the hybrid
     python scripts/bench_lookup.py --kinds llama --repeats 5 --quote 40
@@ -127,7 +128,9 @@ def scenario(lines: int, quote: int, seed: int = 0) -> Dict[str, str]:
     fresh = "The change touches " + " ".join(fresh_words) + "."
     # The fresh request's prompt goes on past the edit's answer (its positions must not
     # meet the edit answer's in the script): the same context, padded, another question.
-    pad = "Notes: " + " ".join(rng2.choice(words) for _ in range(len(edit.split()) + 50))
+    import re
+    pad = "Notes: " + " ".join(rng2.choice(words)
+                               for _ in range(len(re.findall(TOKEN_RE, edit)) + 50))
     fresh_context = context + f"\n{pad}\nUser: Explain the change in one paragraph.\nAssistant: "
     return {"edit_prompt": context, "edit": edit, "fresh_prompt": fresh_context, "fresh": fresh}
 
@@ -268,11 +271,15 @@ def run_kind(kind: str, root: Path, texts: Dict[str, str], repeats: int) -> List
                         p, tokens = passes(s, sent)
                         ppt.append(p / tokens)
             med = {k: statistics.median(v) for k, v in per.items()}
+
+            def paired(a, b):  # each repeat's ratio (run back to back): the machine's drift cancels
+                return statistics.median(x / y for x, y in zip(per[a], per[b]))
             rows.append({"model": kind, "answer": name, "tokens": len(answer),
                          "verify_cost_11": ratio,
                          **{f"{k}_ms_per_token": 1000 * v for k, v in med.items()},
-                         "lookup_vs_stock": med["lookup"] / med["stock"],
-                         "plain_vs_stock": med["plain"] / med["stock"],
+                         "lookup_vs_stock": paired("lookup", "stock"),
+                         "lookup_vs_plain": paired("lookup", "plain"),
+                         "plain_vs_stock": paired("plain", "stock"),
                          "passes_per_token": statistics.median(ppt),
                          "runs": {k: [round(1000 * x, 3) for x in v] for k, v in per.items()}})
             print(json.dumps(rows[-1]), flush=True)
@@ -284,13 +291,13 @@ def run_kind(kind: str, root: Path, texts: Dict[str, str], repeats: int) -> List
 
 def table(rows: List[Dict[str, Any]]) -> str:
     out = ["| model | answer | tokens | stock ms/tok | plain ms/tok | lookup ms/tok | "
-           "lookup / stock | passes / token |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+           "lookup ÷ stock | lookup ÷ plain | passes / token |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r['model']} | {r['answer']} | {r['tokens']} | "
-                   f"{r['stock_ms_per_token']:.2f} | {r['plain_ms_per_token']:.2f} | "
-                   f"{r['lookup_ms_per_token']:.2f} | {r['lookup_vs_stock']:.2f}x | "
-                   f"{r['passes_per_token']:.2f} |")
+                   f"{r['stock_ms_per_token']:.1f} | {r['plain_ms_per_token']:.1f} | "
+                   f"{r['lookup_ms_per_token']:.1f} | **{r['lookup_vs_stock']:.2f}** | "
+                   f"{r['lookup_vs_plain']:.2f} | {r['passes_per_token']:.2f} |")
     return "\n".join(out)
 
 

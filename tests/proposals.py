@@ -47,10 +47,10 @@ class VerifyAll(LookupLength):
         self.cost.observe = lambda k, seconds: None
         self.seen = []
 
-    def next(self, match: int, most: int) -> int:
+    def next(self, match: int, most: int, tally=None) -> int:
         return most
 
-    def observe(self, match: int, proposed: int, accepted: int) -> None:
+    def observe(self, match: int, proposed: int, accepted: int, tally=None) -> None:
         self.seen.append((proposed, accepted))
 
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as hs
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 import mlx_kvcache as mk
-from mlx_kvcache.generation.draft_length import LookupLength
+from mlx_kvcache.generation.draft_length import LookupLength, LookupTally
 from mlx_kvcache.generation.lookup import LookupPlan, PromptLookup
 from mlx_kvcache.generation.pass_cost import PassCost
 from models import V, build
@@ -104,6 +104,22 @@ def test_long_matches_draft_long_and_failed_short_ones_stop_at_once():
         ll.observe(2, ks[-1], 0)
     assert set(ks) <= {0, 1} and sum(ks) <= 6
     assert ll.next(0, 10) == 0 and ll.next(5, 0) == 0
+
+
+def test_a_request_that_stops_copying_stops_drafting_whatever_others_did():
+    """The model's other requests made matches of 3 tokens reliable; this request's fail:
+    its own tally overrules the model's estimate within a few rounds, then it only probes."""
+    ll = LookupLength(fixed_cost(1.1, 0.1))
+    for _ in range(200):
+        ll.observe(3, 4, 4)
+    assert ll.acceptance(3) > 0.95
+    tally, ks = LookupTally(), []
+    for _ in range(40):
+        ks.append(ll.next(3, 10, tally))
+        ll.observe(3, ks[-1], 0, tally)
+    assert ks[0] >= 6  # (it had every reason to draft at first)
+    assert sum(1 for k in ks if k) <= 10 and set(ks[-25:]) <= {0, 1} and sum(ks[-25:]) <= 2
+    assert ll.acceptance(3, LookupTally()) > 0.5  # a new request starts from the model's
 
 
 @pytest.mark.parametrize("alpha,c", [(1.0, 0.0), (1.1, 0.05), (1.3, 0.4), (2.0, 1.0)])

@@ -51,7 +51,7 @@ from ..caches import settle
 from ..caches.factory import recurrent_arrays
 from ..caches.rollback import layers_of, rollback_of
 from ..prefix.stats import RequestStats
-from .draft_length import DraftLength
+from .draft_length import DraftLength, LookupTally
 from .lookup import LookupPlan
 from .model_pair import clamp_ids
 
@@ -230,6 +230,7 @@ class SpeculativeDecoder:
         self.length = length
         self.lookup = lookup
         self.drafter = None if lookup is None or lookup.most <= 0 else lookup.drafter(self.seq)
+        self.tally = LookupTally()  # this request's own lookup rounds
         self.max_carry = 2 * (max(self.k, lookup.most if self.drafter else 0) + 1)
         self.sampler, self.processors, self.eos = sampler, list(processors), eos
         self.max_tokens, self.stats, self.vocab = max_tokens, stats, vocab
@@ -303,7 +304,7 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             toks, match = self.drafter.propose(min(most, self.lookup.most) + shifted)
             toks = toks[1:] if shifted else toks
-            kl = self.lookup.length.next(match, len(toks)) if toks else 0
+            kl = self.lookup.length.next(match, len(toks), self.tally) if toks else 0
         kd = 0
         if self.d is not None:
             kd = min(self.k, most) if self.length is None else self.length.next(min(self.k, most))
@@ -311,7 +312,8 @@ class SpeculativeDecoder:
             a = self.length.acceptance
             draft_speed = (sum(a ** i for i in range(kd + 1))
                            / (self.lookup.length.cost.relative(kd) + kd * self.length.cost))
-            if self.lookup.length.speed(match, kl) >= draft_speed:
+            if self.lookup.length.speed(
+                    match, kl, self.lookup.length.acceptance(match, self.tally)) >= draft_speed:
                 kd = 0
             else:
                 kl = 0
@@ -379,7 +381,7 @@ class SpeculativeDecoder:
         if fl.source == "lookup":
             st.lookup_drafted_tokens += k
             st.lookup_accepted_tokens += n
-            self.lookup.length.observe(fl.match, k, n)
+            self.lookup.length.observe(fl.match, k, n, self.tally)
         elif self.d is not None and self.length is not None:
             self.length.observe(k, n)  # (a round without drafts too: a scripted length sees it)
         if k:

@@ -117,7 +117,7 @@ class LookupBatch(GenerationBatch):
                 req.drafter.extend(fed[len(req.drafter):])
             toks, match = req.drafter.propose(most + 1)
             toks = toks[1:]  # (its first token guesses the pending one)
-            k = req.length_on(self.model).next(match, len(toks)) if toks else 0
+            k = req.length_on(self.model).next(match, len(toks), req.tally) if toks else 0
         return (req, toks[:k], match) if k or self._carry else None
 
     def _count(self, rows: Dict[int, RequestLookup], out: List[Any]) -> None:
@@ -237,9 +237,9 @@ class LookupBatch(GenerationBatch):
         st.generated_tokens += len(emitted)
         st.target_passes += 1
         length = req.length_on(self.model)
-        if k:
-            length.observe(match, k, n)
         now = time.perf_counter()
-        if req.last is not None:
-            length.cost.observe(k, now - req.last)
+        if k:
+            length.observe(match, k, n, req.tally)
+            if req.last is not None:  # (a round that only fed a carry is neither kind)
+                length.cost.observe(k, now - req.last)
         req.last = now

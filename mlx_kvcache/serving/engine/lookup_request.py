@@ -22,7 +22,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from ...generation.draft_length import LookupLength
+from ...generation.draft_length import LookupLength, LookupTally
 from ...generation.lookup import LookupPlan, PromptLookup
 from ...prefix.stats import RequestStats
 
@@ -51,6 +51,7 @@ class RequestLookup:
     last: Optional[float] = None
     make_drafter: Callable[[Any], Any] = PromptLookup
     length: Optional[LookupLength] = None
+    tally: LookupTally = field(default_factory=LookupTally)
 
     def length_on(self, model: Any) -> LookupLength:
         """The `LookupLength` this request follows on ``model``."""
