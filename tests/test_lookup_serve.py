@@ -88,6 +88,11 @@ def test_sequential_path_and_streams(server):
     assert text == ANSWER
     usage = [c["usage"] for c in chunks if c.get("usage")][-1]
     assert usage["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    # Sampling with a seed asks for the seed's samples: no lookup (a round draws as many
+    # as it verifies, and that is timed); greedy with a seed keeps it (above).
+    t1 = time.time()
+    assert answer(server.chat(MESSAGES, max_tokens=100, seed=3, temperature=1.0))[0] == ANSWER
+    assert decoding_since(server, t1)["drafted_tokens"] == 0
     # A text completion that opens the answer's turn itself.
     done = server.complete(f"<|user|>Copy this: {TEXT}</s><|assistant|>", max_tokens=100)
     assert done["choices"][0]["text"] == ANSWER

@@ -67,7 +67,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     c.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false",
                    help="decode without prompt lookup (on by default: where an answer repeats "
                    "text of the conversation, the model verifies several copied tokens in one "
-                   "pass; the answers are the same either way)")
+                   "pass; the answers are the same either way; off when sampling with --seed, "
+                   "so a seed gives the same answers every time)")
     c.add_argument("--prompt-lookup-num-tokens", type=_non_negative, default=DEFAULT_MOST,
                    metavar="N",
                    help="the most tokens prompt lookup proposes per step (default 10; fewer "
@@ -123,7 +124,10 @@ def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO, d
     ``--no-persist``. Prints how many cached tokens were loaded."""
     import inspect
 
-    kw = {"max_bytes": args.max_cache_bytes, "prompt_lookup": args.prompt_lookup,
+    # A seed asks for the same samples every time: a lookup round draws as many as it
+    # verifies, and how many it verifies is timed.
+    seeded = args.seed is not None and args.temp > 0
+    kw = {"max_bytes": args.max_cache_bytes, "prompt_lookup": args.prompt_lookup and not seeded,
           "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens}
     if args.kv_bits is not None:
         kw.update(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,

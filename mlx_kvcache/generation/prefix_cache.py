@@ -125,7 +125,9 @@ class PrefixCache:
             one pass (`lookup`, `speculative`) — greedy answers are token for token those
             without it, sampled ones keep the model's distribution; where nothing is
             copied each round is a plain step. With a draft model, each round takes the
-            better proposal. False: plain decoding.
+            better proposal. False: plain decoding. Sampling with a seed (`seed`) gives
+            the same answers every time only without it: a round draws its samples
+            together, as many as it verifies, and how many is timed.
         prompt_lookup_num_tokens: the most tokens a round verifies (default 10; fewer
             where they would not pay: `LookupLength`); a request may pass its own (0: off
             for that request).

@@ -528,8 +528,11 @@ class ServerResponseGenerator(ResponseGenerator):
 
     def _lookup_tokens(self, request, args) -> int:
         """How many tokens a round of this request's prompt lookup may verify: its own
-        ``prompt_lookup_num_tokens`` or the server's (0: off — ``--no-prompt-lookup``, or
-        XTC sampling, whose one coin per call would tie the positions of a round)."""
+        ``prompt_lookup_num_tokens`` or the server's. 0 (off) with ``--no-prompt-lookup``;
+        for XTC sampling, whose one coin per call would tie the positions of a round; and
+        for sampling with a seed, which asks for the same answer every time: a round
+        draws its samples together, as many as it verifies, which is timed — the answer
+        would have the model's distribution but not the seed's samples."""
         cli = self.cli_args
         if not getattr(cli, "prompt_lookup", True):
             return 0
@@ -537,6 +540,8 @@ class ServerResponseGenerator(ResponseGenerator):
         most = int(getattr(cli, "prompt_lookup_num_tokens", DEFAULT_MOST)) if own is None else own
         sampling = getattr(args, "sampling", None)
         if getattr(sampling, "xtc_probability", 0.0):
+            return 0
+        if getattr(args, "seed", None) is not None and getattr(sampling, "temperature", 0.0):
             return 0
         return most
 
