@@ -205,6 +205,24 @@ def verify_cost(d: Path, prompt: List[int], k: int = 10, repeats: int = 9) -> fl
     return timed(k + 1) / timed(1)
 
 
+def decision_cost(prompt: List[int], answer: List[int]) -> float:
+    """Seconds a plain step spends deciding not to draft: the drafter's proposal and the
+    policy's choice, per token of ``answer`` after ``prompt`` (median; no model runs)."""
+    from mlx_kvcache.generation.draft_length import LookupLength, LookupTally
+    from mlx_kvcache.generation.lookup import PromptLookup
+
+    pl, ll, tally = PromptLookup(prompt), LookupLength(), LookupTally()
+    out = []
+    for t in answer:
+        t0 = time.perf_counter()
+        toks, match = pl.propose(11)
+        if toks:
+            ll.next(match, len(toks) - 1, tally)
+        out.append(time.perf_counter() - t0)
+        pl.extend([t])
+    return statistics.median(out)
+
+
 def stream(port: int, prompt: str, max_tokens: int) -> Tuple[str, int, float]:
     """(text, completion tokens, decode seconds per token after the first)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
@@ -240,8 +258,9 @@ def passes(server: Server, sent: float) -> Tuple[int, int]:
 def run_kind(kind: str, root: Path, texts: Dict[str, str], repeats: int) -> List[Dict[str, Any]]:
     d, cases = build(root, kind, texts)
     ratio = verify_cost(d, cases["edit"][0])
-    print(f"[{kind}] a verify pass of 11 tokens costs {ratio:.2f}x a one-token pass here",
-          flush=True)
+    decide = decision_cost(*cases["fresh"])
+    print(f"[{kind}] a verify pass of 11 tokens costs {ratio:.2f}x a one-token pass here; "
+          f"deciding a step's proposal takes {decide * 1e6:.0f} us", flush=True)
     common = ("--trust-remote-code",)
     servers = {
         "stock": Server.stock(d, root / f"{kind}-stock.log", root, *common),
@@ -275,7 +294,7 @@ def run_kind(kind: str, root: Path, texts: Dict[str, str], repeats: int) -> List
             def paired(a, b):  # each repeat's ratio (run back to back): the machine's drift cancels
                 return statistics.median(x / y for x, y in zip(per[a], per[b]))
             rows.append({"model": kind, "answer": name, "tokens": len(answer),
-                         "verify_cost_11": ratio,
+                         "verify_cost_11": ratio, "decision_us": 1e6 * decide,
                          **{f"{k}_ms_per_token": 1000 * v for k, v in med.items()},
                          "lookup_vs_stock": paired("lookup", "stock"),
                          "lookup_vs_plain": paired("lookup", "plain"),

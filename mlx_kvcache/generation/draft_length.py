@@ -232,8 +232,9 @@ class LookupLength:
     BUCKETS = (1, 2, 3, 4, 6, 9, 16, 32)
     #: The acceptance assumed before any round, per bucket (worth ``weight`` proposals).
     PRIORS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85)
-    #: What the model's estimate is worth in a request's own (in its rounds' trials).
-    REQUEST_PRIOR = 2.0
+    #: What the model's estimate is worth in a request's own (in its rounds' trials): one
+    #: failure of this request halves it.
+    REQUEST_PRIOR = 1.0
     PROBE_FIRST, PROBE_MOST = 8, 128
 
     def __init__(self, cost: Optional[PassCost] = None, *, weight: float = 2.0,

@@ -238,8 +238,19 @@ class LookupBatch(GenerationBatch):
         st.target_passes += 1
         length = req.length_on(self.model)
         now = time.perf_counter()
+        took = None if req.last is None else now - req.last
+        req.last = now
+        if req.unsettled is not None and took is not None:
+            # The round before left a carry: what feeding it cost beyond a plain step is
+            # part of that round's cost.
+            prev_k, prev = req.unsettled
+            extra = max(0.0, took - length.cost.plain_seconds) if not k else 0.0
+            length.cost.observe(prev_k, prev + extra)
+        req.unsettled = None
         if k:
             length.observe(match, k, n, req.tally)
-            if req.last is not None:  # (a round that only fed a carry is neither kind)
-                length.cost.observe(k, now - req.last)
-        req.last = now
+            if took is not None:
+                if self._carry:
+                    req.unsettled = (k, took)
+                else:
+                    length.cost.observe(k, took)

@@ -52,6 +52,9 @@ class RequestLookup:
     make_drafter: Callable[[Any], Any] = PromptLookup
     length: Optional[LookupLength] = None
     tally: LookupTally = field(default_factory=LookupTally)
+    #: A round whose rejection left a carry: ``(k, seconds)``, its cost measured once the
+    #: round that feeds the carry is done (a hybrid's rejection costs both).
+    unsettled: Optional[Tuple[int, float]] = None
 
     def length_on(self, model: Any) -> LookupLength:
         """The `LookupLength` this request follows on ``model``."""
