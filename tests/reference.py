@@ -49,6 +49,13 @@ def new_cache(m, **kw):
         # The drafts here are noisy copies as large as their targets, which the adaptive
         # policy never drafts with: tests of the rollback rules draft every round.
         kw.setdefault("draft_policy", "fixed")
+        # Their rounds are the draft model's alone (lookup beside a draft: test_lookup).
+        kw.setdefault("prompt_lookup", False)
+    if kw.get("kv_bits") is not None:
+        # The kv_bits tests rebuild each reused row the way it was computed (decoded rows in
+        # one-token passes); prompt lookup decodes in verify passes, another summation order,
+        # which quantization can turn into a step. (Lookup with kv_bits: test_lookup.)
+        kw.setdefault("prompt_lookup", False)
     pc = mk.PrefixCache(m, **kw)
     pc._test_seq = next(_COUNTER)  # snapshots created from here on belong to pc
     return pc

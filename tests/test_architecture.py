@@ -63,6 +63,7 @@ FOREIGN_PRIVATE = {
     "_decode_image",  # mlx_lm.server's image decoding, for count_tokens (agents/conversation.py)
     "_is_distributed",  # mlx_lm.server.ResponseGenerator._is_distributed: rank 0's log (app.py)
     "_serve_single",  # mlx_lm.server.ResponseGenerator._serve_single: its source is probed (seam.py)
+    "_make_sampler",  # mlx_lm.server's, wrapped like _make_logits_processors (serving/seam.py)
 }
 #: Our marker attributes on mlx-lm's objects (``fn._mlx_kvcache_probe = True``: wrapped
 #: once): the module that sets one owns it.

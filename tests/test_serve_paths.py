@@ -121,9 +121,11 @@ def divergence(model_dir) -> int:
 
 
 def drafting(log: Path):
-    """(drafted, accepted) of each request, from our log lines."""
+    """(drafted, accepted) of each request's draft model, from our log lines (prompt
+    lookup's, "lookup drafted ...", are not the draft's)."""
     return [(int(a), int(b)) for a, b in
-            re.findall(r"drafted (\d+) accepted (\d+)", log.read_text(errors="replace"))]
+            re.findall(r"(?<!lookup )drafted (\d+) accepted (\d+)",
+                       log.read_text(errors="replace"))]
 
 
 @pytest.fixture(scope="module")

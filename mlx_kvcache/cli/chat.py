@@ -6,10 +6,13 @@
     printf 'Hi\\nAnd again?\\n' | mlx-kvcache chat --max-tokens 32
     mlx-kvcache chat --model big-model --draft-model small-model.gguf --num-draft-tokens 4
 
-After each answer one status line goes to stdout (with a draft model, also how many tokens
-it proposed and how many the model accepted)::
+After each answer one status line goes to stdout (where prompt lookup or a draft model
+proposed tokens, also how many the model accepted and the forward passes that saved)::
 
     [cache] prompt 57 tok | reused 41 | prefilled 16 | answer 24 tok | ttft 0.21 s | 38.2 tok/s | cache 3.1 MiB
+
+Prompt lookup is on by default (answers that repeat the conversation come several tokens
+a pass; the answers themselves are the same): ``--no-prompt-lookup`` turns it off.
 
 Slash commands: ``/reset`` ``/undo`` ``/stats`` ``/help`` ``/quit`` (``/exit``).
 
@@ -35,6 +38,7 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``chat`` and its options on the command's subparsers."""
     from ..generation.draft_length import POLICIES
+    from ..generation.lookup import DEFAULT_MOST
 
     c = sub.add_parser("chat", help="chat with a model, reusing the conversation prefix",
                        description="Chat in the terminal (or from a pipe, one turn per line); "
@@ -60,6 +64,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    "themselves, given the draft's size and how often the model accepts its "
                    "tokens (a draft as large as the model is not used at all); fixed: "
                    "--num-draft-tokens every step, as mlx-lm. Answers are the same")
+    c.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false",
+                   help="decode without prompt lookup (on by default: where an answer repeats "
+                   "text of the conversation, the model verifies several copied tokens in one "
+                   "pass; the answers are the same either way; off when sampling with --seed, "
+                   "so a seed gives the same answers every time)")
+    c.add_argument("--prompt-lookup-num-tokens", type=_non_negative, default=DEFAULT_MOST,
+                   metavar="N",
+                   help="the most tokens prompt lookup proposes per step (default 10; fewer "
+                   "where they would not pay)")
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--max-tokens", type=int, default=256, help="answer length limit (default 256)")
     c.add_argument("--temp", type=temperature, default=0.0,
@@ -111,7 +124,11 @@ def _make_cache(PrefixCache, model, tokenizer, args, out: TextIO, err: TextIO, d
     ``--no-persist``. Prints how many cached tokens were loaded."""
     import inspect
 
-    kw = {"max_bytes": args.max_cache_bytes}
+    # A seed asks for the same samples every time: a lookup round draws as many as it
+    # verifies, and how many it verifies is timed.
+    seeded = args.seed is not None and args.temp > 0
+    kw = {"max_bytes": args.max_cache_bytes, "prompt_lookup": args.prompt_lookup and not seeded,
+          "prompt_lookup_num_tokens": args.prompt_lookup_num_tokens}
     if args.kv_bits is not None:
         kw.update(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                   quantized_kv_start=args.quantized_kv_start)

@@ -63,13 +63,26 @@ def format_status(st) -> str:
     ]
     if getattr(st, "disk_tokens", 0):
         parts.append(f"from disk {st.disk_tokens}")
-    if getattr(st, "drafted_tokens", 0):
-        parts.append(f"drafted {st.drafted_tokens} accepted {st.accepted_tokens} "
-                     f"({100 * st.accepted_tokens / st.drafted_tokens:.0f}%)")
+    parts += _proposals(st)
     line = "[cache] " + " | ".join(parts)
     if st.matched_tokens > st.restored_tokens + 1 and st.reason:
         line += f" (matched {st.matched_tokens}: {st.reason})"
     return line
+
+
+def _proposals(st) -> List[str]:
+    """What prompt lookup and a draft model proposed and the model accepted, and the
+    forward passes that saved (nothing where neither proposed)."""
+    out = []
+    if st.passes_saved:
+        out.append(f"saved {st.passes_saved} passes")
+    for name, drafted, accepted in (
+            ("lookup drafted", st.lookup_drafted_tokens, st.lookup_accepted_tokens),
+            ("drafted", st.drafted_tokens - st.lookup_drafted_tokens,
+             st.accepted_tokens - st.lookup_accepted_tokens)):
+        if drafted:
+            out.append(f"{name} {drafted} accepted {accepted} ({100 * accepted / drafted:.0f}%)")
+    return out
 
 
 class _StopFlag:
@@ -290,9 +303,16 @@ class ChatSession:
             lines.append(f"[stats] disk {human_bytes(s.disk_bytes)} of "
                          f"{human_bytes(s.max_disk_bytes)} | nodes on disk only {s.disk_nodes} | "
                          f"reused from disk {s.disk_tokens} tokens")
-        if getattr(s, "drafted_tokens", 0):
-            lines.append(f"[stats] drafted {s.drafted_tokens} | accepted {s.accepted_tokens} "
-                         f"({100 * s.accepted_tokens / s.drafted_tokens:.0f}%)")
+        if s.lookup_drafted_tokens:
+            share = 100 * s.lookup_accepted_tokens / s.lookup_drafted_tokens
+            lines.append(f"[stats] lookup drafted {s.lookup_drafted_tokens} | accepted "
+                         f"{s.lookup_accepted_tokens} ({share:.0f}%) | passes saved "
+                         f"{s.passes_saved}")
+        drafted = s.drafted_tokens - s.lookup_drafted_tokens
+        if drafted:
+            accepted = s.accepted_tokens - s.lookup_accepted_tokens
+            lines.append(f"[stats] drafted {drafted} | accepted {accepted} "
+                         f"({100 * accepted / drafted:.0f}%)")
         self.out.write("\n".join(lines) + "\n")
         self.out.flush()
 

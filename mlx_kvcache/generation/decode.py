@@ -1,5 +1,6 @@
-"""The one decode: plain (mlx-lm's, one step ahead) or speculative (`SpeculativeDecoder`)
-after a `prefill`, and the one builder of mlx-lm's responses from the emitted tokens.
+"""The one decode: plain (mlx-lm's, one step ahead) or speculative (`SpeculativeDecoder`:
+proposals from prompt lookup or a draft model) after a `prefill`, and the one builder of
+mlx-lm's responses from the emitted tokens.
 
 `PrefixCache` (`request`) and the server's draft-model stream (`serving.stream`) both
 decode through `decoder` and `emitted` and answer through `Responses`. (The server's plain
@@ -17,6 +18,7 @@ from mlx_lm.generate import GenerationResponse
 from ..caches.factory import recurrent_arrays
 from ..prefix.stats import RequestStats
 from .draft_length import DraftLength
+from .lookup import LookupPlan
 from .prefill import Feed, Runner, inline
 from .speculative import Emitted, SpeculativeDecoder
 
@@ -82,13 +84,17 @@ Decoder = Union[PlainDecoder, SpeculativeDecoder]
 
 def decoder(feed: Feed, tokens: Sequence[int], *, num_draft: int, sampler: Callable,
             processors: Sequence[Callable], eos, max_tokens: int,
-            stats: RequestStats, draft_length: Optional[DraftLength] = None) -> Decoder:
+            stats: RequestStats, draft_length: Optional[DraftLength] = None,
+            lookup: Optional[LookupPlan] = None) -> Decoder:
     """The decoder of a request whose caches (``feed``'s) hold ``tokens[:-1]``: plain, or
-    speculative when the pair has a draft (``num_draft`` tokens a round, or as many of
-    them as ``draft_length`` finds worth drafting; both models switch to quantized rows
-    exactly at the feed's ``kv_bits`` start)."""
+    speculative with prompt lookup (``lookup``, when its ``most`` is positive) and/or
+    when the pair has a draft (``num_draft`` tokens a round, or as many of them as
+    ``draft_length`` finds worth drafting); both models switch to quantized rows exactly
+    at the feed's ``kv_bits`` start."""
     pair = feed.pair
-    if pair.draft is None:
+    if lookup is not None and lookup.most <= 0:
+        lookup = None
+    if pair.draft is None and lookup is None:
         return PlainDecoder(feed, tokens, sampler=sampler, processors=processors, eos=eos,
                             max_tokens=max_tokens, stats=stats)
     target, drafted = feed.lists()
@@ -97,7 +103,7 @@ def decoder(feed: Feed, tokens: Sequence[int], *, num_draft: int, sampler: Calla
         pair.model, target, pair.draft, drafted, tokens, num_draft=num_draft, sampler=sampler,
         processors=processors, eos=eos, max_tokens=max_tokens, stats=stats, vocab=pair.vocab,
         draft_vocab=pair.draft_vocab, switch=feed.lists if quantized else None,
-        quant_start=feed.quant_start, length=draft_length)
+        quant_start=feed.quant_start, length=draft_length, lookup=lookup)
 
 
 def emitted(dec: Decoder, run: Runner = inline) -> Iterator[Tuple[int, mx.array, bool, bool]]:

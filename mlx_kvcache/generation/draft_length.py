@@ -28,10 +28,11 @@ import threading
 import weakref
 from typing import Any, Literal, Optional
 
+from .pass_cost import PassCost
 from .sizing import model_bytes
 
-__all__ = ["DraftLength", "DraftLengths", "DraftPolicy", "POLICIES", "check_policy",
-           "draft_cost", "draft_length_for", "draft_set_aside"]
+__all__ = ["DraftLength", "DraftLengths", "DraftPolicy", "LookupLength", "LookupTally",
+           "POLICIES", "check_policy", "draft_cost", "draft_length_for", "draft_set_aside"]
 
 DraftPolicy = Literal["adaptive", "fixed"]
 #: ``adaptive``: `DraftLength`; ``fixed``: ``num_draft_tokens`` every round (mlx-lm's).
@@ -187,3 +188,121 @@ class DraftLengths:
                 self._pair = (_ref(target), _ref(draft))
                 self._length = draft_length_for(self.policy, target, draft)
             return self._length
+
+
+def _bucket(match: int) -> int:
+    """The acceptance bucket of a lookup match of ``match`` tokens."""
+    for i, lo in enumerate(LookupLength.BUCKETS):
+        if match < lo:
+            return i - 1
+    return len(LookupLength.BUCKETS) - 1
+
+
+class LookupTally:
+    """One request's own lookup rounds, per match-length bucket (`LookupLength`): how
+    much this request's text copies, which may be far from what the model's other
+    requests did (an edit before, an explanation now). Owned by one request."""
+
+    def __init__(self) -> None:
+        n = len(LookupLength.BUCKETS)
+        self.accepted, self.trials = [0.0] * n, [0.0] * n
+
+
+class LookupLength:
+    """How many tokens of a prompt-lookup proposal (`lookup.PromptLookup`) a round verifies.
+
+    The proposal costs nothing to make, but verifying it does (`PassCost`: ``alpha + c k``
+    relative to a plain step, measured), and whether the target goes on agreeing depends
+    mostly on how far back the context already agrees: the acceptance is estimated apart
+    for each bucket of match length (`BUCKETS`), from the rounds of every request of the
+    model, and within a request from its own rounds (`LookupTally`), the model's estimate
+    their prior. A round verifies the ``k`` (at most what the proposal holds and the
+    request allows) with the most tokens per unit of cost, ``(1 + a + ... + a^k) /
+    cost(k)``; none where no ``k`` pays. So a request falls back to plain decoding at once
+    where its text stops copying (a new match is short, and short matches are the ones
+    that failed, in this request first) and drafts long runs where it copies. A bucket
+    that does not pay is re-measured by a one-token probe on its 8th, then 16th, ... 128th
+    match.
+
+    One instance serves every request of a model (acceptance carries over); `next` and
+    `observe` may be called from any thread. Which tokens are emitted never depends on it.
+    """
+
+    #: Lower bounds of the match-length buckets.
+    BUCKETS = (1, 2, 3, 4, 6, 9, 16, 32)
+    #: The acceptance assumed before any round, per bucket (worth ``weight`` proposals).
+    PRIORS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85)
+    #: What the model's estimate is worth in a request's own (in its rounds' trials): one
+    #: failure of this request halves it.
+    REQUEST_PRIOR = 1.0
+    PROBE_FIRST, PROBE_MOST = 8, 128
+
+    def __init__(self, cost: Optional[PassCost] = None, *, weight: float = 2.0,
+                 memory: float = 0.97) -> None:
+        self.cost = cost if cost is not None else PassCost()
+        self._weight, self._memory = float(weight), float(memory)
+        n = len(self.BUCKETS)
+        self._accepted, self._trials = [0.0] * n, [0.0] * n
+        self._idle, self._wait = [0] * n, [self.PROBE_FIRST] * n
+        self._lock = threading.Lock()
+
+    def acceptance(self, match: int, tally: Optional[LookupTally] = None) -> float:
+        """The estimated probability that the target accepts a token proposed by a match
+        of ``match`` tokens (in the request of ``tally``, when given)."""
+        b = _bucket(match)
+        with self._lock:
+            a = self._estimate(b)
+        if tally is None:
+            return a
+        w = self.REQUEST_PRIOR
+        return (tally.accepted[b] + a * w) / (tally.trials[b] + w)
+
+    def _estimate(self, b: int) -> float:
+        return ((self._accepted[b] + self.PRIORS[b] * self._weight)
+                / (self._trials[b] + self._weight))
+
+    def speed(self, match: int, k: int, acceptance: Optional[float] = None) -> float:
+        """Tokens per plain-step cost of a round verifying ``k`` tokens of a match of
+        ``match`` tokens (1.0: plain decoding)."""
+        a = self.acceptance(match) if acceptance is None else acceptance
+        return sum(a ** i for i in range(k + 1)) / self.cost.relative(k)
+
+    def best(self, match: int, most: int, tally: Optional[LookupTally] = None) -> int:
+        """The ``k`` in ``0..most`` with the highest `speed` (the smallest on a tie)."""
+        a = self.acceptance(match, tally)
+        speeds = [self.speed(match, k, a) for k in range(max(0, int(most)) + 1)]
+        return max(range(len(speeds)), key=lambda k: (speeds[k], -k))
+
+    def next(self, match: int, most: int, tally: Optional[LookupTally] = None) -> int:
+        """Tokens to verify of a proposal of a ``match``-token match, at most ``most``."""
+        if most <= 0 or match <= 0:
+            return 0
+        k = self.best(match, most, tally)
+        b = _bucket(match)
+        with self._lock:
+            if k:
+                self._idle[b], self._wait[b] = 0, self.PROBE_FIRST
+                return k
+            self._idle[b] += 1
+            if self._idle[b] < self._wait[b]:
+                return 0
+            self._idle[b], self._wait[b] = 0, min(2 * self._wait[b], self.PROBE_MOST)
+            return 1
+
+    def observe(self, match: int, proposed: int, accepted: int,
+                tally: Optional[LookupTally] = None) -> None:
+        """A round's outcome: ``accepted`` of the ``proposed`` tokens of a ``match``-token
+        match (a round stops at its first rejection), in the request of ``tally``."""
+        if proposed <= 0 or match <= 0:
+            return
+        b = _bucket(match)
+        trials = accepted + (1 if accepted < proposed else 0)
+        if tally is not None:
+            tally.accepted[b] += accepted
+            tally.trials[b] += trials
+        with self._lock:
+            m = self._memory
+            self._accepted[b] = m * self._accepted[b] + accepted
+            self._trials[b] = m * self._trials[b] + trials
+            if accepted == proposed:  # a probe that came true: the next match probes again
+                self._wait[b] = 1

@@ -33,8 +33,10 @@ from ..prefix.stats import CacheStats, RequestStats
 from ..store import PersistentStore
 from . import request, sizing, validation
 from .core import CacheCore, check_cold_bits
-from .draft_length import DraftPolicy, check_policy, draft_length_for, draft_set_aside
+from .draft_length import (DraftPolicy, LookupLength, check_policy, draft_length_for,
+                           draft_set_aside)
 from .engine import default_engine, materialize
+from .lookup import DEFAULT_MOST, LookupPlan
 from .model_pair import ModelPair
 from .request import CachedGenerationResponse
 
@@ -55,11 +57,11 @@ def default_prefill_step() -> int:
 _OPEN: "weakref.WeakSet[PrefixCache]" = weakref.WeakSet()
 
 
-def _check_num_draft(n: Any) -> int:
+def _check_num_draft(n: Any, name: str = "num_draft_tokens") -> int:
     if not validation.is_int(n):
-        raise TypeError(f"num_draft_tokens must be an int, got {type(n).__name__} {n!r}")
+        raise TypeError(f"{name} must be an int, got {type(n).__name__} {n!r}")
     if n < 0:
-        raise ValueError(f"num_draft_tokens must be >= 0, got {n}")
+        raise ValueError(f"{name} must be >= 0, got {n}")
     return int(n)
 
 
@@ -116,8 +118,19 @@ class PrefixCache:
             accepts it, so a poor draft costs little more than no draft (`DraftLength`);
             a draft that could never pay (one as large as the target) is set aside with a
             warning: not run, its layers not cached (`draft_set_aside` says why);
-            ``"fixed"``: ``num_draft_tokens`` every round, as mlx-lm. Answers are the same
-            either way.
+            ``"fixed"``: ``num_draft_tokens`` every round, as mlx-lm (and no prompt lookup
+            beside it). Answers are the same either way.
+        prompt_lookup: decode with prompt lookup (default on): proposals copied from the
+            request's own tokens where its answer repeats them, verified by the model in
+            one pass (`lookup`, `speculative`) — greedy answers are token for token those
+            without it, sampled ones keep the model's distribution; where nothing is
+            copied each round is a plain step. With a draft model, each round takes the
+            better proposal. False: plain decoding. Sampling with a seed (`seed`) gives
+            the same answers every time only without it: a round draws its samples
+            together, as many as it verifies, and how many is timed.
+        prompt_lookup_num_tokens: the most tokens a round verifies (default 10; fewer
+            where they would not pay: `LookupLength`); a request may pass its own (0: off
+            for that request).
 
     Safe for concurrent use; see the module docstring.
     """
@@ -141,6 +154,8 @@ class PrefixCache:
         num_draft_tokens: int = 3,
         draft_policy: DraftPolicy = "adaptive",
         cold_bits: Optional[int] = None,
+        prompt_lookup: bool = True,
+        prompt_lookup_num_tokens: int = DEFAULT_MOST,
     ) -> None:
         if cache_dir is not None and not str(cache_dir).strip():
             raise ValueError("cache_dir is empty: pass a directory path, or None for no persistence")
@@ -164,6 +179,14 @@ class PrefixCache:
             "prefill_step_size",
             default_prefill_step() if prefill_step_size is None else prefill_step_size)
         self.num_draft_tokens = _check_num_draft(num_draft_tokens)
+        if not isinstance(prompt_lookup, bool):
+            raise TypeError(f"prompt_lookup must be a bool, got {type(prompt_lookup).__name__} "
+                            f"{prompt_lookup!r}")
+        most = _check_num_draft(prompt_lookup_num_tokens, "prompt_lookup_num_tokens")
+        #: Prompt lookup as requests use it (None: off); its policy learns from every
+        #: request of this cache.
+        self.lookup: Optional[LookupPlan] = LookupPlan(most, LookupLength()) if prompt_lookup \
+            else None
         #: Why the draft model is not used (None: it is, or none was given).
         self.draft_set_aside: Optional[str] = draft_set_aside(draft_policy, model, draft_model)
         self._given_draft = draft_model  # still accepted by `stream_generate` once set aside
@@ -307,6 +330,7 @@ class PrefixCache:
         snapshot_at: Sequence[int] = (),
         draft_model: Optional[nn.Module] = None,
         num_draft_tokens: Optional[int] = None,
+        prompt_lookup_num_tokens: Optional[int] = None,
         **kwargs,
     ) -> Iterator[CachedGenerationResponse]:
         """Like `mlx_lm.stream_generate`, reusing cached prefixes of ``prompt``.
@@ -319,9 +343,12 @@ class PrefixCache:
         Speculative decoding uses the draft model given to the constructor (the trie holds
         its layers; none once set aside: `draft_set_aside`); ``draft_model``, if passed,
         must be that model. ``num_draft_tokens``
-        overrides the instance's default for this request. Every cache kind works
-        (recurrent and sliding-window layers roll back from snapshots); greedy output is
-        the output without a draft; ``from_draft`` says which tokens the draft proposed.
+        overrides the instance's default for this request, and so does
+        ``prompt_lookup_num_tokens`` for prompt lookup (0: off for this request; ignored
+        when the instance has it off). Every cache kind works (recurrent and
+        sliding-window layers roll back from snapshots); greedy output is the output
+        without proposals; ``from_draft`` says which tokens were proposed (by the draft
+        or by lookup) and accepted; ``cache`` counts them.
 
         Arguments are checked here, before anything runs: bad ones raise ``TypeError`` /
         ``ValueError`` naming the problem.
@@ -343,6 +370,10 @@ class PrefixCache:
                 "draft_model is not the draft model this PrefixCache was built with (its trie "
                 "holds that model's layers); use another PrefixCache for another draft model")
         k = self.num_draft_tokens if num_draft_tokens is None else _check_num_draft(num_draft_tokens)
+        lookup = self.lookup
+        if prompt_lookup_num_tokens is not None:
+            most = _check_num_draft(prompt_lookup_num_tokens, "prompt_lookup_num_tokens")
+            lookup = None if lookup is None else lookup.with_most(most)
         max_tokens = validation.check_max_tokens(max_tokens)
         if not isinstance(tokenizer, TokenizerWrapper):
             tokenizer = TokenizerWrapper(tokenizer)
@@ -355,7 +386,7 @@ class PrefixCache:
         self._prefetch(tokens)  # files of parked nodes start loading now
         return request.run(self, tokenizer, tokens, max_tokens, sampler,
                            list(logits_processors or []), prompt_progress_callback, stops, chunk,
-                           num_draft=k, draft_length=self.draft_length)
+                           num_draft=k, draft_length=self.draft_length, lookup=lookup)
 
     def _check_kv_kwargs(self, kwargs: dict) -> None:
         """mlx-lm's per-call ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start`` are

@@ -20,6 +20,7 @@ from mlx_lm.models import cache as mlc
 from ..prefix.stats import RequestStats
 from .decode import Responses, decoder, emitted
 from .draft_length import DraftLength
+from .lookup import LookupPlan
 from .model_pair import ModelPair
 from .prefill import Feed, prefill
 
@@ -35,12 +36,14 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
         processors: Sequence[Callable], progress: Optional[Callable[[int, int], None]],
         snapshot_at: Sequence[int], chunk: int,
         num_draft: int = 0, draft_length: Optional[DraftLength] = None,
+        lookup: Optional[LookupPlan] = None,
         ) -> Generator[CachedGenerationResponse, None, None]:
     """The body of `PrefixCache.stream_generate` (arguments already checked).
 
     With ``pc.draft_model`` the live set holds the target's caches, then the draft's; both
     are prefilled together (`prefill`) and decoding is speculative (at most ``num_draft``
-    tokens a round, as ``draft_length`` decides: `decode`). Model work runs on ``pc``'s
+    tokens a round, as ``draft_length`` decides: `decode`); with ``lookup``, proposals
+    from the request's own tokens too (`lookup`). Model work runs on ``pc``'s
     engine thread; this generator only sequences it, so it may be advanced from any
     thread."""
     t0 = time.perf_counter()
@@ -83,7 +86,7 @@ def run(pc, tokenizer, tokens: List[int], max_tokens: int, sampler: Optional[Cal
         dec = engine.run(lambda: decoder(
             feed, tokens, num_draft=num_draft, sampler=sampler or (lambda x: mx.argmax(x, axis=-1)),
             processors=processors, eos=tokenizer.eos_token_ids, max_tokens=max_tokens,
-            stats=stats, draft_length=draft_length))
+            stats=stats, draft_length=draft_length, lookup=lookup))
         stats.prefilled_tokens += 1
         respond = Responses(tokenizer, prompt_tokens=n, computed=n - start, since=t0,
                             stats=stats, cls=CachedGenerationResponse)

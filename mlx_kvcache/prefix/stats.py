@@ -36,12 +36,14 @@ class RequestStats:
     #: Bytes the cache holds (snapshots and live caches) after the request / while it runs.
     cache_bytes: int = 0
     finish_reason: Optional[str] = None
-    #: Speculative decoding (zero without a draft model): tokens the draft proposed and
-    #: how many of them the target accepted.
+    #: Speculative decoding: tokens proposed (by prompt lookup or a draft model) and how
+    #: many of them the target accepted; ``lookup_*``: prompt lookup's share.
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    #: Forward passes of the target while decoding (one per generated token without a
-    #: draft model), rollback replays included.
+    lookup_drafted_tokens: int = 0
+    lookup_accepted_tokens: int = 0
+    #: Forward passes of the target while decoding (one per generated token in plain
+    #: decoding), rollback replays included.
     target_passes: int = 0
     #: Tokens fed to the target a second time because a layer that cannot rewind was
     #: restored from its pre-verify snapshot.
@@ -64,6 +66,12 @@ class RequestStats:
     def acceptance_rate(self) -> float:
         """Accepted / drafted tokens (0.0 without drafting)."""
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def passes_saved(self) -> int:
+        """Forward passes of the target that plain decoding would have run more (one per
+        generated token): what accepted proposals saved, less what rollback replays cost."""
+        return max(0, self.generated_tokens - self.target_passes) if self.target_passes else 0
 
 
 @dataclass
@@ -88,6 +96,9 @@ class CacheStats:
     snapshots_skipped: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    lookup_drafted_tokens: int = 0
+    lookup_accepted_tokens: int = 0
+    passes_saved: int = 0
     evicted_bytes: int = 0
     bytes_held: int = 0
     snapshot_bytes: int = 0
@@ -122,6 +133,9 @@ class CacheStats:
         self.snapshots_skipped += r.snapshots_skipped
         self.drafted_tokens += r.drafted_tokens
         self.accepted_tokens += r.accepted_tokens
+        self.lookup_drafted_tokens += r.lookup_drafted_tokens
+        self.lookup_accepted_tokens += r.lookup_accepted_tokens
+        self.passes_saved += r.passes_saved
 
 
 def human_bytes(n: float) -> str:

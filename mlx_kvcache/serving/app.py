@@ -137,6 +137,7 @@ def add_options(parser) -> None:
     (`parse_bytes`: 512M, 4G, 4GB, 2GiB; mlx-lm's own reader knows only M/G/MB/GB, all
     decimal, and raises a traceback on anything else)."""
     from ..generation.draft_length import POLICIES
+    from ..generation.lookup import DEFAULT_MOST
     from ..prefix.stats import parse_bytes
     from ..store import default_root
     from .guards.admin import TOKEN_ENV
@@ -257,6 +258,16 @@ def add_options(parser) -> None:
                    "how often the model accepts its tokens (a draft as large as the model "
                    "is not used at all); fixed: --num-draft-tokens every step, as mlx-lm. "
                    "Answers are the same")
+    g.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false",
+                   help="decode without prompt lookup (on by default: where an answer repeats "
+                   "text of its context — an edit quoting code, a file rewritten — the model "
+                   "verifies several copied tokens in one pass; answers are the same, and a "
+                   "request whose text is not copied decodes as without it). A request may "
+                   "set its own prompt_lookup_num_tokens (0: off)")
+    g.add_argument("--prompt-lookup-num-tokens", type=non_negative_int, default=DEFAULT_MOST,
+                   metavar="N",
+                   help=f"the most tokens prompt lookup proposes per step (default {DEFAULT_MOST}; "
+                   "fewer where they would not pay)")
     g.add_argument("--allow-image-urls", action="store_true",
                    help="fetch http(s) image URLs that clients send (default: refused with a "
                    "400; data: URLs are always read). A server that fetches client URLs can be "

@@ -11,7 +11,9 @@ gets the target's flag) — and
 ``stream_generate``, which the sequential path looks up per request (`stream`: mlx-lm's
 own except with a draft model, where ours decodes exactly on every cache kind), and
 ``_make_logits_processors``, which both paths call per request (a request's reasoning
-budget joins its processors: `reasoning_budget`).
+budget joins its processors: `reasoning_budget`), ``_make_sampler``, likewise (a request's
+prompt lookup rides on its sampler: `lookup_request`), and ``mlx_lm.generate``'s
+``GenerationBatch`` (a batch of one row verifies lookup proposals: `lookup_batch`).
 Nothing of mlx-lm's code is copied. Before touching anything the seam is probed; a
 version whose seam changed gets one clear line instead of a server that misbehaves.
 """
@@ -146,6 +148,16 @@ def check() -> Optional[str]:
                 "self._prompt_batch.uids[i]", "self._unprocessed_sequences.extend(pending)")):
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx-lm's batch no longer keeps each "
                         f"request's remaining prompt segments the way work in flight reads them")
+    # Prompt lookup (`engine.lookup_request`, `engine.lookup_batch`): each request's
+    # sampler is made by _make_sampler(args, tokenizer) on both paths, and every batch
+    # mlx-lm makes is a GenerationBatch looked up in mlx_lm.generate when it is made.
+    if not callable(getattr(S, "_make_sampler", None)) or any(
+            "_make_sampler(args," not in body for body in (single, batched)):
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server no longer makes each "
+                        f"request's sampler with _make_sampler(args, tokenizer)")
+    problem = _generation_batch_problem(G)
+    if problem:
+        raise SeamError(f"mlx_lm {mlx_lm.__version__}: {problem}")
     src = inspect.getsource(S.main)
     if "argparse.ArgumentParser(" not in src or "run(" not in src:
         raise SeamError(f"mlx_lm {mlx_lm.__version__}: mlx_lm.server.main no longer builds "
@@ -153,18 +165,46 @@ def check() -> Optional[str]:
     return untested_note("its server seam")
 
 
+def _generation_batch_problem(G) -> Optional[str]:
+    """What of mlx-lm's ``GenerationBatch`` `engine.lookup_batch.LookupBatch` relies on is
+    missing (None: all of it is there): the class made by name where batches are made,
+    the per-row state a step keeps (the pending token and its log-probs, the tokens fed,
+    the penalties' context, the tokens emitted, the stop matchers) and the verbs a
+    finished row goes through."""
+    B = getattr(G, "GenerationBatch", None)
+    if B is None or not all(callable(getattr(B, m, None)) for m in (
+            "next", "extract_cache", "filter", "extend", "empty")) or not hasattr(B, "Response"):
+        return "mlx_lm.generate.GenerationBatch changed"
+    if "GenerationBatch(" not in inspect.getsource(G.PromptProcessingBatch.generate) or \
+            "GenerationBatch.empty(" not in inspect.getsource(G.BatchGenerator.__init__):
+        return "mlx_lm.generate no longer makes its batches as GenerationBatch"
+    state = inspect.getsource(B)
+    missing = [a for a in ("self._next_tokens", "self._next_logprobs", "self._token_context",
+                           "self._num_tokens", "self._matchers", "self._current_tokens",
+                           "self._current_logprobs", "self.tokens", "self.samplers",
+                           "self.fallback_sampler", "self.logits_processors",
+                           "self.max_tokens", "self.prompt_cache", "update_and_fetch(")
+               if a not in state]
+    if missing or not hasattr(getattr(G, "TokenBuffer", None), "tokens"):
+        return f"mlx_lm.generate.GenerationBatch no longer keeps {', '.join(missing) or 'TokenBuffer.tokens'}"
+    return None
+
+
 @contextmanager
 def patched(add_options: Callable[[argparse.ArgumentParser], None],
             run: Callable, argv: List[str]) -> Iterator[None]:
     """While inside: ``mlx_lm.server.main()`` parses ``argv`` with our options added and
     calls ``run`` instead of its own, and the sequential path's ``stream_generate`` is
-    ours (`stream`: mlx-lm's, except with a draft model), and each request's logits
-    processors get its reasoning budget (`reasoning_budget`); everything is put back
-    afterwards."""
+    ours (`stream`: mlx-lm's, except with prompt lookup or a draft model), each
+    request's logits processors get its reasoning budget (`reasoning_budget`), its
+    sampler its prompt lookup (`lookup_request`), and mlx-lm's batches are
+    `lookup_batch.LookupBatch`; everything is put back afterwards."""
     import sys
 
     from mlx_lm import server as S
 
+    from .engine.lookup_batch import LookupBatch
+    from .engine.lookup_request import with_lookup
     from .engine.reasoning_budget import with_budgets
     from .engine.stream import make_stream_generate
     from .routes.model_names import trusted
@@ -209,16 +249,19 @@ def patched(add_options: Callable[[argparse.ArgumentParser], None],
         trust(repo, kwargs)
         return stock_sharded_load(repo, *args, **kwargs)
 
+    G = importlib.import_module("mlx_lm.generate")
     saved = (S.argparse, S.run, S.stream_generate, S.load, S.sharded_load,
-             S._make_logits_processors, sys.argv)
+             S._make_logits_processors, S._make_sampler, G.GenerationBatch, sys.argv)
     shim = argparse.Namespace(**{k: getattr(argparse, k) for k in dir(argparse)
                                  if not k.startswith("_")})
     shim.ArgumentParser = Parser
     S.argparse, S.run, S.load, S.sharded_load, sys.argv = shim, run, load, sharded_load, argv
     S.stream_generate = make_stream_generate(S.stream_generate)
     S._make_logits_processors = with_budgets(S._make_logits_processors)
+    S._make_sampler = with_lookup(S._make_sampler)
+    G.GenerationBatch = LookupBatch
     try:
         yield
     finally:
         (S.argparse, S.run, S.stream_generate, S.load, S.sharded_load,
-         S._make_logits_processors, sys.argv) = saved
+         S._make_logits_processors, S._make_sampler, G.GenerationBatch, sys.argv) = saved

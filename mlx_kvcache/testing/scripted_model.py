@@ -4,7 +4,8 @@ An mlx-lm architecture (loaded from a model directory's ``model_file``, so serve
 ``--trust-remote-code``; `agent_templates.write_scripted_dir` writes one) whose one layer's
 KV cache holds the token ids themselves (id + 1 as the key; 0 is a batch's left padding).
 Each step reads the whole history back from the cache it was handed — restored from the
-trie, extended in place, merged into a batch — and emits the next token of a script:
+trie, extended in place, merged into a batch — and emits the next token of a script, at
+every position of a short pass (a proposal's verify pass reads them all; `VERIFIED`):
 
 * the turn so far is what follows the last generation prompt (``open``);
 * ``k`` = tool results (``result`` token) after the last user cue (``cue`` token, which
@@ -49,6 +50,10 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+#: The longest pass whose every position's next token is computed: a proposal's verify pass
+#: (prompt lookup, a draft model: a few tokens) reads them all; a prefill chunk only its last.
+VERIFIED = 64
 
 
 @dataclass
@@ -229,16 +234,25 @@ class Model(nn.Module):
                  if self.args.hybrid else None)
         hist = np.array(keys[:, 0, :, 0].astype(mx.int32))  # (id + 1), 0 = padding
         logits = np.zeros((b, n, self.args.vocab_size), dtype=np.float32)
+        # Every position's next token where a pass is short enough to be a proposal's
+        # verify pass (its positions are read); a longer one is a prefill, of which only
+        # the last position is read — the others say WRONG, so a reader shows.
+        each = n <= VERIFIED
+        if not each:
+            logits[:, :-1, self.args.wrong] = 30.0
         for row in range(b):
-            h = hist[row]
-            h = h[h > 0] - 1
-            if state is not None and not np.array_equal(checksum(h), state[row]):
-                # the recurrent state is not the one this history gives: a wrong restore
-                nxt = self.args.script["eos"] if len(h) and h[-1] == self.args.wrong \
-                    else self.args.wrong
-            else:
-                nxt = plan(self.args.script, h)
-            logits[row, -1, nxt] = 30.0
+            full = hist[row]
+            if state is not None:
+                h = full[full > 0] - 1
+                if not np.array_equal(checksum(h), state[row]):
+                    # the recurrent state is not the one this history gives: a wrong restore
+                    nxt = self.args.script["eos"] if len(h) and h[-1] == self.args.wrong \
+                        else self.args.wrong
+                    logits[row, :, nxt] = 30.0
+                    continue
+            for j in (range(n) if each else (n - 1,)):
+                upto = full[: len(full) - (n - 1 - j)]
+                logits[row, j, plan(self.args.script, upto[upto > 0] - 1)] = 30.0
         return mx.array(logits) + self.w[0]
 
     def sanitize(self, weights):

@@ -56,11 +56,12 @@ import numpy as np
 
 from ...prefix.agreement import SOLO, Agreement
 from ...prefix.explain import Reuse
+from ...prefix.stats import RequestStats
 from ...prefix.tokens import as_tokens
 from ..guards.lifecycle import exit_now
 from ..guards.counters import GuardCounters
 from ..guards.memory import MemoryGuard
-from . import clearing, sequential
+from . import clearing, decoding, sequential
 from .counters import FetchCounters, RankCounters, Reading, gather
 from .layout import FetchExplainer, Layout
 from .namespace import namespace_of, salted, scoped_session
@@ -370,6 +371,8 @@ class TriePromptCache:
         seq = sequential.current()
         key = tokens  # prompt + answer; ``tokens`` what the caches hold
         tokens, note = seq.held(key) if seq is not None else (key, "")
+        # the request's proposals and passes (`decoding`), where our decoder counted them
+        decoded = seq.stats if seq is not None and seq.absorbed is not None else None
         caches = (native.from_native(prompt_cache, len(tokens), st.manager.kv_quant)
                   if len(tokens) else None)
         if caches is not None and st.track_padding and was_padded(prompt_cache):
@@ -385,10 +388,13 @@ class TriePromptCache:
                 log.warning("mlx_kvcache: not caching: a %s cache list does not hold exactly "
                             "the tokens it is stored under, or cannot be snapshotted",
                             "/".join(kinds))
+        if seq is None and final is not None:  # a batch row's end
+            decoded = decoding.take(prompt_cache)
+            note = decoding.note(decoded) if decoded is not None else note
         sharded = self.agree.size > 1
         if caches is None and (not sharded or not len(tokens)):
             if final is not None:
-                self._log_request(st, key, final, note + " | not stored")
+                self._log_request(st, key, final, note + " | not stored", decoded)
             return
         # On a sharded model every rank records (the node without state where its caches
         # cannot be stored), with no collective; the turn settles the rest (`rank_turn`).
@@ -409,7 +415,8 @@ class TriePromptCache:
             self._explain.explainer.remember(tokens, st.manager.evicted_bytes,
                                              self.counters.clears)
         if final is not None:
-            self._log_request(st, key, final, note if caches is not None else note + " | not stored")
+            self._log_request(st, key, final,
+                              note if caches is not None else note + " | not stored", decoded)
         if not sharded and self._writes.changed():
             # sharded: once a turn, after the budget is settled (`end_turn`); else while
             # the batch is idle (`idle`), or now when too much has waited
@@ -647,13 +654,16 @@ class TriePromptCache:
             st.core.close(timeout, recapture=False)
 
     # -- the request log line -------------------------------------------------------------
-    def _log_request(self, st: ModelState, tokens: np.ndarray, fetch: int, extra: str = "") -> None:
+    def _log_request(self, st: ModelState, tokens: np.ndarray, fetch: int, extra: str = "",
+                     decoded: Optional[RequestStats] = None) -> None:
         """One line per request, at its final insert (``tokens``: prompt plus answer;
-        ``fetch``: its fetch in the log, `RequestLog.final_of`)."""
+        ``fetch``: its fetch in the log, `RequestLog.final_of`; ``decoded``: its
+        proposals and passes, where our decoder counted them)."""
         mgr = st.manager
         held = mgr.peek(lambda: mgr.trie.nbytes)
         disk = st.store.disk_bytes if st.store is not None else None
         self._log.finished(fetch, tokens, held, self.max_bytes,
-                           self.agree.rank if self.agree.size > 1 else None, extra, disk)
+                           self.agree.rank if self.agree.size > 1 else None, extra, disk,
+                           decoding=None if decoded is None else decoding.summary(decoded))
         if self.profile.timing:
             log.info(self.profile.line(self.agree.rank))

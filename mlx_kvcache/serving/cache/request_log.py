@@ -98,9 +98,11 @@ class RequestLog:
 
     def finished(self, key: int, tokens, held: int, max_bytes: int,
                  rank: Optional[int] = None, extra: str = "",
-                 disk_bytes: Optional[int] = None) -> None:
+                 disk_bytes: Optional[int] = None,
+                 decoding: Optional[Dict[str, int]] = None) -> None:
         """The request of the pending fetch ``key`` (`final_of`) ended with ``tokens``
-        (prompt + answer): log its line and list it."""
+        (prompt + answer): log its line and list it (``decoding``: its proposals and
+        forward passes, listed as they are)."""
         f = self._pending.pop(key, None)
         if f is None:  # forgotten: more than `PENDING` requests were in flight
             return
@@ -139,6 +141,8 @@ class RequestLog:
             entry["session"] = f.session
         if f.reuse is not None:
             entry["reuse"] = f.reuse.as_dict()
+        if decoding is not None:
+            entry["decoding"] = dict(decoding)
         self.recent.append(entry)
         if self._token_log is not None:
             ids = np.asarray(tokens, dtype=np.int64)

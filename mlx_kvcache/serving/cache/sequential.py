@@ -42,6 +42,7 @@ from ...generation.prefill import Feed, on_stream
 from ...generation.prefill import prefill as run_prefill
 from ...prefix.stats import RequestStats
 from .inflight import Flight, InFlight
+from . import decoding
 
 __all__ = ["SequentialRequest", "current", "serving", "image_runs", "image_sizes", "outside_images",
            "plan_stops", "prefill", "fetch"]
@@ -98,12 +99,12 @@ class SequentialRequest:
 
     def held(self, key: np.ndarray) -> Tuple[np.ndarray, str]:
         """What of ``key`` (prompt + answer, as inserted at its end) this request's caches
-        hold, and what its log line adds: after a draft-model generation, the prefix both
-        models hold at one committed offset (nothing when none is consistent) and the
-        drafting counts; else all of ``key``."""
+        hold, and what its log line adds: after our decoder's generation (prompt lookup, a
+        draft model), the prefix the caches hold at one committed offset (nothing when none
+        is consistent) and the proposals' counts (`decoding.note`); else all of ``key``."""
         if self.absorbed is None:
             return key, ""
-        note = f" | drafted {self.stats.drafted_tokens} accepted {self.stats.accepted_tokens}"
+        note = decoding.note(self.stats)
         length = None if self.draft_lengths is None else self.draft_lengths.current
         if length is not None and not self.stats.drafted_tokens:
             note += (f" (--draft-policy adaptive: a draft step costs "

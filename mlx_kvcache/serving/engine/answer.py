@@ -46,6 +46,7 @@ from ..guards.memory import MemoryNeverFits, MemoryRefused
 from ..parsers.base import (Call, CallArguments, CallBegin, CallCut, Output, Reasoning, Text,
                             UnreadCall)
 from .generator import ServerResponseGenerator
+from .lookup_request import RequestLookup, lookup_of
 from .requests import Fetched, MarkedRequest
 
 __all__ = ["Sampling", "AnswerRequest", "Started", "Progress", "Finished", "Failed",
@@ -115,6 +116,10 @@ class Finished:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
+    #: Answer tokens proposed (by prompt lookup or a draft model) and kept, and proposed
+    #: and not: what OpenAI's usage calls accepted and rejected prediction tokens.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -188,12 +193,13 @@ def start(generator: ServerResponseGenerator, req: AnswerRequest,
     prompt cannot be tokenized...). ``waiting`` is called every ``every`` seconds while it
     waits (a streamed answer's keep-alive: what it raises — the client left — drops the
     request and is raised here)."""
+    args = arguments(generator, req)
     try:
-        queue = generator.submit(req.request, arguments(generator, req))
+        queue = generator.submit(req.request, args)
     except (ServerStopping, RuntimeError) as e:
         raise Refused(str(e), 503, "server_stopping" if isinstance(e, ServerStopping)
                       else None) from None
-    answer = Answer(generator, req, queue)
+    answer = Answer(generator, req, queue, lookup_of(args))
     try:
         answer.wait_started(waiting, every)
     except BaseException:
@@ -208,8 +214,10 @@ class Answer:
     `Started` was given (`started`, which waits for it)."""
 
     def __init__(self, generator: ServerResponseGenerator, req: AnswerRequest,
-                 queue: "Queue[Any]") -> None:
+                 queue: "Queue[Any]", lookup: Optional[RequestLookup] = None) -> None:
         self._generator, self._req, self._queue = generator, req, queue
+        #: The request's prompt lookup (its counters: the usage's predictions).
+        self._lookup = lookup
         self._ctx: Optional[GenerationContext] = None
         self._parser = None
         self._pending: Deque[AnswerEvent] = deque()
@@ -366,7 +374,10 @@ class Answer:
             if which is not None:
                 reason = "stop_sequence"
         cached = self.cached_tokens or 0
-        return Finished(reason, which, self.prompt_tokens, cached, self._output)
+        st = self._lookup.stats if self._lookup is not None else None
+        return Finished(reason, which, self.prompt_tokens, cached, self._output,
+                        st.accepted_tokens if st is not None else 0,
+                        st.drafted_tokens - st.accepted_tokens if st is not None else 0)
 
     def _end(self, last: Optional[AnswerEvent]) -> None:
         if self._ended:

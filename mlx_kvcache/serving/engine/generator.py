@@ -34,6 +34,8 @@ from mlx_lm.server import (CompletionRequest, GenerationContext, ResponseGenerat
                            process_message_content)
 
 from ...generation.draft_length import DraftLengths
+from ...generation.lookup import DEFAULT_MOST
+from ...prefix.stats import RequestStats
 from ..cache import extract, sequential
 from ..cache.profile import count_share, loop_phase
 from ..cache.namespace import Namespaced
@@ -49,6 +51,7 @@ from .requests import Fetched, MarkedRequest, ServedModel, tokenizer_for
 from . import flight_batch
 from .segments import split_segments
 from .followers import Followers, prompt_reader
+from .lookup_request import RequestLookup, attach, lookup_of
 from .templates import answer_extends_prompt
 from .reasoning_budget import ReasoningBudget
 
@@ -193,7 +196,9 @@ class ServerResponseGenerator(ResponseGenerator):
         if not self.generation_available():
             raise RuntimeError("the generation thread is not running")
         queue: Queue = Queue()
-        self.requests.put((queue, request, self._same_model(args)))
+        args = self._same_model(args)
+        self._with_lookup(request, args)
+        self.requests.put((queue, request, args))
         return queue
 
     def _log_cache_stats(self) -> None:
@@ -360,13 +365,15 @@ class ServerResponseGenerator(ResponseGenerator):
         # the caches at each, reporting progress on the request's queue (`sequential`).
         rqueue, req, args = request
         announce = isinstance(req, MarkedRequest) and req.announce_fetch
+        lookup = lookup_of(args)
         seq = sequential.SequentialRequest(
             progress=lambda done, total: rqueue.put((done, total)), stream=stream,
             prefill_step=self._prefill_step(),
             draft_lengths=self._draft_lengths,
             on_restored=(lambda n: rqueue.put(Fetched(n))) if announce else None,
             model=args.model, between=None if self._is_distributed else
-            lambda: self.followers.scan(self.requests.waiting()))
+            lambda: self.followers.scan(self.requests.waiting()),
+            stats=lookup.stats if lookup is not None else RequestStats())
         self.followers.begin_scan()
         with sequential.serving(seq):
             super()._serve_single((_SequentialQueue(rqueue, seq, self._is_distributed), req, args),
@@ -474,6 +481,7 @@ class ServerResponseGenerator(ResponseGenerator):
         ticket = Ticket()
         set_ticket(ticket)
         generation_args = self._same_model(generation_args)
+        lookup = self._with_lookup(request, generation_args)
         if self.lifecycle.cut.is_set():
             self._refuse(ticket)
         try:
@@ -498,6 +506,7 @@ class ServerResponseGenerator(ResponseGenerator):
         parser, ending = self._hearing(request, generation_args, ctx)
         if parser is not None:
             ticket.heard = []
+        attach(ctx, lookup)  # usage reads its counters (`lookup_request.lookup_of(ctx)`)
         return ctx, _watched(response, ticket, parser, ending)
 
     def _hearing(self, request, args, ctx):
@@ -529,6 +538,32 @@ class ServerResponseGenerator(ResponseGenerator):
         kwargs.update(template_kwargs or {})
         return list(tok.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=True,
                                             tokenize=True, **kwargs))
+
+    def _with_lookup(self, request, args) -> RequestLookup:
+        """The request's `RequestLookup`, put on its generation arguments ``args`` (its
+        sampler carries it on either path; `lookup_request.lookup_of(args)` reads it)."""
+        lookup = RequestLookup(self._lookup_tokens(request, args))
+        attach(args, lookup)
+        return lookup
+
+    def _lookup_tokens(self, request, args) -> int:
+        """How many tokens a round of this request's prompt lookup may verify: its own
+        ``prompt_lookup_num_tokens`` or the server's. 0 (off) with ``--no-prompt-lookup``;
+        for XTC sampling, whose one coin per call would tie the positions of a round; and
+        for sampling with a seed, which asks for the same answer every time: a round
+        draws its samples together, as many as it verifies, which is timed — the answer
+        would have the model's distribution but not the seed's samples."""
+        cli = self.cli_args
+        if not getattr(cli, "prompt_lookup", True):
+            return 0
+        own = request.prompt_lookup_num_tokens if isinstance(request, MarkedRequest) else None
+        most = int(getattr(cli, "prompt_lookup_num_tokens", DEFAULT_MOST)) if own is None else own
+        sampling = getattr(args, "sampling", None)
+        if getattr(sampling, "xtc_probability", 0.0):
+            return 0
+        if getattr(args, "seed", None) is not None and getattr(sampling, "temperature", 0.0):
+            return 0
+        return most
 
     @staticmethod
     def _refuse(ticket: Ticket) -> None:

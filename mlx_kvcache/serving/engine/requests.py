@@ -56,6 +56,8 @@ class MarkedRequest(CompletionRequest):
     #: whether it is a one-shot (a title): foresight's key (`TriePromptCache.expect`).
     agent: Optional[str] = None
     one_shot: bool = False
+    #: The request's own ``prompt_lookup_num_tokens`` (0: off), or None: the server's.
+    prompt_lookup_num_tokens: Optional[int] = None
     #: True once its client left before the generation thread took it (`abandon`): a
     #: plain flag, as the request is pickled to the other ranks of a sharded model.
     abandoned: bool = False

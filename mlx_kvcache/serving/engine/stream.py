@@ -1,4 +1,5 @@
-"""``stream_generate`` for mlx-lm's sequential path: mlx-lm's own, except with a draft model.
+"""``stream_generate`` for mlx-lm's sequential path: mlx-lm's own, except with prompt lookup
+or a draft model.
 
 mlx-lm's ``_serve_single`` calls the module attribute ``stream_generate``; `seam.patched`
 swaps in `make_stream_generate`'s function for as long as the server runs. It delegates to
@@ -11,8 +12,11 @@ answers those of a cold run whatever the fetch reused or prefilled (`sequential`
 * progress counts on from what the fetch already prefilled; usage reports the tokens
   restored from the cache, not those the fetch computed.
 
-With a draft model, generation is our exact speculative decoder
-(`mlx_kvcache.generation.speculative`): it works on every cache kind, where mlx-lm's
+With prompt lookup (the request's sampler carries it: `lookup_request`) or a draft
+model, generation is our exact speculative decoder
+(`mlx_kvcache.generation.speculative`; a request with images stays mlx-lm's: its prompt
+is prefilled from embeddings, which only mlx-lm's path computes): it works on every cache
+kind, where mlx-lm's
 raises on recurrent layers ("Speculative decoding requires a trimmable prompt cache") and
 silently changes answers once a sliding window wraps (it trims rows the window lost).
 Greedy answers are token for token those without a draft; sampled ones have the target's
@@ -29,7 +33,7 @@ under ``fixed``.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Iterator, List, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
@@ -37,11 +41,13 @@ from mlx_lm.models import cache as mlc
 
 from ...caches import KVQuantization
 from ...generation.decode import Responses, decoder, emitted
+from ...generation.lookup import LookupPlan
 from ...generation.model_pair import ModelPair
 from ...generation.prefill import Feed, Runner, on_stream, prefill
 from ...prefix.live import LiveSet
 from ..cache import sequential
 from ..cache.native import from_native, to_native
+from .lookup_request import plan_for
 
 __all__ = ["make_stream_generate"]
 
@@ -57,9 +63,11 @@ def make_stream_generate(original: Callable) -> Callable:
             if req.ctx is not None:  # usage: what the cache gave, not what the fetch computed
                 req.ctx.prompt_cache_count = req.restored
             done = len(req.prompt) - len(rest)
-            if draft_model is not None and max_tokens != 0:  # (0: mlx-lm's own error)
+            lookup = plan_for(model, kwargs.get("sampler"))
+            if (draft_model is not None or lookup is not None) and max_tokens != 0 \
+                    and kwargs.get("input_embeddings") is None:  # (0: mlx-lm's own error)
                 return _speculative(model, tokenizer, list(rest), max_tokens, draft_model,
-                                    stream, kwargs, req)
+                                    stream, kwargs, req, lookup)
             kwargs = dict(kwargs)
             if done and kwargs.get("logits_processors"):
                 kwargs["logits_processors"] = _with_history(kwargs["logits_processors"],
@@ -98,15 +106,14 @@ def _shifted(callback: Callable[[int, int], None], before: int) -> Callable[[int
 
 
 def _speculative(model, tokenizer, rest: List[int], max_tokens: int, draft, stream,
-                 kwargs, req) -> Iterator[GenerationResponse]:
-    if kwargs.get("input_embeddings") is not None:
-        raise ValueError("Speculative decoding does not support input embeddings.")  # as mlx-lm
+                 kwargs, req, lookup: Optional[LookupPlan]) -> Iterator[GenerationResponse]:
     seq = list(req.prompt)
     n, pos = len(seq), len(seq) - len(rest)
     pair = ModelPair(model, draft)
     cache = kwargs.get("prompt_cache")
     if cache is None:  # mlx-lm's layout: the target's caches, then the draft's
-        cache = mlc.make_prompt_cache(model) + mlc.make_prompt_cache(draft)
+        cache = mlc.make_prompt_cache(model) + (
+            [] if draft is None else mlc.make_prompt_cache(draft))
     bits = kwargs.get("kv_bits")
     quant = None if bits is None else KVQuantization(
         bits, kwargs.get("kv_group_size", 64), kwargs.get("quantized_kv_start", 5000))
@@ -125,12 +132,13 @@ def _speculative(model, tokenizer, rest: List[int], max_tokens: int, draft, stre
     prefill(feed, seq, pos, n - 1, step=int(kwargs.get("prefill_step_size") or 2048),
             progress=None if progress is None else
             lambda at: progress(at - req.restored, n - req.restored), run=run)
-    length = None if req.draft_lengths is None else req.draft_lengths.for_pair(model, draft)
+    length = None if req.draft_lengths is None or draft is None \
+        else req.draft_lengths.for_pair(model, draft)
     spec = run(lambda: decoder(
         feed, seq, num_draft=int(kwargs.get("num_draft_tokens") or 0),
         sampler=kwargs.get("sampler") or (lambda x: mx.argmax(x, axis=-1)),
         processors=kwargs.get("logits_processors") or [], eos=tokenizer.eos_token_ids,
-        max_tokens=max_tokens, stats=stats, draft_length=length))
+        max_tokens=max_tokens, stats=stats, draft_length=length, lookup=lookup))
     respond = Responses(tokenizer, prompt_tokens=len(rest), computed=len(rest), since=tic)
     return _responses(spec, feed, respond, run, req, cache)
 

@@ -38,6 +38,7 @@ from mlx_lm.server import APIHandler
 
 from ...generation.model_pair import vocab_size
 from ..engine.requests import MarkedRequest
+from ..engine.lookup_request import lookup_tokens, with_predictions
 from ..guards.admin import AdminPolicy
 from ..guards.connections import Connection, DeadlinePassed, Evicted
 from ..guards.context import served_context
@@ -381,6 +382,7 @@ class CacheAPIHandler(APIHandler):
             problem = body_problem(route, self.body, self._vocab())
             if problem:
                 raise ValueError(problem)
+            self.prompt_lookup_num_tokens = lookup_tokens(self.body)
         except ValueError:  # mlx-lm answers it with a 400
             self.response_generator.lifecycle.counters.refused(Refusal.BAD_INPUT)
             raise
@@ -404,13 +406,14 @@ class CacheAPIHandler(APIHandler):
         # next requests are foreseen too): its fetch drops the job foreseen for it.
         session = chat_session(self.body, self.headers) if chat else None
         agent = agent_of(self.headers) if chat else None
+        lookup = self.prompt_lookup_num_tokens
         if self.cache_namespace is None and image_bytes is None and session is None \
-                and agent is None:
+                and agent is None and lookup is None:
             return request
         return MarkedRequest(request.request_type, request.prompt, request.messages,
                              request.tools, request.role_mapping, session=session,
                              namespace=self.cache_namespace, image_bytes=image_bytes,
-                             agent=agent)
+                             agent=agent, prompt_lookup_num_tokens=lookup)
 
     def handle_chat_completions(self):
         # Images: no URL fetched unless the server allows it, none decoded over the pixel
@@ -453,7 +456,13 @@ class CacheAPIHandler(APIHandler):
         ticket = current_ticket()
         if finish_reason is not None and ticket is not None and ticket.cut:
             finish_reason = "length"  # the stop cut the answer short
-        return super().generate_response(text, finish_reason, *args, **kwargs)
+        return with_predictions(super().generate_response(text, finish_reason, *args, **kwargs),
+                                ticket.ctx if ticket is not None else None)
+
+    def completion_usage_response(self, *args, **kwargs):
+        ticket = current_ticket()
+        return with_predictions(super().completion_usage_response(*args, **kwargs),
+                                ticket.ctx if ticket is not None else None)
 
     def _set_completion_headers(self, status_code: int = 200):
         ticket = current_ticket()
@@ -476,6 +485,9 @@ class CacheAPIHandler(APIHandler):
     opened_early = False
     #: The request's cache namespace (`validate_model_parameters` reads it), None: shared.
     cache_namespace: Optional[str] = None
+    #: The request's own ``prompt_lookup_num_tokens`` (`validate_model_parameters` reads
+    #: it), None: the server's.
+    prompt_lookup_num_tokens: Optional[int] = None
     #: The request's body where it was read before its route ran (a path both mlx-lm and
     #: a route of ours serve); None: the route reads it.
     raw_body: Optional[bytes] = None

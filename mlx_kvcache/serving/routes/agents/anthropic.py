@@ -54,7 +54,7 @@ import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .call import (AgentRequestError, ChatCall, SkippedTools, Usage, keep_reasoning_of,
-                   one_shot, restrict_tools)
+                   one_shot, prompt_lookup_of, restrict_tools)
 from .generation import Accounting, count_tokens, served_name
 from .messages_answer import MessageBuilder, error_body, sign_thinking, signed_here
 from .wire import Route, read_body, send_json, serve
@@ -356,6 +356,7 @@ def parse_request(body: Any, count_only: bool = False) -> ChatCall:
                        name=choice.get("name") if choice["type"] == "tool" else None)
     call.thinking, call.reasoning_budget = _thinking(body.get("thinking"))
     call.keep_reasoning = keep_reasoning_of(body)
+    call.prompt_lookup = prompt_lookup_of(body)
     meta = body.get("metadata")
     if meta is not None:
         if not isinstance(meta, dict):

@@ -10,8 +10,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from ...engine.lookup_request import BODY_FIELD, lookup_tokens
+
 __all__ = ["ChatCall", "Usage", "AgentRequestError", "restrict_tools", "one_shot",
-           "keep_reasoning_of", "SkippedTools"]
+           "keep_reasoning_of", "prompt_lookup_of", "SkippedTools"]
 
 log = logging.getLogger("mlx_kvcache")
 
@@ -80,6 +82,9 @@ class ChatCall:
     #: or a small limit): nothing is foreseen after it, it takes no agent's foreseen prefix,
     #: and what it alone computed goes first under the budget once it is answered.
     one_shot: bool = False
+    #: The request's own ``prompt_lookup_num_tokens`` (0: no prompt lookup for it), or
+    #: None: the server's (`prompt_lookup_of`).
+    prompt_lookup: Optional[int] = None
 
 
 def restrict_tools(call: ChatCall, none: bool = False, name: Optional[str] = None,
@@ -180,6 +185,16 @@ def keep_reasoning_of(body: Dict[str, Any]) -> Optional[bool]:
     if value is not None and not isinstance(value, bool):
         raise AgentRequestError("keep_reasoning must be true or false", param="keep_reasoning")
     return value
+
+
+def prompt_lookup_of(body: Dict[str, Any]) -> Optional[int]:
+    """The request's ``prompt_lookup_num_tokens`` (every route takes it, as mlx-lm's own
+    routes take ``num_draft_tokens``), None when not sent; `AgentRequestError` naming it
+    when it is not an integer >= 0."""
+    try:
+        return lookup_tokens(body)
+    except ValueError as e:
+        raise AgentRequestError(str(e), param=BODY_FIELD) from None
 
 
 class SkippedTools:

@@ -34,7 +34,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ...engine.answer import Failed, Finished
 from ...parsers.base import Call, CallArguments, CallBegin, CallCut, Reasoning, Text, UnreadCall
-from .call import AgentRequestError, ChatCall, keep_reasoning_of, one_shot, restrict_tools
+from .call import (AgentRequestError, ChatCall, keep_reasoning_of, one_shot, prompt_lookup_of,
+                   restrict_tools)
 from . import foresight
 from .generation import Accounting, served_name
 from ..sessions import agent_of, session_header
@@ -203,6 +204,7 @@ def parse_request(body: Any) -> ChatCall:
     session = body.get("prompt_cache_key", body.get("user"))
     call.session = session if isinstance(session, str) and session else None
     call.keep_reasoning = keep_reasoning_of(body)
+    call.prompt_lookup = prompt_lookup_of(body)
     choice = body.get("tool_choice")
     name = None
     if isinstance(choice, dict):
@@ -315,7 +317,10 @@ class ChatBuilder:
             u = self._accounting.usage(ev.prompt_tokens, ev.cached_tokens, ev.output_tokens)
             self.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.output_tokens,
                           "total_tokens": u.prompt_tokens + u.output_tokens,
-                          "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+                          "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+                          "completion_tokens_details": {
+                              "accepted_prediction_tokens": ev.accepted_prediction_tokens,
+                              "rejected_prediction_tokens": ev.rejected_prediction_tokens}}
             out = [self._chunk({}, self.finish)]
             if self._usage_chunk:
                 out.append((None, {"id": self.id, "object": "chat.completion.chunk",

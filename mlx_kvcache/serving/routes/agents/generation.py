@@ -216,7 +216,8 @@ def request_of(generator: ServerResponseGenerator, call: ChatCall,
         marks=list(lay.marks), session=call.session, tokens=lay.ids,
         template_kwargs=dict(prep.template_args), reasoning_budget=call.reasoning_budget,
         namespace=call.namespace, model_key=prep.model.key, image_bytes=image_bytes,
-        announce_fetch=True, agent=call.agent, one_shot=call.one_shot)
+        announce_fetch=True, agent=call.agent, one_shot=call.one_shot,
+        prompt_lookup_num_tokens=call.prompt_lookup)
     # mlx-lm renders as the layout did: the template arguments the request asked for
     asked = {k: v for k, v in prep.template_args.items()
              if k in ("enable_thinking", "continue_final_message") or k in REASONING_SWITCHES}
@@ -224,7 +225,8 @@ def request_of(generator: ServerResponseGenerator, call: ChatCall,
     return AnswerRequest(request, max_tokens=_answer_limit(generator, call, prep),
                          stop=list(call.stop), template_kwargs=asked or None,
                          sampling=Sampling(temperature=s.get("temperature"),
-                                           top_p=s.get("top_p"), top_k=s.get("top_k")))
+                                           top_p=s.get("top_p"), top_k=s.get("top_k"),
+                                           min_p=s.get("min_p"), seed=s.get("seed")))
 
 
 def accounting(generator: ServerResponseGenerator, prep: Prepared) -> Accounting:

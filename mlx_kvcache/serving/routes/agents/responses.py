@@ -37,7 +37,7 @@ import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .call import (AgentRequestError, ChatCall, SkippedTools, keep_reasoning_of, one_shot,
-                   restrict_tools)
+                   prompt_lookup_of, restrict_tools)
 from .generation import Accounting, served_name
 from .responses_answer import ResponseBuilder, custom_tools, error_body, render
 from .wire import Route, serve
@@ -397,6 +397,7 @@ def parse_request(body: Any) -> ChatCall:
                     sampling=sampling, stop=[], breakpoints=marks, session=session)
     call.thinking, call.end_mark = thinking, end_mark
     call.keep_reasoning = keep_reasoning_of(body)
+    call.prompt_lookup = prompt_lookup_of(body)
     call.one_shot = one_shot(bool(body.get("tools")), False, max_tokens)
     restrict_tools(call, none=choice == "none",
                    name=choice["function"]["name"] if isinstance(choice, dict) else None,
