@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 
 import pytest
 
@@ -376,12 +377,14 @@ def test_sessions_are_the_clients(server, claude, codex):
         "plain-user": "plain-user",
     }
     for user_id, session in names.items():
+        sent = time.time()  # (the entry of this request: it is listed after its answer)
         claude.messages.create(model="m", max_tokens=1, messages=ASK,
                                metadata={"user_id": user_id}, extra_body=GREEDY)
-        assert server.entry_since(0)["session"] == session
+        assert server.entry_since(sent)["session"] == session
+    sent = time.time()
     codex.responses.create(model="m", input="Write.", max_output_tokens=1,
                            prompt_cache_key="codex-thread-7", extra_body=GREEDY)
-    assert server.entry_since(0)["session"] == "codex-thread-7"
+    assert server.entry_since(sent)["session"] == "codex-thread-7"
     assert "session 6f1c2d3e-0000-4000-8000-000000000001" in server.tail(200_000)
 
 

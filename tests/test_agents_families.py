@@ -171,6 +171,10 @@ def test_chat_tool_loop(family, stream):
         if k:
             _computed_within_new(usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens,
                                  k)
+        # (the front door's usage: what prompt lookup proposed, kept or not)
+        d = usage.completion_tokens_details
+        assert 0 <= d.accepted_prediction_tokens <= usage.completion_tokens
+        assert d.rejected_prediction_tokens >= 0
         if k < STEPS:
             assert finish == "tool_calls"
             assert [(t["function"]["name"], json.loads(t["function"]["arguments"]))

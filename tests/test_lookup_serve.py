@@ -141,6 +141,25 @@ def test_bad_prompt_lookup_num_tokens_is_a_400(server):
         assert status == 400 and "prompt_lookup_num_tokens" in json.dumps(body), (bad, body)
 
 
+def test_agent_routes_take_the_requests_own_setting(server):
+    """``prompt_lookup_num_tokens`` on /v1/messages and /v1/responses: 0 decodes without
+    proposals (the same answer); a bad one is a 400 naming it, on either route."""
+    t0 = time.time()
+    status, body = server.request("POST", "/v1/messages", {
+        "model": "m", "max_tokens": 100, "messages": MESSAGES, "temperature": 0,
+        "prompt_lookup_num_tokens": 0})
+    assert status == 200, body
+    assert "".join(b["text"] for b in body["content"] if b["type"] == "text") == ANSWER
+    assert server.entry_since(t0).get("decoding", {}).get("lookup_drafted_tokens", 0) == 0
+    for path, body in (("/v1/messages", {"model": "m", "max_tokens": 4, "messages": MESSAGES}),
+                       ("/v1/responses", {"model": "m", "max_output_tokens": 4,
+                                          "input": MESSAGES})):
+        for bad in (-1, "3", True):
+            status, out = server.request("POST", path, {**body, "prompt_lookup_num_tokens": bad})
+            assert status == 400 and "prompt_lookup_num_tokens" in json.dumps(out), \
+                (path, bad, out)
+
+
 def test_kv_bits_and_switched_off(tmp_path):
     """--kv-bits (the sequential path, rows quantized from token 16 on) with lookup is
     plain decoding's; --no-prompt-lookup turns it off for every request."""
