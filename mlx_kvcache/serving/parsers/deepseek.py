@@ -19,13 +19,12 @@ markup as generated). R1's and V3.1's reasoning, ``<think>`` … ``</think>``, i
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 from mlx_lm.generate import TextStateMachine
 
 from .base import Output
-from .markup import (WHITESPACE, ArgumentStream, Content, Outputs, json_object, markup_ids,
-                     stop_machine)
+from .markup import WHITESPACE, ArgumentStream, Content, MarkupEntry, Outputs, json_object
 
 __all__ = ["MARKUP", "THINK", "DeepSeekParser", "DeepSeekEntry"]
 
@@ -176,20 +175,13 @@ class DeepSeekParser:
         return self._tokenizer.decode(self._call)
 
 
-class DeepSeekEntry:
+class DeepSeekEntry(MarkupEntry):
     """The `ParserFactory` of DeepSeek's calls for one tokenizer whose vocabulary has
     `MARKUP` (and `THINK` where it has them)."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        ids = markup_ids(tokenizer, MARKUP)
-        if ids is None:
-            raise ValueError("the tokenizer has no DeepSeek tool-call markup tokens ("
-                             + ", ".join(MARKUP) + ")")
-        ids.update(markup_ids(tokenizer, THINK) or {})
-        self._tokenizer = tokenizer
-        self._ids = ids
+    family, markup = "DeepSeek tool-call", MARKUP
+    optional = THINK
 
-    def __call__(self, tools: Optional[List[Any]] = None, initial_state: str = "normal",
-                 stop_words: Sequence[str] = ()) -> DeepSeekParser:
-        return DeepSeekParser(self._tokenizer, self._ids, stop_machine(tuple(stop_words)),
-                              initial_state)
+    def parser(self, stops: Optional[TextStateMachine], tools: Optional[List[Any]],
+               initial_state: str) -> Any:
+        return DeepSeekParser(self.tokenizer, self.ids, stops, initial_state)

@@ -26,12 +26,12 @@ the markup's ids come from the model's own tokenizer, whose detokenizer decodes 
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 from mlx_lm.generate import TextStateMachine
 
 from .base import Output
-from .markup import ArgumentStream, Content, Outputs, json_object, markup_ids, stop_machine
+from .markup import ArgumentStream, Content, MarkupEntry, Outputs, json_object
 
 __all__ = ["MARKUP", "HarmonyParser", "HarmonyEntry"]
 
@@ -180,18 +180,11 @@ class HarmonyParser:
         self._o.end(stopped)
 
 
-class HarmonyEntry:
+class HarmonyEntry(MarkupEntry):
     """The `ParserFactory` of harmony for one tokenizer whose vocabulary has `MARKUP`."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        ids = markup_ids(tokenizer, MARKUP)
-        if ids is None:
-            raise ValueError("the tokenizer has no harmony markup tokens ("
-                             + ", ".join(MARKUP) + ")")
-        self._tokenizer = tokenizer
-        self._ids = ids
+    family, markup = "harmony", MARKUP
 
-    def __call__(self, tools: Optional[List[Any]] = None, initial_state: str = "normal",
-                 stop_words: Sequence[str] = ()) -> HarmonyParser:
-        return HarmonyParser(self._tokenizer, self._ids, stop_machine(tuple(stop_words)),
-                             initial_state)
+    def parser(self, stops: Optional[TextStateMachine], tools: Optional[List[Any]],
+               initial_state: str) -> Any:
+        return HarmonyParser(self.tokenizer, self.ids, stops, initial_state)

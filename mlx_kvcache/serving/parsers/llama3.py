@@ -23,13 +23,13 @@ from __future__ import annotations
 import ast
 import json
 import re
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from mlx_lm.generate import TextStateMachine
 
 from .base import Output
-from .markup import (WHITESPACE, ArgumentStream, Content, JsonScan, Outputs, json_object,
-                     markup_ids, offered_names, stop_machine)
+from .markup import (WHITESPACE, ArgumentStream, Content, JsonScan, MarkupEntry, Outputs,
+                     json_object, offered_names)
 
 __all__ = ["MARKUP", "Llama3Parser", "Llama3Entry"]
 
@@ -271,17 +271,11 @@ def _python_call(code: str) -> Optional[Tuple[str, Dict[str, Any]]]:
     return node.func.value.id, kwargs
 
 
-class Llama3Entry:
+class Llama3Entry(MarkupEntry):
     """The `ParserFactory` of Llama 3.x for one tokenizer whose vocabulary has `MARKUP`."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        ids = markup_ids(tokenizer, MARKUP)
-        if ids is None:
-            raise ValueError("the tokenizer has no Llama 3.x markup tokens ("
-                             + ", ".join(MARKUP) + ")")
-        self._tokenizer = tokenizer
-        self._ids = ids
+    family, markup = "Llama 3.x", MARKUP
 
-    def __call__(self, tools: Optional[List[Any]] = None, initial_state: str = "normal",
-                 stop_words: Sequence[str] = ()) -> Llama3Parser:
-        return Llama3Parser(self._tokenizer, self._ids, stop_machine(tuple(stop_words)), tools)
+    def parser(self, stops: Optional[TextStateMachine], tools: Optional[List[Any]],
+               initial_state: str) -> Any:
+        return Llama3Parser(self.tokenizer, self.ids, stops, tools)

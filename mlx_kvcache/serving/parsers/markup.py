@@ -20,7 +20,7 @@ from mlx_lm.generate import TextStateMachine
 
 from .base import Call, CallArguments, CallBegin, CallCut, Output, Reasoning, Text, UnreadCall
 
-__all__ = ["markup_ids", "Content", "Outputs", "ArgumentStream", "JsonScan", "offered_names",
+__all__ = ["markup_ids", "MarkupEntry", "Content", "Outputs", "ArgumentStream", "JsonScan", "offered_names",
            "json_object", "stop_machine", "WHITESPACE"]
 
 WHITESPACE = " \t\r\n"
@@ -237,3 +237,33 @@ class Outputs:
         """The outputs since the last call."""
         out, self._out = self._out, []
         return out
+
+
+class MarkupEntry:
+    """A token-level family's `ParserFactory` for one tokenizer: its markup's ids read once
+    from the vocabulary (`markup_ids`: a ValueError naming the family where one of
+    `markup` is missing; `optional` added where the vocabulary has them), and a parser
+    made for each answer (`parser`, each family's)."""
+
+    #: The family as the error names it, its markup, and markup it may lack.
+    family: str = ""
+    markup: Tuple[str, ...] = ()
+    optional: Tuple[str, ...] = ()
+
+    def __init__(self, tokenizer: Any) -> None:
+        ids = markup_ids(tokenizer, self.markup)
+        if ids is None:
+            raise ValueError(f"the tokenizer has no {self.family} markup tokens "
+                             f"({', '.join(self.markup)})")
+        if self.optional:
+            ids.update(markup_ids(tokenizer, self.optional) or {})
+        self.tokenizer, self.ids = tokenizer, ids
+
+    def __call__(self, tools: Optional[List[Any]] = None, initial_state: str = "normal",
+                 stop_words: Sequence[str] = ()) -> Any:
+        return self.parser(stop_machine(tuple(stop_words)), tools, initial_state)
+
+    def parser(self, stops: Optional[TextStateMachine], tools: Optional[List[Any]],
+               initial_state: str) -> Any:
+        """The family's parser of one answer (``stops``: the stop words' machine)."""
+        raise NotImplementedError
