@@ -317,10 +317,11 @@ class ServerResponseGenerator(ResponseGenerator):
                                  mr.one_shot if mr is not None else False,
                                  self.followers.waited(request))
         guess_end = not self._goes_on_past_answer(tokenizer, request, args)
-        if guess_end and not marked:
+        if guess_end and not marked and not self.prompt_cache.restores_anywhere():
             # Where the next request leaves this prompt (the answer's turn renders part of
             # the generation prompt otherwise): a checkpoint there, not only a few tokens
-            # before the end. (An agent route's layout marks its input's end itself.)
+            # before the end, for layers that restore only at checkpoints. (An agent
+            # route's layout marks its input's end itself.)
             differs = self._answer_turn_differs(tokenizer, request, args)
             if 0 < differs < len(prompt) - 1:
                 marked = [len(prompt) - differs]
