@@ -209,6 +209,20 @@ def test_whether_the_next_request_goes_on_past_the_answer_is_probed(tokenizers, 
     assert not answer_extends_prompt(_Jinja(raising))
 
 
+def test_where_the_next_request_leaves_the_prompt_is_probed(tokenizers, tmp_path):
+    """`templates.answer_turn_differs`: Qwen3 without thinking renders its empty reasoning
+    block (6 tokens here) only for the turn being answered; with thinking, and where the
+    generation prompt opens the answer's turn as the history does, nothing differs."""
+    from mlx_kvcache.testing.agent_templates import write_scripted_dir
+    from mlx_kvcache.serving.engine.templates import answer_turn_differs
+    qwen3 = load_tokenizer(write_scripted_dir(tmp_path / "qwen3", "qwen3", steps=1))
+    assert answer_turn_differs(qwen3, {"enable_thinking": False}) == len(
+        qwen3.encode("<think>\n\n</think>\n\n", add_special_tokens=False))
+    assert answer_turn_differs(qwen3, {"enable_thinking": False}) > 0
+    assert answer_turn_differs(qwen3) == 0
+    assert answer_turn_differs(tokenizers["in_place"]) == 0
+
+
 def _render(tok, msgs, breakpoints=()):
     conv = cv.Conversation.from_call(msgs, [f"messages[{i}]" for i in range(len(msgs))],
                                      breakpoints=breakpoints)

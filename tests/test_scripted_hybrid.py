@@ -192,3 +192,17 @@ def test_requests_sharing_a_prefix_sent_together_answer_as_cold_ones(servers):
         assert _strip([b.model_dump() for b in g.content]) == \
             _strip([b.model_dump() for b in w.content])
         assert WRONG not in str(g.content)
+
+
+def test_a_tool_step_restores_where_the_template_rewrote_the_last_prompt(hybrid_dir, tmp_path):
+    """Qwen3 without thinking renders an empty reasoning block in the generation prompt
+    only: each tool step's prompt leaves the last one 6 tokens before its end. The hybrid
+    restores there (a checkpoint where the answer's turn opens), not at an earlier
+    interval checkpoint — with foresight off, so nothing computed ahead stands in."""
+    with Server.ours(hybrid_dir, tmp_path / "log.txt", tmp_path / "home", "--no-persist",
+                     "--no-foresight", "--trust-remote-code") as server:
+        s = Session(server.port, "chat", False, name="hybrid-chat-nothink", result_len=600)
+        s.turn("Read the notes, please.")
+    assert [st.called for st in s.steps] == [True, True, False], s.steps
+    for before, step in zip(s.steps, s.steps[1:]):
+        assert before.prompt - 8 <= step.cached < before.prompt, (before, step)

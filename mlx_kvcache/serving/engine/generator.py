@@ -52,7 +52,7 @@ from . import flight_batch
 from .segments import split_segments
 from .followers import Followers, prompt_reader
 from .lookup_request import RequestLookup, attach, lookup_of
-from .templates import answer_extends_prompt
+from .templates import answer_extends_prompt, answer_turn_differs
 from .reasoning_budget import ReasoningBudget
 
 log = logging.getLogger("mlx_kvcache")
@@ -317,6 +317,14 @@ class ServerResponseGenerator(ResponseGenerator):
                                  mr.one_shot if mr is not None else False,
                                  self.followers.waited(request))
         guess_end = not self._goes_on_past_answer(tokenizer, request, args)
+        if guess_end and not marked and not self.prompt_cache.restores_anywhere():
+            # Where the next request leaves this prompt (the answer's turn renders part of
+            # the generation prompt otherwise): a checkpoint there, not only a few tokens
+            # before the end, for layers that restore only at checkpoints. (An agent
+            # route's layout marks its input's end itself.)
+            differs = self._answer_turn_differs(tokenizer, request, args)
+            if 0 < differs < len(prompt) - 1:
+                marked = [len(prompt) - differs]
         seq = sequential.current()
         if seq is not None:  # the sequential fetch plans its own stops
             seq.prompt, seq.vision, seq.extra_stops = prompt, vision, marked
@@ -344,13 +352,24 @@ class ServerResponseGenerator(ResponseGenerator):
         the prompt cache need not guess a stop before the prompt's end."""
         if request.request_type != "chat":
             return False
+        return answer_extends_prompt(tokenizer, self._template_args(request, args))
+
+    def _answer_turn_differs(self, tokenizer, request, args) -> int:
+        """How many of this chat request's last tokens its next request renders otherwise
+        (`templates.answer_turn_differs`); 0 for a text request."""
+        if request.request_type != "chat":
+            return 0
+        return answer_turn_differs(tokenizer, self._template_args(request, args))
+
+    def _template_args(self, request, args) -> Dict[str, Any]:
+        """The chat template arguments a request renders with: its own (an agent route's),
+        or the server's merged with the body's, as mlx-lm's own ``_tokenize`` merges them
+        — less a continued last message (this request's rendering, not the template's)."""
         template_args = request.template_kwargs if isinstance(request, MarkedRequest) else None
-        if template_args is None:  # as mlx-lm's own ``_tokenize`` merges them
+        if template_args is None:
             template_args = dict(self.model_provider.cli_args.chat_template_args or {})
             template_args.update(args.chat_template_kwargs or {})
-        # (a continued last message is this request's rendering, not the template's)
-        template_args = {k: v for k, v in template_args.items() if k != "continue_final_message"}
-        return answer_extends_prompt(tokenizer, template_args)
+        return {k: v for k, v in template_args.items() if k != "continue_final_message"}
 
     def _request_waiting(self) -> bool:
         """Whether work the idle time must give way to has arrived: a request or command

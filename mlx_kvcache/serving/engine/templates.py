@@ -38,7 +38,7 @@ import logging
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
-__all__ = ["decided", "answer_extends_prompt", "system_policy", "honours_thinking",
+__all__ = ["decided", "answer_extends_prompt", "answer_turn_differs", "system_policy", "honours_thinking",
            "reasoning_switches", "REASONING_SWITCHES", "one_call_per_message",
            "reasoning_or_content", "arguments_as_text"]
 
@@ -87,6 +87,44 @@ def answer_extends_prompt(tokenizer, template_args: Optional[Dict[str, Any]] = N
                  "caches a few tokens before each prompt's end")
         return extends
     return decided(tokenizer, "answer_extends_prompt", template_args, probe)
+
+
+#: The most tokens of a generation prompt the answer's turn may not re-render and still be
+#: told: past it the probe is reading something else (a template that renders the last
+#: user turn differently once it is not the last).
+TURN_DIFFERS_MOST = 64
+
+
+def answer_turn_differs(tokenizer, template_args: Optional[Dict[str, Any]] = None) -> int:
+    """How many of the generation prompt's last tokens the conversation's next request
+    does not render again as the answer's turn (Qwen3 without thinking: the empty
+    reasoning block, rendered only for the turn being answered): the next request leaves
+    this prompt that many tokens before its end, where a hybrid or sliding-window model
+    needs a checkpoint to restore. 0 where the turn renders as the prompt ended, or it
+    cannot be told (no chat template, a template that raises, more than
+    `TURN_DIFFERS_MOST`)."""
+    def probe() -> int:
+        if not getattr(tokenizer, "has_chat_template", False):
+            return 0
+        user = {"role": "user", "content": _PROBE_USER}
+        try:
+            prompt = list(tokenizer.apply_chat_template(
+                [user], add_generation_prompt=True, tokenize=True, **template_args_))
+            after = list(tokenizer.apply_chat_template(
+                [user, {"role": "assistant", "content": _PROBE_ANSWER},
+                 {"role": "user", "content": _PROBE_NEXT}],
+                add_generation_prompt=True, tokenize=True, **template_args_))
+        except Exception:  # noqa: BLE001 - a template that refuses the probe: nothing known
+            return 0
+        same = 0
+        for a, b in zip(prompt, after):
+            if a != b:
+                break
+            same += 1
+        differs = len(prompt) - same
+        return differs if differs <= TURN_DIFFERS_MOST else 0
+    template_args_ = dict(template_args or {})
+    return decided(tokenizer, "answer_turn_differs", template_args, probe)
 
 
 def _probe(tokenizer, template_args: Dict[str, Any]) -> bool:
