@@ -153,3 +153,22 @@ def test_a_draft_that_could_never_pay_is_set_aside_when_it_loads(monkeypatch, ca
     draft_use.install(fixed, "fixed")
     fixed.load("m", None, "same")
     assert fixed.draft_model is same
+
+
+def test_each_live_model_has_one_lookup_length_dropped_with_it():
+    """`lookup_request.lengths_for` (a `generation.per_model.PerModel`): one length policy
+    per model, the same object each time; another model gets its own; the entry goes
+    when the model does, and a newer model under the freed id starts afresh."""
+    import gc
+
+    import mlx.nn as nn
+
+    from mlx_kvcache.serving.engine.lookup_request import lengths_for
+
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    la = lengths_for(a)
+    assert lengths_for(a) is la and lengths_for(b) is not la
+    seen = len(lengths_for)
+    del a
+    gc.collect()
+    assert len(lengths_for) == seen - 1

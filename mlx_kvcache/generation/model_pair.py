@@ -9,13 +9,13 @@ forward pass over both models — the draft fed clamped ids, both lists settled.
 
 from __future__ import annotations
 
-import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..caches import make_prompt_cache, settle
+from .per_model import PerModel
 
 __all__ = ["DEQUANTIZED_FROM", "ModelPair", "attention_views", "clamp_ids", "vocab_size"]
 
@@ -23,11 +23,9 @@ _EMBEDDING_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", 
                     "embedding")
 
 
-#: `vocab_size` of each live model, by id (the entry goes with the model). Finding the
-#: embedding walks every module (about 14 ms on a 32-layer model) and the server asks per
-#: request; a model's vocabulary never changes. No lock: single dict operations are atomic,
-#: and the weakref callback may run inside any allocation, a locked section included.
-_vocabs: Dict[int, Tuple["weakref.ref", Optional[int]]] = {}
+#: `vocab_size` of each live model: finding the embedding walks every module (about 14 ms
+#: on a 32-layer model) and the server asks per request; a model's vocabulary never changes.
+_vocabs: "PerModel[Optional[int]]" = PerModel(lambda model: _vocab_size(model))
 
 
 def vocab_size(model: Any) -> Optional[int]:
@@ -38,19 +36,7 @@ def vocab_size(model: Any) -> Optional[int]:
     fewer ids is fed clamped ones, and a ``logit_bias`` past it is refused."""
     if not isinstance(model, nn.Module):
         return _vocab_size(model)
-    key = id(model)
-    hit = _vocabs.get(key)
-    if hit is not None and hit[0]() is model:
-        return hit[1]
-    v = _vocab_size(model)
-    _vocabs[key] = (weakref.ref(model, lambda ref, key=key: _forget_vocab(key, ref)), v)
-    return v
-
-
-def _forget_vocab(key: int, ref: "weakref.ref") -> None:
-    hit = _vocabs.get(key)
-    if hit is not None and hit[0] is ref:  # not a newer model's entry under a reused id
-        _vocabs.pop(key, None)
+    return _vocabs(model)
 
 
 def _vocab_size(model: Any) -> Optional[int]:

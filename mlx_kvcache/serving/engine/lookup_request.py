@@ -17,13 +17,12 @@ model) is one per model (`lengths_for`), held weakly.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from ...generation.draft_length import LookupLength, LookupTally
 from ...generation.lookup import LookupPlan, PromptLookup
+from ...generation.per_model import PerModel
 from ...prefix.stats import RequestStats
 
 __all__ = ["RequestLookup", "LookupSampler", "attach", "lookup_of", "with_lookup",
@@ -94,28 +93,8 @@ def with_lookup(make: Callable[[Any, Any], Callable]) -> Callable[[Any, Any], Ca
     return make_sampler
 
 
-_lock = threading.Lock()
-#: Each live model's `LookupLength`, by id (the entry goes with the model: a module is a
-#: dict, not hashable).
-_lengths: Dict[int, Tuple["weakref.ref", LookupLength]] = {}
-
-
-def lengths_for(model: Any) -> LookupLength:
-    """The `LookupLength` of ``model`` (one per model, kept while the model lives)."""
-    key = id(model)
-    with _lock:
-        hit = _lengths.get(key)
-        if hit is not None and hit[0]() is model:
-            return hit[1]
-        length = LookupLength()
-        _lengths[key] = (weakref.ref(model, lambda ref, key=key: _forget(key, ref)), length)
-        return length
-
-
-def _forget(key: int, ref: "weakref.ref") -> None:
-    hit = _lengths.get(key)
-    if hit is not None and hit[0] is ref:  # not a newer model's entry under a reused id
-        _lengths.pop(key, None)
+#: Each live model's `LookupLength` (one per model: `generation.per_model`).
+lengths_for: "PerModel[LookupLength]" = PerModel(lambda model: LookupLength())
 
 
 def plan_for(model: Any, sampler: Any) -> Optional[LookupPlan]:
