@@ -28,7 +28,8 @@ from proposals import VerifyAll, scripted
 from reference import (  # noqa: F401  (track_snapshots is an autouse fixture)
     MARGIN, TOK, assert_same, check_no_leaks, cold, model, new_cache, track_snapshots,
 )
-from test_speculative import check_restored_state, cold_with, joint, l1_bound, tiny_vocab_model
+from test_speculative import (check_restored_state, cold_with, joint, l1_bound, sampled,
+                              tiny_vocab_model)
 
 
 # -- the drafter ---------------------------------------------------------------------------
@@ -361,13 +362,7 @@ def test_sampling_keeps_the_models_distribution():
     pc = mk.PrefixCache(m)
     pc.lookup = LookupPlan(3, VerifyAll(), Always)
     pc.seed(4321)
-    sampler = make_sampler(temp=1.0)
-    counts, drafted, accepted = Counter(), 0, 0
-    for _ in range(n):
-        rs = list(pc.stream_generate(TOK, prompt, depth, sampler=sampler))
-        counts[tuple(r.token for r in rs)] += 1
-        drafted += rs[-1].cache.drafted_tokens
-        accepted += rs[-1].cache.accepted_tokens
+    counts, drafted, accepted = sampled(pc, prompt, depth, n, make_sampler(temp=1.0))
     assert 0 < accepted < drafted  # both branches of the rule ran
     l1 = sum(abs(counts[k] / n - q) for k, q in p.items())
     assert l1 < eps, (l1, eps)

@@ -400,6 +400,18 @@ def l1_bound(cells, n, delta=1e-6):
     return math.sqrt(2 * (cells * math.log(2) + math.log(1 / delta)) / n)
 
 
+def sampled(pc, prompt, depth, n, sampler):
+    """``n`` answers of ``depth`` tokens sampled from ``pc`` after ``prompt``: how often
+    each continuation came, and the proposals drafted and accepted over all of them."""
+    counts, drafted, accepted = Counter(), 0, 0
+    for _ in range(n):
+        rs = list(pc.stream_generate(TOK, prompt, depth, sampler=sampler))
+        counts[tuple(r.token for r in rs)] += 1
+        drafted += rs[-1].cache.drafted_tokens
+        accepted += rs[-1].cache.accepted_tokens
+    return counts, drafted, accepted
+
+
 def test_sampling_gives_the_targets_distribution():
     vocab, depth, n = 3, 3, 1000
     target, draft = tiny_vocab_model(1, vocab), tiny_vocab_model(2, vocab)
@@ -412,13 +424,7 @@ def test_sampling_gives_the_targets_distribution():
 
     pc = new_cache(target, draft_model=draft, num_draft_tokens=2)
     pc.seed(1234)
-    sampler = make_sampler(temp=1.0)
-    counts, drafted, accepted = Counter(), 0, 0
-    for _ in range(n):
-        rs = list(pc.stream_generate(TOK, prompt, depth, sampler=sampler))
-        counts[tuple(r.token for r in rs)] += 1
-        drafted += rs[-1].cache.drafted_tokens
-        accepted += rs[-1].cache.accepted_tokens
+    counts, drafted, accepted = sampled(pc, prompt, depth, n, make_sampler(temp=1.0))
     assert 0 < accepted < drafted  # both branches of the acceptance rule ran
     l1 = sum(abs(counts[k] / n - p) for k, p in p_target.items())
     assert l1 < eps, (l1, eps)
