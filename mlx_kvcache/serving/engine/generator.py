@@ -568,24 +568,20 @@ class ServerResponseGenerator(ResponseGenerator):
     def _lookup_tokens(self, request, args) -> int:
         """How many tokens a round of this request's prompt lookup may verify: its own
         ``prompt_lookup_num_tokens`` or the server's. 0 (off) with ``--no-prompt-lookup``;
-        on a sharded model;
-        for XTC sampling, whose one coin per call would tie the positions of a round; and
-        for sampling with a seed, which asks for the same answer every time: a round
-        draws its samples together, as many as it verifies, which is timed — the answer
-        would have the model's distribution but not the seed's samples."""
+        on a sharded model, where how long a round is follows the time each rank measures
+        its passes (the ranks would step their collectives differently); for XTC
+        sampling, whose one coin per call would tie the positions of a round; and for
+        sampling with a seed, which asks for the same answer every time: a round draws its
+        samples together, as many as it verifies, which is timed — the answer would have
+        the model's distribution but not the seed's samples."""
         cli = self.cli_args
         if not getattr(cli, "prompt_lookup", True) or self._is_distributed:
-            # (sharded: how long a round is follows the time each rank measures its passes,
-            # so the ranks would step their collectives differently)
+            return 0
+        sampling = args.sampling  # (mlx-lm's GenerationArguments)
+        if sampling.xtc_probability or (args.seed is not None and sampling.temperature):
             return 0
         own = request.prompt_lookup_num_tokens if isinstance(request, MarkedRequest) else None
-        most = int(getattr(cli, "prompt_lookup_num_tokens", DEFAULT_MOST)) if own is None else own
-        sampling = getattr(args, "sampling", None)
-        if getattr(sampling, "xtc_probability", 0.0):
-            return 0
-        if getattr(args, "seed", None) is not None and getattr(sampling, "temperature", 0.0):
-            return 0
-        return most
+        return int(getattr(cli, "prompt_lookup_num_tokens", DEFAULT_MOST)) if own is None else own
 
     @staticmethod
     def _refuse(ticket: Ticket) -> None:

@@ -38,8 +38,10 @@ import logging
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
-__all__ = ["decided", "answer_extends_prompt", "answer_turn_differs", "system_policy", "honours_thinking",
-           "reasoning_switches", "REASONING_SWITCHES", "one_call_per_message",
+from ...prefix.tokens import common_prefix
+
+__all__ = ["decided", "answer_extends_prompt", "answer_turn_differs", "system_policy",
+           "honours_thinking", "reasoning_switches", "REASONING_SWITCHES", "one_call_per_message",
            "reasoning_or_content", "arguments_as_text"]
 
 log = logging.getLogger("mlx_kvcache")
@@ -103,27 +105,23 @@ def answer_turn_differs(tokenizer, template_args: Optional[Dict[str, Any]] = Non
     needs a checkpoint to restore. 0 where the turn renders as the prompt ended, or it
     cannot be told (no chat template, a template that raises, more than
     `TURN_DIFFERS_MOST`)."""
+    args = dict(template_args or {})
+
     def probe() -> int:
         if not getattr(tokenizer, "has_chat_template", False):
             return 0
         user = {"role": "user", "content": _PROBE_USER}
         try:
             prompt = list(tokenizer.apply_chat_template(
-                [user], add_generation_prompt=True, tokenize=True, **template_args_))
+                [user], add_generation_prompt=True, tokenize=True, **args))
             after = list(tokenizer.apply_chat_template(
                 [user, {"role": "assistant", "content": _PROBE_ANSWER},
                  {"role": "user", "content": _PROBE_NEXT}],
-                add_generation_prompt=True, tokenize=True, **template_args_))
+                add_generation_prompt=True, tokenize=True, **args))
         except Exception:  # noqa: BLE001 - a template that refuses the probe: nothing known
             return 0
-        same = 0
-        for a, b in zip(prompt, after):
-            if a != b:
-                break
-            same += 1
-        differs = len(prompt) - same
+        differs = len(prompt) - common_prefix(prompt, after)
         return differs if differs <= TURN_DIFFERS_MOST else 0
-    template_args_ = dict(template_args or {})
     return decided(tokenizer, "answer_turn_differs", template_args, probe)
 
 
